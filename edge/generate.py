@@ -1,0 +1,166 @@
+"""The generation loop: a generator of steps that chat, generate and bench all consume."""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge.errors import UserError
+from edge.grow import GrowConfig
+from edge.protocols import Drafter, Target
+from edge.sampling import SamplingConfig
+from edge.speculative import speculative_round
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    target_passes: int = 0  # counted by the runtime: forward passes actually run
+    drafter_passes: int = 0
+    tree_nodes: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0  # wall time of the rounds, prefill excluded
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s else 0.0
+
+    def add(self, other: Stats) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+    def as_dict(self) -> dict[str, float | int]:
+        rounds = max(self.rounds, 1)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "rounds": self.rounds,
+            "target_passes": self.target_passes,
+            "tokens_per_pass": round(self.tokens_per_pass, 3),
+            "drafter_passes_per_round": round(self.drafter_passes / rounds, 3),
+            "tree_nodes_per_round": round(self.tree_nodes / rounds, 1),
+            "prefill_s": round(self.prefill_s, 4),
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }
+
+
+@dataclass
+class Step:
+    token: int | None  # None on the final step, which only carries finish_reason
+    text: str  # printable text this step adds (UTF-8 sequences split across tokens are held back)
+    finish_reason: str | None  # "stop", "length", "context" or "interrupted" on the final step
+    stats: Stats
+
+
+class Decoder:
+    """Owns a target (and optionally a drafter) and the committed context; both KV caches hold context[:-1]."""
+
+    def __init__(self, target: Target, drafter: Drafter | None = None, grow_config: GrowConfig | None = None,
+                 sampling: SamplingConfig | None = None):
+        self.target = target
+        self.drafter = drafter if grow_config is not None else None
+        self.grow_config = grow_config
+        self.sampling = sampling or SamplingConfig()
+        self.rng = np.random.default_rng(self.sampling.seed)
+        self.context: list[int] = []
+
+    def set_sampling(self, sampling: SamplingConfig) -> None:
+        self.sampling = sampling
+        self.rng = np.random.default_rng(sampling.seed)
+
+    def load(self, tokens: Sequence[int]) -> float:
+        """Make `tokens` the context, running only what the KV caches do not already hold. Returns seconds."""
+        if not tokens:
+            raise UserError("the prompt is empty")
+        if len(tokens) >= self.target.n_ctx:
+            raise UserError(f"the prompt is {len(tokens)} tokens but the context holds {self.target.n_ctx}: "
+                            "shorten it, /clear the chat, or raise --ctx")
+        start = time.perf_counter()
+        keep = min(_common_prefix(self.context, tokens), len(tokens) - 1, max(len(self.context) - 1, 0))
+        for model in self._models():
+            model.truncate(keep)
+            model.prefill(tokens[keep:-1])
+        self.context = list(tokens)
+        return time.perf_counter() - start
+
+    def reset(self) -> None:
+        for model in self._models():
+            model.truncate(0)
+        self.context = []
+
+    def generate(self, max_tokens: int, stop_tokens: frozenset[int] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
+        """Yield one Step per new token, then a final Step with the finish reason."""
+        stop_tokens = self.target.stop_tokens if stop_tokens is None else stop_tokens
+        stats = Stats(prompt_tokens=len(self.context))
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        finish = None
+        while finish is None:
+            if should_stop is not None and should_stop():
+                finish = "interrupted"
+                break
+            room = self.target.n_ctx - len(self.context)  # KV cells left for this round's tree
+            if room < 1:
+                finish = "context"
+                break
+            started, passes = time.perf_counter(), self.target.passes
+            result = speculative_round(self.target, self.drafter, self.context, self._grow_config(room),
+                                       self.sampling, self.rng)
+            stats.rounds += 1
+            stats.target_passes += self.target.passes - passes
+            stats.drafter_passes += result.drafter_passes
+            stats.tree_nodes += result.tree_size
+            stats.draft_s += result.draft_s
+            stats.verify_s += result.verify_s
+            stats.decode_s += time.perf_counter() - started
+            for token in result.tokens:
+                self.context.append(token)
+                stats.new_tokens += 1
+                if token in stop_tokens:
+                    finish = "stop"
+                    break
+                piece = text.decode(self.target.tokenizer.token_bytes(token))
+                if stats.new_tokens >= max_tokens:
+                    finish = "length"
+                yield Step(token, piece, None, stats)
+                if finish:
+                    break
+        self._sync()
+        yield Step(None, text.decode(b"", final=True), finish, stats)
+
+    def _grow_config(self, room: int) -> GrowConfig | None:
+        config = self.grow_config
+        if config is None or config.budget + 1 <= room:
+            return config
+        return dataclasses.replace(config, budget=room - 1) if room > 1 else None
+
+    def _sync(self) -> None:
+        """Drop accepted tokens past the stop point, so the caches hold exactly context[:-1]."""
+        for model in self._models():
+            model.truncate(len(self.context) - 1)
+
+    def _models(self) -> list:
+        return [m for m in (self.target, self.drafter) if m is not None]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n

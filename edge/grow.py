@@ -1,0 +1,89 @@
+"""SpecExec tree growth: best-first on cumulative draft log-probability.
+
+Each step expands the best `beams` unexpanded nodes in one drafter pass and offers each its top `width`
+children (score = parent score + log p); only the best `budget` nodes are kept. A child always scores
+below its parent, so the kept set stays a connected tree and, once it is full, a node scoring no better
+than the worst kept node can never place a child in it: growth stops when no node can (the tight stop),
+at `max_steps` drafter passes, or when the drafter runs out of room. Leaves never run through the drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge.errors import UserError
+from edge.protocols import Drafter
+from edge.tree import TokenTree
+
+MAX_LEAVES = 255  # llama.cpp has 256 seq ids per context
+
+
+@dataclass(frozen=True)
+class GrowConfig:
+    budget: int = 64  # draft nodes per tree, root excluded
+    beams: int = 8  # nodes expanded per drafter pass
+    width: int = 8  # children offered per expanded node
+    max_depth: int = 32
+    max_steps: int = 10  # drafter passes per round
+
+    @classmethod
+    def for_budget(cls, budget: int) -> GrowConfig:
+        """Defaults that scale with the budget; budget <= 4 is a plain chain (beams = width = 1)."""
+        if budget < 1:
+            raise UserError(f"--budget must be at least 1 (got {budget}); use --no-spec for plain decoding")
+        if budget <= 4:
+            return cls(budget=budget, beams=1, width=1, max_depth=budget, max_steps=budget)
+        beams = int(np.clip(budget // 8, 2, 32))
+        width = int(np.clip(budget // 8, 2, 8))
+        steps = int(np.clip(4 + np.log2(budget), 6, 12))
+        return cls(budget=budget, beams=beams, width=width, max_depth=2 * steps, max_steps=steps)
+
+
+def grow(drafter: Drafter, root: int, config: GrowConfig) -> tuple[TokenTree, int]:
+    """Grow a tree under `root`; returns the kept tree and the number of drafter passes it took."""
+    capacity = 1 + config.max_steps * config.beams * config.width
+    tokens = np.zeros(capacity, np.int32)
+    parents = np.full(capacity, -1, np.int32)
+    depth = np.zeros(capacity, np.int32)
+    score = np.full(capacity, -np.inf, np.float32)
+    kept = np.zeros(capacity, bool)
+    expanded = np.zeros(capacity, bool)
+    tokens[0], score[0], kept[0] = root, 0.0, True
+    n = 1
+    expand_room = drafter.expand_capacity
+    steps = 0
+    while steps < config.max_steps:
+        candidates = np.flatnonzero(kept[:n] & ~expanded[:n] & (depth[:n] < config.max_depth))
+        if int(kept[:n].sum()) - 1 >= config.budget:
+            worst = score[:n][kept[:n]].min()
+            candidates = candidates[score[candidates] > worst]  # tight stop: children score below parents
+        if len(candidates) == 0 or expand_room == 0:
+            break
+        order = np.lexsort((depth[candidates], -score[candidates]))
+        nodes = candidates[order[: min(config.beams, expand_room)]]
+        view = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n])
+        ids, log_probs = drafter.expand(view, nodes, config.width)  # [len(nodes), width] each
+        expanded[nodes] = True
+        expand_room -= len(nodes)
+        steps += 1
+        new = slice(n, n + ids.size)
+        tokens[new] = ids.ravel()
+        parents[new] = np.repeat(nodes, config.width)
+        depth[new] = np.repeat(depth[nodes] + 1, config.width)
+        score[new] = (score[nodes, None] + log_probs).ravel()
+        kept[new] = True
+        n += ids.size
+        _keep_best(kept[:n], score[:n], depth[:n], config.budget)
+    tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n]).subset(kept[:n])
+    return tree.limit_leaves(MAX_LEAVES), steps
+
+
+def _keep_best(kept: np.ndarray, score: np.ndarray, depth: np.ndarray, budget: int) -> None:
+    """Unmark all but the root and the best `budget` other kept nodes (ties: shallower first)."""
+    alive = np.flatnonzero(kept)[1:]
+    if len(alive) <= budget:
+        return
+    order = np.lexsort((alive, depth[alive], -score[alive]))
+    kept[alive[order[budget:]]] = False

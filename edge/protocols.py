@@ -1,0 +1,49 @@
+"""The two seams between the engine and whatever runs a model.
+
+Both models keep a KV cache. Between rounds each holds exactly the committed tokens except the newest one,
+which is the next tree's root. `commit` keeps the root plus the accepted path and drops every other branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from edge.tree import TokenTree
+
+
+class Tokenizer(Protocol):
+    n_vocab: int
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
+    def token_bytes(self, token: int) -> bytes: ...
+
+
+class Target(Protocol):
+    n_vocab: int
+    n_ctx: int
+    n_past: int  # tokens in the KV cache
+    passes: int  # forward passes run so far (one llama_decode each)
+    max_tree: int  # the most nodes one verify pass accepts
+    tokenizer: Tokenizer
+    stop_tokens: frozenset[int]
+
+    def prefill(self, tokens: Sequence[int]) -> None: ...
+    def verify(self, tree: TokenTree) -> np.ndarray: ...  # [n_nodes, n_vocab] float32 view, ONE pass
+    def commit(self, tree: TokenTree, path: list[int]) -> None: ...
+    def truncate(self, n: int) -> None: ...  # keep the first n tokens of the KV cache
+
+
+class Drafter(Protocol):
+    expand_capacity: int  # the most nodes `expand` may be asked about in one round
+
+    def prefill(self, tokens: Sequence[int]) -> None: ...
+
+    def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k (token ids [len(nodes), k], log-probs [len(nodes), k]) after each node, in ONE pass."""
+        ...
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None: ...
+    def truncate(self, n: int) -> None: ...

@@ -1,0 +1,100 @@
+"""The target's sampling distribution, used identically by plain decoding and by tree acceptance.
+
+Order as in llama.cpp's default chain: repetition penalty, top-k, top-p, min-p (the last three on the
+untempered distribution), then temperature. temperature == 0 is greedy: the argmax, lowest id on ties.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge.errors import UserError
+
+_TOP_P_PREFIX = 1024  # sort only this many candidates when they already hold top_p of the mass
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, f"--temperature must be >= 0 (got {self.temperature})"),
+            (self.top_k >= 0, f"--top-k must be >= 0, 0 turns it off (got {self.top_k})"),
+            (0 < self.top_p <= 1, f"--top-p must be in (0, 1] (got {self.top_p})"),
+            (0 <= self.min_p < 1, f"--min-p must be in [0, 1) (got {self.min_p})"),
+            (self.repeat_penalty > 0, f"--repeat-penalty must be > 0 (got {self.repeat_penalty})"),
+            (self.repeat_last_n >= 0, f"--repeat-last-n must be >= 0 (got {self.repeat_last_n})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def penalized(logits: np.ndarray, config: SamplingConfig, history: Sequence[int]) -> np.ndarray:
+    """logits: [n_vocab] -> the same with the repetition penalty applied (a copy only when needed)."""
+    if config.repeat_penalty == 1.0 or config.repeat_last_n == 0 or not history:
+        return logits
+    recent = np.unique(np.asarray(history[-config.repeat_last_n :], np.int64))
+    out = np.array(logits, dtype=np.float32)
+    values = out[recent]
+    out[recent] = np.where(values > 0, values / config.repeat_penalty, values * config.repeat_penalty)
+    return out
+
+
+def distribution(logits: np.ndarray, config: SamplingConfig, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The non-zero part of the sampling distribution: (token ids, probabilities summing to 1)."""
+    x = penalized(logits, config, history)
+    if config.greedy:
+        return np.array([int(np.argmax(x))]), np.ones(1)
+    x = x.astype(np.float64)
+    ids = np.arange(len(x))
+    if 0 < config.top_k < len(x):
+        ids = np.argpartition(-x, config.top_k - 1)[: config.top_k]
+    values = x[ids]
+    probs = np.exp(values - values.max())
+    probs /= probs.sum()
+    if config.top_p < 1.0:
+        ids, values, probs = _top_p(ids, values, probs, config.top_p)
+    if config.min_p > 0:
+        keep = probs >= config.min_p * probs.max()
+        ids, values = ids[keep], values[keep]
+    probs = np.exp((values - values.max()) / config.temperature)
+    order = np.argsort(ids, kind="stable")  # a fixed order, so a uniform maps to the same token every time
+    ids, probs = ids[order], probs[order]
+    return ids, probs / probs.sum()
+
+
+def _top_p(ids: np.ndarray, values: np.ndarray, probs: np.ndarray, top_p: float):
+    """Keep the smallest best-first prefix holding top_p of the mass (at least one token)."""
+    if len(probs) > _TOP_P_PREFIX:
+        head = np.argpartition(-probs, _TOP_P_PREFIX - 1)[:_TOP_P_PREFIX]
+        order = head if probs[head].sum() >= top_p else np.arange(len(probs))
+    else:
+        order = np.arange(len(probs))
+    order = order[np.argsort(-probs[order], kind="stable")]
+    cut = int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
+    order = order[:cut]
+    return ids[order], values[order], probs[order]
+
+
+def draw(logits: np.ndarray, config: SamplingConfig, history: Sequence[int], rng: np.random.Generator) -> int:
+    """One token from the target's distribution; exactly one uniform per call when sampling."""
+    ids, probs = distribution(logits, config, history)
+    if config.greedy:
+        return int(ids[0])
+    index = int(np.searchsorted(np.cumsum(probs), rng.random(), side="right"))
+    return int(ids[min(index, len(ids) - 1)])

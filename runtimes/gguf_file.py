@@ -1,0 +1,214 @@
+"""Check a GGUF model file before llama.cpp sees it, and read the metadata edge-spec needs."""
+
+from __future__ import annotations
+
+import functools
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, LlamaFileType, ReaderField
+
+from edge.errors import UserError
+
+GGUF_MAGIC = b"GGUF"
+
+# Weight types whose llama.cpp CPU kernels gave bit-identical logits whatever the batch shape (token by
+# token vs one batch vs half and half; llama-cpp-python 0.3.36, AMD EPYC AVX-512; see DESIGN.md).
+# Only these make tree verification exactly equal to plain decoding. Extend it only with a measurement.
+BATCH_INVARIANT_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+# KV cache types whose flash-attention path gave bit-identical logits for a token alone and inside a
+# 256-node tree (f16 and f32 KV switch kernels at 64-token batches and differ by ~1 logit).
+BATCH_INVARIANT_KV = frozenset({"bf16", "q8_0"})
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    path: Path
+    architecture: str  # general.architecture
+    name: str | None  # general.name
+    n_vocab: int  # len(tokenizer.ggml.tokens)
+    chat_template: str | None  # tokenizer.chat_template
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos: bool | None  # tokenizer.ggml.add_bos_token
+    weight_types: frozenset[str]  # types of the 2-D+ tensors (matmul weights), e.g. "Q4_0", "Q6_K"
+    file_type: str | None  # general.file_type as a name, e.g. "MOSTLY_Q4_1"
+    n_params: int
+    file_size: int
+
+
+class _Truncated(Exception):
+    def __init__(self, needed: int) -> None:
+        super().__init__(needed)
+        self.needed = needed
+
+
+class _HeaderReader(GGUFReader):
+    """GGUFReader that keeps each metadata array as one view instead of one numpy view per element.
+
+    The stock reader takes 2.6 s on SmolLM2's 49k-token vocabulary and 11.5 s on Gemma-3's 262k one;
+    string arrays are only skipped here (`contents()` of one is empty; its length is `parts[-2]`).
+    Every read is bounds-checked so a cut file reports how long the header says it must be.
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        end = offset + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _Truncated(end)
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+        if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        length = self._get(orig_offs + 4, np.uint64)
+        offs = orig_offs + 12
+        itype = GGUFValueType(raw_itype[0])
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is not None:
+            values = self._get(offs, nptype, int(length[0]))
+            return 12 + int(values.nbytes), [raw_itype, length, values], [2], [GGUFValueType.ARRAY, itype]
+        if itype != GGUFValueType.STRING:
+            raise ValueError(f"nested or unknown array type {itype!r}")
+        end = self._skip_strings(offs, int(length[0]))
+        blob = self._get(offs, np.uint8, end - offs)
+        return end - orig_offs, [raw_itype, length, blob], [], [GGUFValueType.ARRAY, itype]
+
+    def _skip_strings(self, offs: int, count: int) -> int:
+        # Each string is a uint64 length then its bytes: walking the lengths is the only way past them.
+        swapped = self.byte_order == "S"
+        fmt = ("<Q" if sys.byteorder == "big" else ">Q") if swapped else "=Q"
+        unpack = struct.Struct(fmt).unpack_from
+        buffer = memoryview(self.data)
+        size = len(buffer)
+        for _ in range(count):
+            if offs + 8 > size:
+                raise _Truncated(offs + 8)
+            offs += 8 + unpack(buffer, offs)[0]
+        if offs > size:
+            raise _Truncated(offs)
+        return offs
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        end = start_offs
+        for field in fields:
+            _name_len, _name, _n_dims, dims, raw_dtype, offset_tensor = field.parts
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_dtype[0])]
+            n_bytes = int(np.prod(dims, dtype=np.uint64)) * type_size // block_size
+            end = max(end, start_offs + int(offset_tensor[0]) + n_bytes)
+        if end > len(self.data):
+            raise _Truncated(end)
+        super()._build_tensors(start_offs, fields)
+
+
+def check_gguf(path: str | Path) -> GGUFInfo:
+    """Fail with one clear line if `path` is not a complete GGUF file; else return its metadata."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UserError(f"model file {path} not found; check the path (or fetch it with edge-spec pull)")
+    if path.is_dir():
+        raise UserError(f"{path} is a directory, not a model file; give the path of the .gguf file inside it")
+    try:
+        with path.open("rb") as file:
+            head = file.read(4)
+    except PermissionError:
+        raise UserError(f"cannot read {path}: permission denied; check the file's permissions") from None
+    except OSError as error:
+        raise UserError(f"cannot read {path}: {error.strerror}") from None
+    if head != GGUF_MAGIC:
+        if head and GGUF_MAGIC.startswith(head):
+            raise UserError(
+                f"{path} is truncated: {len(head)} bytes; download it again (edge-spec pull PAIR)"
+            )
+        raise UserError(
+            f"{path} is not a GGUF file (starts with {head!r}); edge-spec runs GGUF models - "
+            "convert it with llama.cpp's convert_hf_to_gguf.py"
+        )
+    stat = path.stat()
+    return _read_info(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_info(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
+    # Keyed on size and mtime so a file replaced on disk is read again.
+    try:
+        reader = _HeaderReader(path)
+    except _Truncated as cut:
+        raise UserError(
+            f"{path} is truncated: {size} bytes, the header says at least {cut.needed}; "
+            "download it again (edge-spec pull PAIR)"
+        ) from None
+    except (ValueError, KeyError) as error:
+        raise UserError(f"{path} is not a valid GGUF file ({error}); download or convert it again") from None
+    fields = reader.fields
+    tokens = fields.get("tokenizer.ggml.tokens")
+    file_type = _scalar(fields, "general.file_type")
+    architecture = _string(fields, "general.architecture")
+    if architecture is None:
+        raise UserError(f"{path} has no general.architecture in its header; convert it again with llama.cpp")
+    return GGUFInfo(
+        path=path,
+        architecture=architecture,
+        name=_string(fields, "general.name"),
+        n_vocab=int(tokens.parts[-2][0]) if tokens is not None else 0,
+        chat_template=_string(fields, "tokenizer.chat_template"),
+        bos_token_id=_scalar(fields, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_scalar(fields, "tokenizer.ggml.eos_token_id"),
+        add_bos=_scalar(fields, "tokenizer.ggml.add_bos_token"),
+        weight_types=_matmul_weight_types(reader),
+        file_type=_file_type_name(file_type),
+        n_params=sum(t.n_elements for t in reader.tensors),
+        file_size=size,
+    )
+
+
+def lossless_guarantee(info: GGUFInfo, kv_type: str = "bf16") -> str | None:
+    """None when the target's weights and KV cache are batch-invariant here, else one line saying why not."""
+    if kv_type not in BATCH_INVARIANT_KV:
+        return (
+            f"a {kv_type} KV cache is not batch-invariant in llama.cpp's attention: speculative output can "
+            f"differ from plain decoding where logits nearly tie (use kv_type = \"bf16\" or \"q8_0\")"
+        )
+    unsafe = sorted(info.weight_types - BATCH_INVARIANT_TYPES)
+    if not unsafe:
+        return None
+    return (
+        f"weights of type {', '.join(unsafe)} are not batch-invariant in llama.cpp on this CPU: speculative "
+        "output can differ from plain decoding where logits nearly tie "
+        '(requantize the target to q4_0 with `quantize = "q4_0"` in models.toml)'
+    )
+
+
+def _matmul_weight_types(reader: GGUFReader) -> frozenset[str]:
+    # 1-D tensors (norms, biases) are not matmuls; nor is the token embedding when a separate output head
+    # exists (then it is only a row lookup). Tied, it is the LM head and counts.
+    names = {tensor.name for tensor in reader.tensors}
+    lookup_only = {"token_embd.weight"} if "output.weight" in names else set()
+    return frozenset(
+        t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2 and t.name not in lookup_only
+    )
+
+
+def _string(fields: dict[str, ReaderField], key: str) -> str | None:
+    field = fields.get(key)
+    if field is None or field.types != [GGUFValueType.STRING]:
+        return None
+    return str(field.contents())
+
+
+def _scalar(fields: dict[str, ReaderField], key: str) -> Any:
+    field = fields.get(key)
+    if field is None or field.types[0] in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+        return None
+    return field.contents()
+
+
+def _file_type_name(value: int | None) -> str | None:
+    try:
+        return None if value is None else LlamaFileType(value).name
+    except ValueError:
+        return None

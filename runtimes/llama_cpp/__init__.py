@@ -1,0 +1,62 @@
+"""llama.cpp runtime: GGUF targets and drafters through llama-cpp-python's low-level API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge.errors import UserError
+from runtimes.gguf_file import check_gguf
+from runtimes.llama_cpp._native import MAX_SEQ, Context, Model, quantize
+from runtimes.llama_cpp.models import LlamaDrafter, LlamaTarget
+
+__all__ = ["LlamaDrafter", "LlamaTarget", "RunOptions", "check_same_vocab", "load_drafter", "load_target",
+           "quantize"]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    n_ctx: int = 4096
+    kv_type: str = "f16"
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    use_mmap: bool = True
+    use_mlock: bool = False
+
+
+def _load_model(path: Path, options: RunOptions) -> Model:
+    check_gguf(path)  # a clear error for missing, foreign or truncated files before llama.cpp sees them
+    return Model(path, n_gpu_layers=options.n_gpu_layers, use_mmap=options.use_mmap, use_mlock=options.use_mlock)
+
+
+def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ) -> LlamaTarget:
+    model = _load_model(path, options)
+    ctx = Context(model, options.n_ctx, n_batch=max_tree, kv_type=options.kv_type, n_threads=options.n_threads)
+    return LlamaTarget(model, ctx)
+
+
+def load_drafter(path: Path, options: RunOptions) -> LlamaDrafter:
+    model = _load_model(path, options)
+    # Room past the target's context for the round's expanded nodes, which the drafter caches until commit.
+    ctx = Context(model, options.n_ctx + MAX_SEQ, n_batch=MAX_SEQ, kv_type=options.kv_type,
+                  n_threads=options.n_threads)
+    return LlamaDrafter(model, ctx)
+
+
+def check_same_vocab(target: LlamaTarget, drafter: LlamaDrafter) -> None:
+    """The drafter must speak the target's token ids; padding past the shorter vocabulary is tolerated."""
+    t, d = target.model, drafter.model
+    common = min(t.n_vocab, d.n_vocab)
+    differing = [i for i in range(common) if t.token_text(i) != d.token_text(i)]
+    extra = t if t.n_vocab > d.n_vocab else d
+    unused = [i for i in range(common, extra.n_vocab) if not _is_padding(extra.token_text(i))]
+    if differing or unused:
+        shown = ", ".join(f"{i} ({t.token_text(i)!r} vs {d.token_text(i)!r})" for i in differing[:3])
+        detail = f"{len(differing)} tokens differ, first {shown}" if differing else (
+            f"sizes differ ({t.n_vocab} vs {d.n_vocab}) beyond padding")
+        raise UserError(f"drafter {d.path.name} does not share the target's vocabulary ({detail}); "
+                        "pick a drafter from the same model family")
+
+
+def _is_padding(text: bytes) -> bool:
+    return text.startswith((b"[PAD", b"<pad", b"<|reserved", b"<unused", b"<|PAD"))

