@@ -68,5 +68,5 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
     target.commit(tree, path)
     if drafter is not None:
         drafter.commit(tree, path)
-    return RoundResult(tree.path_tokens(path[1:]) + [token], len(tree), drafter_passes,
+    return RoundResult([*tree.path_tokens(path[1:]), token], len(tree), drafter_passes,
                        drafted - start, verified - drafted)

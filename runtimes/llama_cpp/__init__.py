@@ -31,8 +31,10 @@ def _load_model(path: Path, options: RunOptions) -> Model:
 
 def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ) -> LlamaTarget:
     model = _load_model(path, options)
-    ctx = Context(model, options.n_ctx, n_batch=max_tree, kv_type=options.kv_type, n_threads=options.n_threads)
-    return LlamaTarget(model, ctx)
+    # The batch also carries the previous round's accepted tokens (see LlamaTarget); only tree nodes output.
+    ctx = Context(model, options.n_ctx, n_batch=max_tree + 64, kv_type=options.kv_type,
+                  n_threads=options.n_threads, flash_attn=True, n_outputs=max_tree)
+    return LlamaTarget(model, ctx, max_tree)
 
 
 def load_drafter(path: Path, options: RunOptions) -> LlamaDrafter:

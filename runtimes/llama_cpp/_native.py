@@ -150,13 +150,15 @@ class Context:
     """A llama.cpp context: one unified KV cache shared by up to MAX_SEQ sequences."""
 
     def __init__(self, model: Model, n_ctx: int, n_batch: int, kv_type: str = "f16",
-                 n_threads: int | None = None, flash_attn: bool | None = None, op_offload: bool = True):
+                 n_threads: int | None = None, flash_attn: bool | None = None, op_offload: bool = True,
+                 n_outputs: int = 0):
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         # One tree must be one micro-batch, or an offloaded target streams its weights once per micro-batch.
         params.n_batch = n_batch
         params.n_ubatch = n_batch
         params.n_seq_max = MAX_SEQ
+        params.n_outputs_max = n_outputs  # 0: n_batch rows of logits (a 262k vocabulary makes that large)
         params.kv_unified = True  # tree branches share the committed prefix's cells
         params.swa_full = True  # keep sliding-window layers' full history, so rejected branches can be removed
         threads = n_threads or default_threads()

@@ -26,6 +26,7 @@ class _Runner:
         self.n_ctx = ctx.n_ctx
         self.n_past = 0
         self.passes = 0
+        self._n_leaves = 0
         self.batch = Batch(ctx.n_batch)
 
     def prefill(self, tokens: Sequence[int]) -> None:
@@ -62,31 +63,62 @@ class _Runner:
 
 
 class LlamaTarget(_Runner):
-    def __init__(self, model: Model, ctx: Context):
+    """Verifies a whole tree in one llama_decode.
+
+    Committed cells must stay in position order: attention sums over cells in cell order, so a cell
+    reused out of order changes the rounding and breaks bit-exactness with plain decoding. So a pass
+    never leaves holes: the previous round's accepted tokens (`pending`) run again at the front of the
+    next tree's batch (nearly free when the pass is bound by streaming weights), and after the pass
+    everything past the root is dropped from the tail of the cache.
+    """
+
+    def __init__(self, model: Model, ctx: Context, max_tree: int):
         super().__init__(model, ctx)
-        self.max_tree = ctx.n_batch
+        self.max_tree = max_tree
         self.stop_tokens = model.eog_tokens()
-        self._membership = np.zeros((0, 0), bool)
+        self._pending: list[int] = []
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        super().prefill([*self._pending, *tokens])
+        self._pending = []
+
+    def truncate(self, n: int) -> None:
+        self._pending = self._pending[: max(0, n - self.n_past)]
+        super().truncate(n)
 
     def verify(self, tree: TokenTree) -> np.ndarray:
-        n = len(tree)
+        n, n_pending = len(tree), len(self._pending)
         if n > self.max_tree:
             raise ValueError(f"tree of {n} nodes exceeds the verify batch of {self.max_tree}")
+        if n + n_pending > self.batch.capacity:
+            self.prefill([])
+            n_pending = 0
         leaves = tree.leaves()
         if len(leaves) > MAX_SEQ:
             raise ValueError(f"tree has {len(leaves)} leaves; llama.cpp allows {MAX_SEQ} sequences")
-        # membership: [n, n_leaves]; node i is in seq j when i lies on the path to leaf j.
-        self._membership = tree.ancestor_mask()[leaves].T
+        # membership: [n_pending + n, n_leaves]; a token is in seq j when it lies on the path to leaf j.
+        membership = np.ones((n_pending + n, len(leaves)), bool)
+        membership[n_pending:] = tree.ancestor_mask()[leaves].T
         for seq in range(1, len(leaves)):
             self.ctx.seq_cp(0, seq)  # the committed prefix is visible to every branch
-        self.batch.fill(tree.tokens, self.n_past + tree.depth, outputs=True)
-        self.batch.set_seqs(self._membership)
+        positions = np.concatenate([np.arange(self.n_past, self.n_past + n_pending),
+                                    self.n_past + n_pending + tree.depth]).astype(np.int32)
+        outputs = np.arange(n_pending + n) >= n_pending
+        self.batch.fill([*self._pending, *tree.tokens.tolist()], positions, outputs=outputs)
+        self.batch.set_seqs(membership)
         self._decode()
+        self.n_past += n_pending
+        self._pending = []
+        self._n_leaves = len(leaves)
         return self.ctx.logits(n)
 
     def commit(self, tree: TokenTree, path: list[int]) -> None:
-        seq = int(np.argmax(self._membership[path[-1]]))  # any leaf below the last accepted node
-        self._keep_branch(seq, self.n_past + len(path))
+        """Keep the root (its cell follows the committed ones); the accepted nodes run again next pass."""
+        for seq in range(1, self._n_leaves):
+            self.ctx.seq_rm(seq)
+        self.ctx.seq_rm(0, self.n_past + 1, -1)
+        self.n_past += 1
+        self._pending = tree.path_tokens(path[1:])
 
 
 class LlamaDrafter(_Runner):
@@ -176,12 +208,19 @@ class LlamaDrafter(_Runner):
         self._child_seq.clear()
 
 
-def top_k_log_probs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """logits: [rows, n_vocab] -> (ids [rows, k] best first, log-probs [rows, k])."""
+def top_k_log_probs(logits: np.ndarray, k: int, window: float = 20.0) -> tuple[np.ndarray, np.ndarray]:
+    """logits: [rows, n_vocab] -> (ids [rows, k] best first, log-probs [rows, k]).
+
+    The normalizer sums only tokens within `window` logits of the best: the rest add under
+    n_vocab * e^-window (5e-4 for 262k tokens) to it, and exp over a whole 262k row costs more than the
+    drafter's matmuls. Draft log-probs only steer the tree, so this cannot affect the output.
+    """
     rows = np.arange(len(logits))[:, None]
     ids = np.argpartition(logits, -k, axis=1)[:, -k:]
     ids = ids[rows, np.argsort(-logits[rows, ids], axis=1, kind="stable")]
-    top = logits[rows, ids]
+    top = logits[rows, ids]  # [rows, k], best first
     peak = top[:, :1]
-    log_norm = peak + np.log(np.exp(logits - peak).sum(axis=1, keepdims=True, dtype=np.float64))
-    return ids.astype(np.int32), (top - log_norm).astype(np.float32)
+    near_rows, near_cols = np.nonzero(logits >= peak - window)
+    mass = np.bincount(near_rows, weights=np.exp(logits[near_rows, near_cols] - peak[near_rows, 0]),
+                       minlength=len(logits))
+    return ids.astype(np.int32), (top - peak - np.log(mass)[:, None]).astype(np.float32)

@@ -1,0 +1,285 @@
+"""The `edge-spec` command. Every command works with no arguments on the default pair."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from edge.errors import UserError
+from edge.registry import Registry, load_registry
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Run models larger than your memory at interactive speed: lossless tree speculative decoding.",
+)
+err = Console(stderr=True, highlight=False)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def user_errors(command: F) -> F:
+    """A user's mistake becomes one line on stderr and exit code 1, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except UserError as error:
+            err.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def registry(ctx: typer.Context) -> Registry:
+    return load_registry(ctx.obj)
+
+
+def report(message: str) -> None:
+    err.print(f"[dim]{message}[/]", soft_wrap=True)
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    models: Annotated[Path | None, typer.Option("--models", help="models.toml to use (default: the packaged one)",
+                                                 show_default=False)] = None,
+) -> None:
+    ctx.obj = models
+
+
+# Options shared by chat, generate and bench.
+PairOpt = Annotated[str | None, typer.Option("--pair", "-p", help="pair from models.toml", show_default=False)]
+TargetOpt = Annotated[Path | None, typer.Option(help="target GGUF file (instead of --pair)", show_default=False)]
+DrafterOpt = Annotated[Path | None, typer.Option(help="drafter GGUF file (default: the target itself)",
+                                                 show_default=False)]
+BudgetOpt = Annotated[int | None, typer.Option(help="draft tree size in nodes (default: the pair's)",
+                                               show_default=False)]
+CtxOpt = Annotated[int | None, typer.Option("--ctx", help="context size in tokens (default: the pair's)",
+                                            show_default=False)]
+TempOpt = Annotated[float, typer.Option(help="0 = greedy")]
+TopKOpt = Annotated[int, typer.Option(help="0 = off")]
+TopPOpt = Annotated[float, typer.Option()]
+MinPOpt = Annotated[float, typer.Option()]
+RepeatOpt = Annotated[float, typer.Option(help="1 = off")]
+SeedOpt = Annotated[int | None, typer.Option(show_default=False)]
+ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: all cores)", show_default=False)]
+GpuOpt = Annotated[int, typer.Option("--gpu-layers", help="target layers to place on a GPU, if one is there")]
+NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="decode with the target alone (the reference)")]
+RawOpt = Annotated[bool, typer.Option("--raw", help="complete the prompt as-is, without the chat template")]
+
+
+def sampling_config(temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
+                    seed: int | None):
+    from edge.sampling import SamplingConfig
+
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repeat_penalty=repeat_penalty, seed=seed)
+
+
+def load(ctx: typer.Context, pair: str | None, target: Path | None, drafter: Path | None, ctx_size: int | None,
+         budget: int | None, threads: int | None, gpu_layers: int):
+    from cli.loading import load_pair, resolve_pair
+
+    if ctx_size is not None and ctx_size < 16:
+        raise UserError(f"--ctx must be at least 16 tokens (got {ctx_size})")
+    spec = resolve_pair(registry(ctx), pair, target, drafter, ctx_size)
+    return load_pair(spec, report, threads=threads, gpu_layers=gpu_layers, budget=budget)
+
+
+def stats_line(stats) -> str:
+    return (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tok/s · {stats.tokens_per_pass:.2f} tokens/pass · "
+            f"draft {stats.draft_s:.2f}s · verify {stats.verify_s:.2f}s · {stats.target_passes} target passes")
+
+
+def prompt_for(loaded, text: str, raw: bool) -> list[int]:
+    from edge.chat import prompt_tokens
+
+    tokenizer = loaded.target.tokenizer
+    if raw:
+        return tokenizer.tokenize(text, add_special=True, parse_special=True)
+    if loaded.template is None:
+        raise UserError(f"{loaded.name} has no chat template (a base model): pass --raw to complete the prompt as-is")
+    rendered = loaded.template.render([{"role": "user", "content": text}])
+    return prompt_tokens(tokenizer, rendered, loaded.template.bos_token)
+
+
+@app.command()
+@user_errors
+def generate(
+    ctx: typer.Context,
+    prompt: Annotated[str, typer.Argument(help="the prompt ('-' reads stdin)")],
+    pair: PairOpt = None,
+    target: TargetOpt = None,
+    drafter: DrafterOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 256,
+    temperature: TempOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    repeat_penalty: RepeatOpt = 1.0,
+    seed: SeedOpt = None,
+    budget: BudgetOpt = None,
+    ctx_size: CtxOpt = None,
+    no_spec: NoSpecOpt = False,
+    raw: RawOpt = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuOpt = 0,
+) -> None:
+    """Complete one prompt, streaming the text (or one JSON object with --json)."""
+    from edge.generate import Decoder
+    from edge.grow import GrowConfig
+
+    if max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
+    sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    text = sys.stdin.read() if prompt == "-" else prompt
+    loaded = load(ctx, pair, target, drafter, ctx_size, budget, threads, gpu_layers)
+    if loaded.lossless_warning and not no_spec:
+        err.print(f"[yellow]warning:[/] {loaded.lossless_warning}", soft_wrap=True)
+    grow = None if no_spec else GrowConfig.for_budget(loaded.budget)
+    decoder = Decoder(loaded.target, loaded.drafter, grow, sampling)
+    prefill_s = decoder.load(prompt_for(loaded, text, raw))
+    pieces, tokens = [], []
+    for step in decoder.generate(max_tokens):
+        pieces.append(step.text)
+        if step.token is not None and step.finish_reason is None:
+            tokens.append(step.token)
+        if not as_json:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+    step.stats.prefill_s = prefill_s
+    if as_json:
+        stats = step.stats.as_dict()
+        stats["draft_s"], stats["verify_s"] = round(step.stats.draft_s, 4), round(step.stats.verify_s, 4)
+        print(json.dumps({"text": "".join(pieces), "tokens": tokens, "finish_reason": step.finish_reason,
+                          "lossless_warning": loaded.lossless_warning, "stats": stats}))
+    else:
+        sys.stdout.write("\n")
+        err.print(f"[dim]{stats_line(step.stats)}[/]")
+
+
+@app.command()
+@user_errors
+def chat(
+    ctx: typer.Context,
+    pair: Annotated[str | None, typer.Argument(help="pair from models.toml (default: the default pair)",
+                                               show_default=False)] = None,
+    system: Annotated[str | None, typer.Option(help="system prompt", show_default=False)] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="most tokens per reply")] = 1024,
+    temperature: TempOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    repeat_penalty: RepeatOpt = 1.0,
+    seed: SeedOpt = None,
+    budget: BudgetOpt = None,
+    ctx_size: CtxOpt = None,
+    no_spec: NoSpecOpt = False,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuOpt = 0,
+) -> None:
+    """Talk to a model. Piped stdin: one prompt per line, replies on stdout."""
+    from cli.repl import run_chat
+
+    sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    loaded = load(ctx, pair, None, None, ctx_size, budget, threads, gpu_layers)
+    if loaded.template is None:
+        raise UserError(f"{loaded.name} has no chat template (a base model): use `edge-spec generate --raw`")
+    run_chat(loaded, sampling, system, max_tokens, no_spec, err)
+
+
+@app.command()
+@user_errors
+def models(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """List the pairs in models.toml, where their files are, and whether they are here."""
+    from cli.loading import model_path
+
+    reg = registry(ctx)
+    listing = {}
+    for name, spec in reg.pairs.items():
+        entry: dict[str, Any] = {"about": spec.about, "default": name == reg.default}
+        for role, model in (("target", spec.target), ("drafter", spec.drafter)):
+            path = model_path(model)
+            entry[role] = {"source": model.source.describe(), "quantize": model.quantize, "kv_type": model.kv_type,
+                           "path": str(path) if path else None, "present": bool(path and path.exists())}
+        listing[name] = entry
+    if as_json:
+        print(json.dumps(listing, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("pair", "target", "drafter", "here", "about", title=f"pairs in {reg.path}")
+    for name, entry in listing.items():
+        here = "yes" if entry["target"]["present"] and entry["drafter"]["present"] else "no"
+        label = f"{name} (default)" if entry["default"] else name
+        table.add_row(label, entry["target"]["source"], entry["drafter"]["source"], here, entry["about"])
+    Console().print(table)
+
+
+@app.command()
+@user_errors
+def pull(ctx: typer.Context, pair: Annotated[str | None, typer.Argument(show_default=False)] = None) -> None:
+    """Download a pair's model files (verified by sha256) into the cache."""
+    from edge.sources import fetch
+
+    spec = registry(ctx).pair(pair)
+    for role, model in (("target", spec.target), ("drafter", spec.drafter)):
+        path = fetch(model.source, report)
+        print(f"{role}: {path}")
+
+
+@app.command()
+@user_errors
+def prepare(ctx: typer.Context, pair: Annotated[str | None, typer.Argument(show_default=False)] = None) -> None:
+    """Download a pair and build its prepared files (requantized target / drafter)."""
+    from cli.loading import materialize
+
+    spec = registry(ctx).pair(pair)
+    for role, model in (("target", spec.target), ("drafter", spec.drafter)):
+        print(f"{role}: {materialize(model, report)}")
+
+
+@app.command()
+@user_errors
+def bench(
+    ctx: typer.Context,
+    pair: PairOpt = None,
+    prompts: Annotated[Path | None, typer.Option(help="one prompt per line (default: the repo's chat prompts)",
+                                                 show_default=False)] = None,
+    budgets: Annotated[str, typer.Option(help="comma-separated tree budgets")] = "1,16,64,255",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 128,
+    temperature: TempOpt = 0.0,
+    seed: SeedOpt = 0,
+    raw: RawOpt = False,
+    ctx_size: CtxOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Plain decoding vs tree speculation on the same prompts, in one run."""
+    from cli.benchmark import parse_budgets, read_prompts, render_table, run_bench
+
+    budget_list = parse_budgets(budgets)
+    prompt_list = read_prompts(prompts)
+    sampling = sampling_config(temperature, 0, 1.0, 0.0, 1.0, seed)
+    loaded = load(ctx, pair, None, None, ctx_size, None, threads, 0)
+    result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        render_table(result, Console())
+
+
+def main() -> None:
+    app(prog_name="edge-spec")

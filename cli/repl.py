@@ -1,0 +1,133 @@
+"""The interactive side of `edge-spec chat`: prompts, slash commands, Ctrl-C, piped input."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+
+from edge.chat import ChatSession
+from edge.errors import UserError
+from edge.generate import Decoder, Stats
+from edge.grow import GrowConfig
+from edge.sampling import SamplingConfig
+
+HELP = """commands:
+  /help           this help
+  /clear          forget the conversation (keeps the system prompt)
+  /system TEXT    set the system prompt (and clear the conversation)
+  /stats          totals for this session
+  /exit           leave (or Ctrl-D)
+Ctrl-C stops a reply and keeps the chat. Multi-line input: start and end it with \"\"\", or end lines with \\."""
+
+
+def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: int, no_spec: bool,
+             err: Console) -> None:
+    grow = None if no_spec else GrowConfig.for_budget(loaded.budget)
+    decoder = Decoder(loaded.target, loaded.drafter, grow, sampling)
+    session = ChatSession(decoder, loaded.template, loaded.target.tokenizer, system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        err.print(f"[dim]{loaded.name}: /help for commands, Ctrl-D to leave[/]")
+        if loaded.lossless_warning:
+            err.print(f"[yellow]warning:[/] {loaded.lossless_warning}", soft_wrap=True)
+    totals = Stats()
+    for text in _inputs(interactive):
+        if text.startswith("/"):
+            if not _command(text, session, totals, err):
+                break
+            continue
+        try:
+            stats = _reply(session, text, max_tokens, err, interactive)
+        except UserError as error:  # e.g. the conversation no longer fits the context
+            err.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+            continue
+        totals.add(stats)
+
+
+def _reply(session: ChatSession, text: str, max_tokens: int, err: Console, interactive: bool) -> Stats:
+    with _interruptible() as stopped:
+        for step in session.send(text, max_tokens, should_stop=stopped):
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    note = " (interrupted)" if step.finish_reason == "interrupted" else ""
+    from cli.main import stats_line
+
+    err.print(f"[dim]{stats_line(step.stats)}{note}[/]")
+    return step.stats
+
+
+@contextmanager
+def _interruptible() -> Iterator:
+    """While a reply streams, Ctrl-C asks it to stop after the current round instead of killing the chat."""
+    flag = {"stop": False}
+
+    def on_sigint(signum, frame) -> None:
+        flag["stop"] = True
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield lambda: flag["stop"]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _inputs(interactive: bool) -> Iterator[str]:
+    if not interactive:
+        for line in sys.stdin:
+            if line.strip():
+                yield line.rstrip("\n")
+        return
+    while True:
+        try:
+            text = _read_message()
+        except EOFError:
+            sys.stdout.write("\n")
+            return
+        except KeyboardInterrupt:
+            sys.stdout.write("\n(Ctrl-D or /exit to leave)\n")
+            continue
+        if text.strip():
+            yield text.strip()
+
+
+def _read_message() -> str:
+    """One message: a line, lines ending in a backslash, or a block between triple quotes."""
+    first = input(">>> ")
+    if first.strip().startswith('"""'):
+        lines = [first.strip()[3:]]
+        while not lines[-1].rstrip().endswith('"""') or (len(lines) == 1 and first.strip() == '"""'):
+            lines.append(input("... "))
+        return "\n".join(lines).rstrip()[:-3]
+    lines = [first]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        lines.append(input("... "))
+    return "\n".join(lines)
+
+
+def _command(text: str, session: ChatSession, totals: Stats, err: Console) -> bool:
+    """Run a slash command; False means leave."""
+    name, _, argument = text.partition(" ")
+    if name in ("/exit", "/quit", "/bye"):
+        return False
+    if name == "/help":
+        err.print(HELP, markup=False)
+    elif name == "/clear":
+        session.clear()
+        err.print("[dim]conversation cleared[/]")
+    elif name == "/system":
+        session.system = argument.strip() or None
+        session.clear()
+        err.print("[dim]system prompt set, conversation cleared[/]" if session.system else "[dim]system prompt removed[/]")
+    elif name == "/stats":
+        from cli.main import stats_line
+
+        err.print(f"[dim]session: {stats_line(totals)}[/]")
+    else:
+        err.print(f"[bold red]error:[/] unknown command {name}; /help lists them", soft_wrap=True)
+    return True

@@ -1,0 +1,223 @@
+"""The engine's logic on a tiny numpy model: trees, growth, sampling, lossless acceptance."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from edge.errors import UserError
+from edge.generate import Decoder
+from edge.grow import GrowConfig, grow
+from edge.sampling import SamplingConfig, distribution, draw
+from edge.tree import TokenTree
+from tests.tiny import TinyModel, softmax
+
+
+def tree_of(parents: list[int], tokens: list[int] | None = None) -> TokenTree:
+    parents_arr = np.array(parents, np.int32)
+    depth = np.zeros(len(parents), np.int32)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    tokens_arr = np.array(tokens if tokens is not None else range(len(parents)), np.int32)
+    return TokenTree(tokens_arr, parents_arr, depth, -depth.astype(np.float32))
+
+
+def test_tree_masks_and_leaves() -> None:
+    tree = tree_of([-1, 0, 0, 1, 1, 2])
+    mask = tree.ancestor_mask()
+    assert mask[3].tolist() == [True, True, False, True, False, False]
+    assert mask[5].tolist() == [True, False, True, False, False, True]
+    assert tree.leaves().tolist() == [3, 4, 5]
+    assert tree.child(1, 4) == 4 and tree.child(1, 5) is None
+
+
+def test_limit_leaves_keeps_a_connected_tree() -> None:
+    tree = tree_of([-1, *[0] * 10, *range(1, 11)])  # 10 chains of two
+    tree.score[:] = -np.arange(len(tree), dtype=np.float32)
+    limited = tree.limit_leaves(4)
+    assert len(limited.leaves()) == 4
+    assert all(p < i for i, p in enumerate(limited.parents) if p >= 0)
+    assert set(limited.tokens[limited.leaves()].tolist()) == {1, 2, 3, 4}  # the best-scored survive
+
+
+@pytest.mark.parametrize("budget", [1, 2, 4, 8, 16, 64, 255])
+def test_grow_respects_budget_and_shape(budget: int) -> None:
+    drafter = TinyModel(n_vocab=12, seed=3)
+    drafter.prefill([1, 2])
+    config = GrowConfig.for_budget(budget)
+    tree, passes = grow(drafter, 3, config)
+    assert len(tree) - 1 <= budget and len(tree.leaves()) <= 255
+    assert all(0 <= p < i for i, p in enumerate(tree.parents) if i > 0)
+    assert (tree.depth[1:] == tree.depth[tree.parents[1:]] + 1).all()
+    assert (tree.score[1:] <= tree.score[tree.parents[1:]]).all()
+    assert passes == drafter.passes <= config.max_steps
+    if budget <= 4:  # a chain
+        assert tree.parents.tolist() == list(range(-1, len(tree) - 1))
+
+
+def test_grow_tight_stop() -> None:
+    """A certain drafter (one token has all the mass) fills a chain and stops at the budget."""
+    table = np.full((4, 4, 4), -50.0, np.float32)
+    table[:, :, 1] = 10.0
+    drafter = TinyModel(table=table, n_vocab=4)
+    tree, passes = grow(drafter, 1, GrowConfig(budget=6, beams=1, width=2, max_depth=20, max_steps=20))
+    chain = [int(t) for t in tree.tokens[tree.depth.argsort()]]
+    assert tree.depth.max() == 6 - 1 or tree.depth.max() == 6
+    assert chain[:4] == [1, 1, 1, 1]
+    # every kept node but the worst was expanded once; nothing past the point where no child can fit
+    assert passes <= 7
+
+
+def test_sampling_rules() -> None:
+    logits = np.array([1.0, 3.0, 3.0, 0.0, -1.0], np.float32)
+    assert draw(logits, SamplingConfig(), [], np.random.default_rng(0)) == 1  # greedy: lowest id on ties
+    ids, probs = distribution(logits, SamplingConfig(temperature=1.0, top_k=3), [])
+    assert set(ids.tolist()) == {0, 1, 2} and np.isclose(probs.sum(), 1)
+    ids, _ = distribution(logits, SamplingConfig(temperature=1.0, min_p=0.5), [])
+    assert set(ids.tolist()) == {1, 2}
+    ids, _ = distribution(logits, SamplingConfig(temperature=1.0, top_p=0.4), [])
+    assert set(ids.tolist()) == {1}
+    # the penalty divides positive logits and multiplies negative ones
+    assert draw(logits, SamplingConfig(repeat_penalty=4.0), [1, 2], np.random.default_rng(0)) == 0
+    ids, probs = distribution(logits, SamplingConfig(temperature=0.5), [])
+    assert np.allclose(probs, softmax(logits / 0.5))
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1),
+                                 dict(top_k=-2), dict(repeat_penalty=0)])
+def test_invalid_sampling_values(bad: dict) -> None:
+    with pytest.raises(UserError):
+        SamplingConfig(**bad)
+
+
+def generate_tokens(target: TinyModel, drafter: TinyModel | None, budget: int | None, prompt: list[int],
+                    n: int, sampling: SamplingConfig) -> list[int]:
+    decoder = Decoder(target, drafter, GrowConfig.for_budget(budget) if budget else None, sampling)
+    decoder.load(prompt)
+    return [s.token for s in decoder.generate(n) if s.token is not None and s.finish_reason is None]
+
+
+@pytest.mark.parametrize("budget", [1, 3, 16, 64, 255])
+def test_greedy_speculation_equals_plain(budget: int) -> None:
+    target = TinyModel(n_vocab=9, seed=5)
+    plain = generate_tokens(target, None, None, [1, 2, 3], 60, SamplingConfig())
+    spec_target = TinyModel(n_vocab=9, seed=5)
+    drafter = spec_target.noisy(0.7)
+    spec = generate_tokens(spec_target, drafter, budget, [1, 2, 3], 60, SamplingConfig())
+    assert spec == plain
+    assert spec_target.passes < len(plain)  # the drafter really saved passes
+    assert spec_target.cache == [1, 2, 3, *plain][:-1]  # the cache holds exactly the text but its last token
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(temperature=1.0, seed=7),
+    SamplingConfig(temperature=0.8, top_k=4, top_p=0.9, min_p=0.05, repeat_penalty=1.3, seed=11),
+])
+def test_same_seed_same_sample(sampling: SamplingConfig) -> None:
+    """One uniform per emitted token in both decoders: a fixed seed gives plain decoding's exact text."""
+    plain = generate_tokens(TinyModel(n_vocab=9, seed=2), None, None, [4, 5], 80, sampling)
+    target = TinyModel(n_vocab=9, seed=2)
+    spec = generate_tokens(target, target.noisy(1.0), 32, [4, 5], 80, sampling)
+    assert spec == plain
+
+
+def first_tokens_distribution(n_vocab: int, target: TinyModel, length: int, sampling: SamplingConfig):
+    """Exact probability of every `length`-token continuation of [0, 1] under plain sampling."""
+    exact = {}
+    for seq in itertools.product(range(n_vocab), repeat=length):
+        p, context = 1.0, [0, 1]
+        for token in seq:
+            ids, probs = distribution(target.logits(context), sampling, context)
+            p *= dict(zip(ids.tolist(), probs.tolist(), strict=True)).get(token, 0.0)
+            context.append(token)
+        exact[seq] = p
+    return exact
+
+
+def sample_counts(target: TinyModel, drafter: TinyModel, length: int, runs: int,
+                  sampling: SamplingConfig) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    decoder = Decoder(target, drafter, GrowConfig(budget=6, beams=2, width=2, max_depth=3, max_steps=3), sampling)
+    for _ in range(runs):  # one RNG for all runs, as in one long session
+        decoder.load([0, 1])
+        key = tuple(s.token for s in decoder.generate(length) if s.finish_reason is None)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def assert_matches(counts: dict, exact: dict, runs: int) -> None:
+    """Every outcome within 5 standard deviations of its exact frequency.
+
+    With 64 outcomes the chance that a correct sampler fails is below 64 * 5.7e-7 = 4e-5.
+    """
+    for outcome, p in exact.items():
+        freq = counts.get(outcome, 0) / runs
+        assert abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / runs) + 1e-9, (outcome, freq, p)
+
+
+SAMPLING = SamplingConfig(temperature=1.0, top_k=3, repeat_penalty=1.2)
+
+
+def test_sampled_speculation_has_the_targets_distribution() -> None:
+    """Exact: the 3-token continuations of a 4-token vocabulary, drafted by a wrong-ish drafter."""
+    target = TinyModel(n_vocab=4, seed=8, scale=1.5)
+    drafter = target.noisy(1.5, seed=4)
+    exact = first_tokens_distribution(4, target, 3, SAMPLING)
+    runs = 12_000
+    assert_matches(sample_counts(target, drafter, 3, runs, SAMPLING), exact, runs)
+
+
+def test_the_distribution_test_catches_a_biased_acceptance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above can fail: accepting the drafter's first child whenever the target gives it p > 0.2."""
+
+    def biased_accept(tree, logits, sampling, history, rng):
+        path = [0]
+        while True:
+            children = np.flatnonzero(tree.parents == path[-1])
+            seen = [*history, *tree.path_tokens(path)]
+            ids, probs = distribution(logits[path[-1]], sampling, seen)
+            p = dict(zip(ids.tolist(), probs.tolist(), strict=True))
+            if len(children) and p.get(int(tree.tokens[children[0]]), 0) > 0.2:
+                path.append(int(children[0]))
+                continue
+            return path, draw(logits[path[-1]], sampling, seen, rng)
+
+    target = TinyModel(n_vocab=4, seed=8, scale=1.5)
+    drafter = target.noisy(1.5, seed=4)
+    exact = first_tokens_distribution(4, target, 3, SAMPLING)
+    runs = 12_000
+    monkeypatch.setattr("edge.speculative.accept", biased_accept)
+    with pytest.raises(AssertionError):
+        assert_matches(sample_counts(target, drafter, 3, runs, SAMPLING), exact, runs)
+
+
+def test_stop_tokens_and_length() -> None:
+    target = TinyModel(n_vocab=6, seed=1)
+    target.stop_tokens = frozenset({int(np.argmax(target.logits([0, 2])))})
+    decoder = Decoder(target, target.noisy(0.3), GrowConfig.for_budget(16))
+    decoder.load([0, 2])
+    steps = list(decoder.generate(50))
+    assert steps[-1].finish_reason == "stop"
+    assert target.cache == decoder.context[:-1]
+    decoder.load([1, 2, 3])
+    steps = list(decoder.generate(5, stop_tokens=frozenset()))
+    assert steps[-1].finish_reason == "length" and len(steps) == 6
+
+
+def test_should_stop_interrupts_between_rounds() -> None:
+    target = TinyModel(n_vocab=6, seed=1)
+    decoder = Decoder(target, target.noisy(0.3), GrowConfig.for_budget(8))
+    decoder.load([0, 1])
+    calls = iter(range(100))
+    steps = list(decoder.generate(500, should_stop=lambda: next(calls) >= 3))
+    assert steps[-1].finish_reason == "interrupted"
+    assert target.cache == decoder.context[:-1]
+
+
+def test_prompt_longer_than_context() -> None:
+    target = TinyModel()
+    target.n_ctx = 8
+    with pytest.raises(UserError, match="context holds 8"):
+        Decoder(target).load(list(range(5)) * 2)
