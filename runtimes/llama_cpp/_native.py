@@ -168,7 +168,8 @@ class Context:
         params.op_offload = op_offload
         params.no_perf = True
         if flash_attn is not None:
-            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            enabled, disabled = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED, ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            params.flash_attn_type = enabled if flash_attn else disabled
         self.model = model
         self.n_batch = n_batch
         self._ptr = ll.llama_init_from_model(model.ptr, params)

@@ -16,7 +16,10 @@ from runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model
 
 
 class _Runner:
-    """A model + context with a linear committed history in seq 0."""
+    """A model + context with a linear committed history in seq 0.
+
+    `_pending` holds committed tokens not run yet; they join the next pass (prefill, tree or root).
+    """
 
     def __init__(self, model: Model, ctx: Context):
         self.model = model
@@ -26,10 +29,12 @@ class _Runner:
         self.n_ctx = ctx.n_ctx
         self.n_past = 0
         self.passes = 0
-        self._n_leaves = 0
         self.batch = Batch(ctx.n_batch)
+        self._pending: list[int] = []
 
     def prefill(self, tokens: Sequence[int]) -> None:
+        tokens = [*self._pending, *tokens]
+        self._pending = []
         for start in range(0, len(tokens), self.batch.capacity):
             chunk = tokens[start : start + self.batch.capacity]
             self.batch.fill(chunk, self.n_past)
@@ -37,6 +42,7 @@ class _Runner:
             self.n_past += len(chunk)
 
     def truncate(self, n: int) -> None:
+        self._pending = self._pending[: max(0, n - self.n_past)]
         self._drop_branches()
         self.ctx.seq_rm(0, n, -1)
         self.n_past = min(self.n_past, n)
@@ -48,15 +54,6 @@ class _Runner:
     def _decode(self) -> None:
         self.ctx.decode(self.batch)
         self.passes += 1
-
-    def _keep_branch(self, seq: int, n_keep: int) -> None:
-        """Keep the cells of `seq` below position n_keep as the committed history (seq 0), drop the rest."""
-        self.ctx.seq_keep(seq)
-        self.ctx.seq_rm(seq, n_keep, -1)
-        if seq != 0:
-            self.ctx.seq_cp(seq, 0)
-            self.ctx.seq_rm(seq)
-        self.n_past = n_keep
 
     def close(self) -> None:
         self.ctx.close()
@@ -76,15 +73,7 @@ class LlamaTarget(_Runner):
         super().__init__(model, ctx)
         self.max_tree = max_tree
         self.stop_tokens = model.eog_tokens()
-        self._pending: list[int] = []
-
-    def prefill(self, tokens: Sequence[int]) -> None:
-        super().prefill([*self._pending, *tokens])
-        self._pending = []
-
-    def truncate(self, n: int) -> None:
-        self._pending = self._pending[: max(0, n - self.n_past)]
-        super().truncate(n)
+        self._n_leaves = 0
 
     def verify(self, tree: TokenTree) -> np.ndarray:
         n, n_pending = len(tree), len(self._pending)
@@ -122,23 +111,21 @@ class LlamaTarget(_Runner):
 
 
 class LlamaDrafter(_Runner):
+    """Expands tree nodes, one pass per call; each expanded node gets a seq holding its whole path.
+
+    Like the target, it keeps only the root after a round and runs the accepted tokens again in the
+    next root pass: the committed cells stay in order, so its drafts match a fresh run of the same text.
+    """
+
     def __init__(self, model: Model, ctx: Context):
         super().__init__(model, ctx)
         self.expand_capacity = MAX_SEQ - 1
-        self._pending: list[int] = []  # committed tokens not yet run (accepted leaves the drafter never saw)
         self._base = 0  # position of this round's root
         self._node_seq: dict[int, int] = {}  # tree node -> the seq holding its path
-        self._child_seq: dict[tuple[int, int], int] = {}  # (parent seq, token) -> child seq
-
-    def prefill(self, tokens: Sequence[int]) -> None:
-        super().prefill([*self._pending, *tokens])
-        self._pending = []
 
     def truncate(self, n: int) -> None:
-        kept = max(0, n - self.n_past)
-        self._pending = self._pending[:kept]
         super().truncate(n)
-        self._reset_round()
+        self._node_seq.clear()
 
     def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if len(self._node_seq) + len(nodes) > self.expand_capacity:
@@ -151,29 +138,23 @@ class LlamaDrafter(_Runner):
         return top_k_log_probs(logits, k)
 
     def _run_root(self, root: int) -> None:
-        """The root runs together with the pending tokens, which join seq 0 in the same pass."""
-        self._reset_round()
-        seq = self._new_seq(0, root, 0)
-        self.ctx.seq_cp(0, seq)
+        """Pending tokens and the root join seq 0 (committed) and seq 1 (the root's path) in one pass."""
+        self._node_seq = {0: 1}
+        self.ctx.seq_cp(0, 1)
         n = len(self._pending) + 1
         self._base = self.n_past + n - 1
-        outputs = np.zeros(n, bool)
-        outputs[-1] = True
-        self.batch.fill([*self._pending, root], self.n_past, outputs=outputs)
-        membership = np.zeros((n, seq + 1), bool)
-        membership[:-1, 0] = True
-        membership[:, seq] = True
-        self.batch.set_seqs(membership)
+        self.batch.fill([*self._pending, root], self.n_past, outputs=np.arange(n) == n - 1)
+        self.batch.set_seqs(np.ones((n, 2), bool))
         self._decode()
-        self.n_past += n - 1
+        self.n_past += n
         self._pending = []
 
     def _run_nodes(self, tree: TokenTree, nodes: np.ndarray) -> None:
         seqs = []
         for node in nodes.tolist():
-            parent_seq = self._node_seq[int(tree.parents[node])]
-            seq = self._new_seq(node, int(tree.tokens[node]), parent_seq)
-            self.ctx.seq_cp(parent_seq, seq)
+            seq = len(self._node_seq) + 1
+            self.ctx.seq_cp(self._node_seq[int(tree.parents[node])], seq)
+            self._node_seq[node] = seq
             seqs.append(seq)
         self.batch.fill(tree.tokens[nodes], self._base + tree.depth[nodes], outputs=True)
         self.batch.seq_id[: len(nodes), 0] = seqs
@@ -181,31 +162,13 @@ class LlamaDrafter(_Runner):
 
     def commit(self, tree: TokenTree, path: list[int]) -> None:
         tokens = tree.path_tokens(path)
-        if 0 not in self._node_seq:  # this round ran without the drafter: catch up at the next root
+        if not self._node_seq:  # this round ran without the drafter: catch up at the next root
             self._pending += tokens
             return
-        seq = self._node_seq[0]
-        ran = 1  # the root always ran
-        for token in tokens[1:]:
-            child = self._child_seq.get((seq, token))
-            if child is None:
-                break
-            seq, ran = child, ran + 1
-        self._keep_branch(seq, self._base + ran)
-        self._pending = tokens[ran:]
-        self._reset_round()
-
-    def _new_seq(self, node: int, token: int, parent_seq: int) -> int:
-        seq = len(self._node_seq) + 1
-        self._node_seq[node] = seq
-        self._child_seq[(parent_seq, token)] = seq
-        return seq
-
-    def _reset_round(self) -> None:
-        for seq in self._node_seq.values():
+        for seq in self._node_seq.values():  # every branch cell goes; the root stays in seq 0
             self.ctx.seq_rm(seq)
         self._node_seq.clear()
-        self._child_seq.clear()
+        self._pending = tokens[1:]
 
 
 def top_k_log_probs(logits: np.ndarray, k: int, window: float = 20.0) -> tuple[np.ndarray, np.ndarray]:

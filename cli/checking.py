@@ -1,0 +1,38 @@
+"""`edge-spec check`: is this target batch-invariant on this machine, with this KV cache type?"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from edge.errors import UserError
+from edge.invariance import check_batch_invariance
+
+# A fixed text, so results are comparable between machines and files.
+TEXT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz combined "
+        "movable metal type, oil-based ink and a wooden screw press. Within fifty years, presses were running in "
+        "more than two hundred cities across Europe, and the price of books fell sharply. ") * 3
+
+
+def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str, Any]:
+    from runtimes.gguf_file import check_gguf, lossless_guarantee
+    from runtimes.llama_cpp import RunOptions, load_drafter, load_target
+    from runtimes.llama_cpp._native import KV_TYPES
+
+    if kv_type not in KV_TYPES:
+        raise UserError(f"--kv-type must be one of {', '.join(KV_TYPES)} (got {kv_type!r})")
+    info = check_gguf(path)
+    target = load_target(path, RunOptions(n_ctx=1024, kv_type=kv_type, n_threads=threads))
+    drafter = load_drafter(path, RunOptions(n_ctx=1024, kv_type="q4_0", n_threads=threads))
+    tokens = target.tokenizer.tokenize(TEXT, add_special=True, parse_special=False)[:160]
+    report(f"checking {path.name}: {len(tokens)} tokens of context, three tree shapes")
+    shapes = [dataclasses.asdict(r) for r in check_batch_invariance(target, drafter, tokens)]
+    return {
+        "file": str(path),
+        "weight_types": sorted(info.weight_types),
+        "kv_type": kv_type,
+        "bit_exact": all(s["max_abs_diff"] == 0.0 for s in shapes),
+        "edge_spec_guarantee": lossless_guarantee(info, kv_type) is None,
+        "shapes": shapes,
+    }

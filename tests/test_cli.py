@@ -1,0 +1,188 @@
+"""The `edge-spec` command as users type it (typer's CliRunner), on the real default pair."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.loading import LoadedPair, model_path
+from cli.main import app
+from edge.chat import ChatSession
+from edge.generate import Decoder
+from edge.grow import GrowConfig
+from edge.registry import load_registry
+
+runner = CliRunner()
+
+
+def run(*args: str, input: str | None = None):
+    return runner.invoke(app, list(args), input=input)
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def files(smollm2: LoadedPair, gemma3: LoadedPair) -> dict[str, Path]:
+    registry = load_registry()
+    return {"smol": model_path(registry.pair("smollm2-135m").target),
+            "gemma": model_path(registry.pair("gemma3-270m").target)}
+
+
+def test_generate_json(smollm2: LoadedPair) -> None:
+    result = run("generate", "What is 2 + 2?", "--max-tokens", "24", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert set(out) >= {"text", "tokens", "finish_reason", "stats"}
+    assert set(out["stats"]) >= {"new_tokens", "target_passes", "tokens_per_pass", "draft_s", "verify_s",
+                                 "tokens_per_s"}
+    assert out["finish_reason"] in ("stop", "length") and out["lossless_warning"] is None
+    assert len(out["tokens"]) == out["stats"]["new_tokens"] - (out["finish_reason"] == "stop")
+    plain = json.loads(run("generate", "What is 2 + 2?", "--max-tokens", "24", "--json", "--no-spec").stdout)
+    assert plain["tokens"] == out["tokens"] and plain["text"] == out["text"]
+    assert out["stats"]["target_passes"] < plain["stats"]["target_passes"]
+
+
+def test_generate_streams_text_and_stats(smollm2: LoadedPair) -> None:
+    result = run("generate", "Say hello.", "-n", "12", "--budget", "16")
+    assert result.exit_code == 0
+    assert result.stdout.strip()
+    assert "tokens/pass" in result.stderr
+
+
+def test_piped_chat_transcript(smollm2: LoadedPair) -> None:
+    result = run("chat", "--max-tokens", "20", input="What is the capital of France?\n/stats\nAnd of Italy?\n")
+    assert result.exit_code == 0, result.output
+    replies = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(replies) >= 2
+    assert result.stderr.count("tokens/pass") == 3  # two replies and /stats
+
+
+def test_models_json(smollm2: LoadedPair, gemma3: LoadedPair) -> None:
+    out = json.loads(run("models", "--json").stdout)
+    assert out["smollm2-135m"]["default"] is True
+    for name in ("smollm2-135m", "gemma3-270m"):
+        for role in ("target", "drafter"):
+            assert out[name][role]["present"] is True and Path(out[name][role]["path"]).exists()
+    assert out["llama3.1-70b"]["target"]["source"].startswith("hf ")
+
+
+def test_bench_json(smollm2: LoadedPair, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Say hello.\nCount to five.\n")
+    result = run("bench", "--prompts", str(prompts), "--budgets", "1,8", "--max-tokens", "16", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["pair"] == "smollm2-135m" and out["machine"]["cores"] >= 1
+    assert [(r["method"], r["budget"]) for r in out["rows"]] == [("plain", 0), ("tree", 1), ("tree", 8)]
+    for row in out["rows"]:
+        assert row["matches_plain"] and row["target_passes"] == row["rounds"]
+        assert set(row) >= {"tokens_per_pass", "draft_s_per_round", "verify_s_per_round", "tokens_per_s"}
+
+
+# Bad input: one line on stderr, exit code 1, no traceback.
+
+def test_missing_model_file(tmp_path: Path) -> None:
+    assert_one_line_error(run("generate", "hi", "--target", str(tmp_path / "nope.gguf")), "not found")
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    bogus = tmp_path / "model.gguf"
+    bogus.write_text("this is not a model")
+    assert_one_line_error(run("generate", "hi", "--target", str(bogus)), "not a GGUF file")
+
+
+def test_truncated_gguf(tmp_path: Path, files: dict[str, Path]) -> None:
+    cut = tmp_path / "cut.gguf"
+    with files["smol"].open("rb") as source, cut.open("wb") as out:
+        out.write(source.read(20_000_000))
+    assert_one_line_error(run("generate", "hi", "--target", str(cut)), "truncated")
+
+
+def test_unknown_pair() -> None:
+    assert_one_line_error(run("generate", "hi", "--pair", "nope"), "unknown pair 'nope'", "smollm2-135m")
+
+
+def test_drafter_with_another_vocabulary(files: dict[str, Path]) -> None:
+    result = run("generate", "hi", "--target", str(files["smol"]), "--drafter", str(files["gemma"]))
+    assert_one_line_error(result, "does not share the target's vocabulary", "differ")
+
+
+def test_broken_models_toml(tmp_path: Path) -> None:
+    broken = tmp_path / "models.toml"
+    broken.write_text('default = "x"\n[pairs.x\n')
+    assert_one_line_error(run("--models", str(broken), "generate", "hi"), "not valid TOML")
+    wrong_key = tmp_path / "wrong.toml"
+    wrong_key.write_text('[pairs.x]\ntarget.path = "a.gguf"\ntarget.quantise = "q4_0"\ndrafter.from = "target"\n')
+    assert_one_line_error(run("--models", str(wrong_key), "models"), "pair 'x'", "quantise")
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "2"], "--top-p"),
+    (["--min-p", "1.5"], "--min-p"),
+    (["--budget", "0"], "--budget"),
+    (["--max-tokens", "0"], "--max-tokens"),
+])
+def test_invalid_sampling_values(smollm2: LoadedPair, flags: list[str], fragment: str) -> None:
+    assert_one_line_error(run("generate", "hi", *flags), fragment)
+
+
+def test_prompt_longer_than_the_context(smollm2: LoadedPair) -> None:
+    assert_one_line_error(run("generate", "word " * 200, "--ctx", "64"), "context holds 64")
+
+
+def test_base_model_needs_raw(gemma3: LoadedPair) -> None:
+    assert_one_line_error(run("generate", "hi", "--pair", "gemma3-270m"), "no chat template", "--raw")
+    result = run("generate", "The sky is", "--pair", "gemma3-270m", "--raw", "-n", "8", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["stats"]["new_tokens"] == 8
+
+
+def test_bad_bench_budgets(smollm2: LoadedPair) -> None:
+    assert_one_line_error(run("bench", "--budgets", "1,x"), "--budgets")
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_session(smollm2: LoadedPair) -> None:
+    """A real SIGINT mid-reply: the reply ends 'interrupted', the chat and its caches stay usable."""
+    from cli.repl import _interruptible
+
+    decoder = Decoder(smollm2.target, smollm2.drafter, GrowConfig.for_budget(16))
+    session = ChatSession(decoder, smollm2.template, smollm2.target.tokenizer)
+    with _interruptible() as stopped:
+        steps = []
+        for step in session.send("Write a long story about a dragon.", 400, should_stop=stopped):
+            steps.append(step)
+            if len(steps) == 5:
+                os.kill(os.getpid(), signal.SIGINT)
+    assert steps[-1].finish_reason == "interrupted" and 5 <= len(steps) < 100
+    assert len(session.messages) == 2
+    calls = []
+    original = smollm2.target.prefill
+    smollm2.target.prefill = lambda tokens: (calls.append(len(tokens)), original(tokens))[1]
+    try:
+        reply = list(session.send("Thanks. Now say goodbye.", 16))
+    finally:
+        smollm2.target.prefill = original
+    assert reply[-1].finish_reason in ("stop", "length")
+    assert sum(calls) < 40  # only the new turn ran, not the whole history
+    assert smollm2.target.n_past + len(smollm2.target._pending) == len(decoder.context) - 1
+
+
+def test_help_does_not_load_llama_cpp() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, cli.main; cli.main.app(['--help'], standalone_mode=False); print('llama_cpp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("False")

@@ -1,0 +1,123 @@
+"""Losslessness on real models (llama.cpp, the two offline pairs): bit-exact trees, token-exact output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cli.loading import LoadedPair
+from edge.generate import Decoder
+from edge.grow import GrowConfig
+from edge.invariance import check_batch_invariance, sequential_logits
+from edge.sampling import SamplingConfig, distribution
+from runtimes.llama_cpp._native import MAX_SEQ
+from tests.conftest import prompt_tokens, prompts_for
+
+BUDGETS = [1, 16, 64, 255]
+MAX_TOKENS = 128
+
+
+def test_tree_logits_equal_sequential_decoding(pair: LoadedPair) -> None:
+    """Chain, 255 leaves, and a drafter-grown 255-node tree: every checked node bit-identical."""
+    tokens = prompt_tokens(pair, prompts_for(pair)[0])
+    results = check_batch_invariance(pair.target, pair.drafter, tokens)
+    assert [r.shape for r in results] == ["chain of 16", "255 leaves", "grown, budget 255"]
+    for result in results:
+        assert result.nodes_checked >= min(result.nodes, 60), result
+        assert result.max_abs_diff == 0.0 and result.argmax_differences == 0, result
+    assert results[1].nodes == MAX_SEQ
+
+
+def generate(pair: LoadedPair, tokens: list[int], budget: int | None, sampling: SamplingConfig | None = None,
+             max_tokens: int = MAX_TOKENS) -> tuple[list[int], Decoder]:
+    decoder = Decoder(pair.target, pair.drafter, GrowConfig.for_budget(budget) if budget else None, sampling)
+    decoder.reset()
+    decoder.load(tokens)
+    steps = list(decoder.generate(max_tokens))
+    stats = steps[-1].stats
+    assert stats.target_passes == stats.rounds  # exactly one target pass per round
+    return [s.token for s in steps if s.finish_reason is None], decoder
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(request: pytest.FixtureRequest) -> dict:
+    return {}
+
+
+def test_greedy_speculation_equals_plain_decoding(pair: LoadedPair, plain_outputs: dict) -> None:
+    prompts = prompts_for(pair)
+    assert len(prompts) >= 8
+    for text in prompts:
+        tokens = prompt_tokens(pair, text)
+        plain, _ = generate(pair, tokens, None)
+        plain_outputs[(pair.name, text)] = plain
+        for budget in BUDGETS:
+            spec, decoder = generate(pair, tokens, budget)
+            assert spec == plain, f"budget {budget} differs on {text!r}"
+            assert_caches_hold_exactly(pair, decoder)
+
+
+def assert_caches_hold_exactly(pair: LoadedPair, decoder: Decoder) -> None:
+    """After many rounds each KV cache holds the committed text but its newest token, and nothing else."""
+    n = len(decoder.context) - 1
+    for runner in (pair.target, pair.drafter):
+        assert runner.n_past + len(getattr(runner, "_pending", [])) == n
+        assert runner.ctx.seq_pos_min(0) == 0 and runner.ctx.seq_pos_max(0) == runner.n_past - 1
+        assert all(runner.ctx.seq_pos_max(seq) == -1 for seq in range(1, MAX_SEQ))
+
+
+def test_plain_decoding_equals_llama_cpp_python(pair: LoadedPair, plain_outputs: dict) -> None:
+    """An independent greedy decoder: llama-cpp-python's own Llama class, same file and KV settings."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(pair.target.model.path), n_ctx=1024, n_batch=512, type_k=30, type_v=30, flash_attn=True,
+                verbose=False)
+    for text in prompts_for(pair):
+        tokens = prompt_tokens(pair, text)
+        expected = plain_outputs.get((pair.name, text)) or generate(pair, tokens, None)[0]
+        llm.reset()
+        llm.eval(tokens)
+        out = []
+        for _ in range(len(expected)):
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            out.append(token)
+            llm.eval([token])
+        assert out == expected, text
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8, top_p=0.95, seed=3),
+                                      SamplingConfig(temperature=1.0, top_k=40, min_p=0.02, repeat_penalty=1.1,
+                                                     seed=9)])
+def test_sampled_speculation_with_a_seed_is_plain_sampling(pair: LoadedPair, sampling: SamplingConfig) -> None:
+    """Each emitted token uses exactly one uniform in both decoders, so a seed reproduces plain sampling."""
+    for text in prompts_for(pair)[:4]:
+        tokens = prompt_tokens(pair, text)
+        assert generate(pair, tokens, 64, sampling, 64)[0] == generate(pair, tokens, None, sampling, 64)[0]
+
+
+def test_sampled_first_tokens_follow_the_targets_distribution(smollm2: LoadedPair) -> None:
+    """Two-token continuations over 400 draws vs their exact probabilities from the target's logits.
+
+    Bound: 5 standard deviations per outcome; with at most 25 outcomes a correct sampler fails with
+    probability < 25 * 5.7e-7. The drafter (a different quantization) disagrees with the target often at
+    temperature 1, so a rule that leaned on its proposals would show here.
+    """
+    sampling = SamplingConfig(temperature=1.0, top_k=5)
+    tokens = prompt_tokens(smollm2, "Name a colour.")
+    first = sequential_logits(smollm2.target, tokens[:-1], [tokens[-1]])[0]
+    ids, probs = distribution(first, sampling, tokens)
+    exact = {}
+    for token, p in zip(ids.tolist(), probs.tolist(), strict=True):
+        second = sequential_logits(smollm2.target, tokens, [token])[0]
+        ids2, probs2 = distribution(second, sampling, [*tokens, token])
+        exact.update({(token, t2): p * p2 for t2, p2 in zip(ids2.tolist(), probs2.tolist(), strict=True)})
+    decoder = Decoder(smollm2.target, smollm2.drafter, GrowConfig.for_budget(8), SamplingConfig(1.0, 5, seed=21))
+    decoder.reset()
+    runs, counts = 400, {}
+    for _ in range(runs):
+        decoder.load(tokens)
+        key = tuple(s.token for s in decoder.generate(2) if s.finish_reason is None)
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(exact)
+    for outcome, p in exact.items():
+        assert abs(counts.get(outcome, 0) / runs - p) <= 5 * np.sqrt(p * (1 - p) / runs) + 1e-9, outcome
