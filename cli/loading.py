@@ -78,8 +78,9 @@ def load_pair(spec: PairSpec, report, threads: int | None = None, gpu_layers: in
     drafter = load_drafter(drafter_file, options(spec.drafter))
     check_same_vocab(target, drafter)
     info = check_gguf(target_file)
-    return LoadedPair(spec.name, target, drafter, _template(info.chat_template, target), budget or spec.budget,
-                      lossless_guarantee(info, spec.target.kv_type))
+    template = _template(info.chat_template, target)
+    budget = spec.budget if budget is None else budget
+    return LoadedPair(spec.name, target, drafter, template, budget, lossless_guarantee(info, spec.target.kv_type))
 
 
 def _template(source: str | None, target: LlamaTarget) -> ChatTemplate | None:

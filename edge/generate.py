@@ -150,7 +150,8 @@ class Decoder:
         yield Step(None, text.decode(b"", final=True), finish, stats)
 
     def _grow_config(self, room: int) -> GrowConfig | None:
-        config = self.grow_config
+        """The tree must fit the context left and one target pass."""
+        config, room = self.grow_config, min(room, self.target.max_tree)
         if config is None or config.budget + 1 <= room:
             return config
         return dataclasses.replace(config, budget=room - 1) if room > 1 else None

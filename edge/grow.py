@@ -37,6 +37,8 @@ class GrowConfig:
         """Defaults that scale with the budget; budget <= 4 is a plain chain (beams = width = 1)."""
         if budget < 1:
             raise UserError(f"--budget must be at least 1 (got {budget}); use --no-spec for plain decoding")
+        if budget > MAX_LEAVES:
+            raise UserError(f"--budget can be at most {MAX_LEAVES} (one target pass holds {MAX_LEAVES + 1} nodes)")
         if budget <= 4:
             return cls(budget=budget, beams=1, width=1, max_depth=budget, max_steps=budget)
         beams = int(np.clip(budget // 8, 2, 32))

@@ -171,12 +171,12 @@ class Context:
             enabled, disabled = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED, ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
             params.flash_attn_type = enabled if flash_attn else disabled
         self.model = model
-        self.n_batch = n_batch
         self._ptr = ll.llama_init_from_model(model.ptr, params)
         if not self._ptr:
             raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "
                             f"for {model.path.name}; lower --ctx or use another KV type")
         self.n_ctx: int = ll.llama_n_ctx(self._ptr)
+        self.n_batch: int = ll.llama_n_batch(self._ptr)  # llama.cpp clamps it to the context size
         self._mem = ll.llama_get_memory(self._ptr)
 
     def close(self) -> None:

@@ -71,7 +71,7 @@ class LlamaTarget(_Runner):
 
     def __init__(self, model: Model, ctx: Context, max_tree: int):
         super().__init__(model, ctx)
-        self.max_tree = max_tree
+        self.max_tree = min(max_tree, ctx.n_batch)
         self.stop_tokens = model.eog_tokens()
         self._n_leaves = 0
 
