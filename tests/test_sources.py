@@ -156,7 +156,8 @@ def test_pip_failure_is_a_user_error(cache: Path, monkeypatch: pytest.MonkeyPatc
     class Done:
         returncode = 3
 
-    def fake_run(cmd: list[str], check: bool) -> Done:
+    def fake_run(cmd: list[str], check: bool, stdout: int) -> Done:
+        assert stdout == 2  # pip's output must not mix into replies on stdout
         ran.append(cmd)
         return Done()
 
