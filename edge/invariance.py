@@ -11,11 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge.grow import GrowConfig, grow
+from edge.grow import MAX_LEAVES, GrowConfig, grow
 from edge.protocols import Drafter, Target
 from edge.tree import TokenTree
-
-MAX_LEAVES = 255
 
 
 @dataclass

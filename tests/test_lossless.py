@@ -45,7 +45,8 @@ def generate(pair: LoadedPair, tokens: list[int], budget: int | None, sampling: 
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(request: pytest.FixtureRequest) -> dict:
+def plain_outputs() -> dict:
+    """Plain greedy outputs shared between the tests that compare against them."""
     return {}
 
 

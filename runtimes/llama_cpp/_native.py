@@ -138,9 +138,6 @@ class Model:
         """The vocabulary entry itself (what tokenizers compare), not its rendering."""
         return ll.llama_vocab_get_text(self._vocab, token) or b""
 
-    def is_eog(self, token: int) -> bool:
-        return bool(ll.llama_vocab_is_eog(self._vocab, token))
-
     def eog_tokens(self) -> frozenset[int]:
         is_eog = ll.llama_vocab_is_eog
         return frozenset(t for t in range(self.n_vocab) if is_eog(self._vocab, t))
@@ -206,17 +203,12 @@ class Context:
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
-    def seq_keep(self, seq: int) -> None:
-        ll.llama_memory_seq_keep(self._mem, seq)
-
     def seq_pos_max(self, seq: int) -> int:
         return ll.llama_memory_seq_pos_max(self._mem, seq)
 
     def seq_pos_min(self, seq: int) -> int:
         return ll.llama_memory_seq_pos_min(self._mem, seq)
 
-    def clear(self) -> None:
-        ll.llama_memory_clear(self._mem, True)
 
 
 class Batch:
