@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -13,7 +15,15 @@ from edge.generate import Decoder, Stats
 from edge.grow import GrowConfig
 from edge.sampling import SamplingConfig
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "chat-prompts.txt"
+
+def benchmark_file(name: str) -> Path:
+    """A file of benchmarks/: inside the package in an installed wheel, at the repo root otherwise."""
+    package_dir = Path(__file__).resolve().parent
+    packaged = package_dir / "benchmarks" / name
+    return packaged if packaged.exists() else package_dir.parent / "benchmarks" / name
+
+
+DEFAULT_PROMPTS = benchmark_file("chat-prompts.txt")
 
 
 def parse_budgets(text: str) -> list[int]:
@@ -37,29 +47,132 @@ def read_prompts(path: Path | None) -> list[str]:
     return prompts
 
 
+def parse_drafters(text: str | None) -> list[tuple[str, int | None]] | None:
+    """'llama_cpp,onnx,onnx:32768' -> [("llama_cpp", None), ("onnx", None), ("onnx", 32768)]."""
+    if text is None:
+        return None
+    choices = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        runtime, _, vocab = part.partition(":")
+        if runtime not in ("llama_cpp", "onnx") or (vocab and (runtime != "onnx" or not vocab.isdigit())):
+            raise UserError(f"--drafters takes llama_cpp, onnx or onnx:K (a vocabulary size), comma-separated "
+                            f"(got {part!r})")
+        choices.append((runtime, int(vocab) if vocab else None))
+    if not choices:
+        raise UserError("--drafters is empty")
+    return choices
+
+
 def run_bench(loaded, prompts: list[str], budgets: list[int], max_tokens: int, sampling: SamplingConfig,
-              raw: bool, report) -> dict[str, Any]:
+              raw: bool, report, drafters: list[tuple[str, int | None]] | None = None,
+              threads: int | None = None) -> dict[str, Any]:
     from cli.main import prompt_for
     from offload.probe import probe_machine
 
     raw = raw or loaded.template is None
     prompt_tokens = [prompt_for(loaded, prompt, raw) for prompt in prompts]
-    rows, reference = [], None
-    for method, budget in [("plain", None), *(("tree", b) for b in budgets)]:
-        report(f"{method}{'' if budget is None else f' budget {budget}'}: {len(prompts)} prompts")
-        grow = GrowConfig.for_budget(budget) if budget else None
-        decoder = Decoder(loaded.target, loaded.drafter, grow, sampling)
-        total, outputs = Stats(), []
-        for tokens in prompt_tokens:
-            decoder.set_sampling(sampling)  # the same seed for every method: sampled runs are comparable
-            decoder.load(tokens)
-            steps = list(decoder.generate(max_tokens))
-            outputs.append([s.token for s in steps if s.token is not None and s.finish_reason is None])
-            total.add(steps[-1].stats)
-        reference = reference or outputs
-        rows.append(_row(method, budget, total, outputs == reference))
+    report(f"plain: {len(prompts)} prompts")
+    reference, stats = _decode_all(loaded.target, None, None, prompt_tokens, max_tokens, sampling)
+    rows = [_row("plain", None, stats, True)]
+    drafter_info = []
+    for drafter, label, vocab in _drafters(loaded, drafters, threads, report):
+        drafter_info.append({"drafter": label, "vocab": vocab, "expand_ms": expand_ms(drafter, prompt_tokens[0]),
+                             "kv_bytes_per_token": kv_bytes_per_token(drafter)})
+        for budget in budgets:
+            report(f"{label} budget {budget}: {len(prompts)} prompts")
+            outputs, stats = _decode_all(loaded.target, drafter, GrowConfig.for_budget(budget), prompt_tokens,
+                                         max_tokens, sampling)
+            rows.append({"drafter": label, "vocab": vocab, **_row("tree", budget, stats, outputs == reference)})
+        if drafter is not loaded.drafter:
+            _close(drafter)
     return {"pair": loaded.name, "machine": probe_machine(), "prompts": len(prompts), "max_tokens": max_tokens,
-            "temperature": sampling.temperature, "lossless_warning": loaded.lossless_warning, "rows": rows}
+            "temperature": sampling.temperature, "lossless_warning": loaded.lossless_warning,
+            "drafters": drafter_info, "rows": rows}
+
+
+def _decode_all(target, drafter, grow, prompt_tokens, max_tokens, sampling) -> tuple[list[list[int]], Stats]:
+    decoder = Decoder(target, drafter, grow, sampling)
+    total, outputs = Stats(), []
+    for tokens in prompt_tokens:
+        decoder.set_sampling(sampling)  # the same seed for every method: sampled runs are comparable
+        decoder.load(tokens)
+        steps = list(decoder.generate(max_tokens))
+        outputs.append([s.token for s in steps if s.token is not None and s.finish_reason is None])
+        total.add(steps[-1].stats)
+    decoder.reset()
+    return outputs, total
+
+
+def _drafters(loaded, choices, threads, report):
+    """(drafter, label, vocab size) for each choice; the pair's own drafter when none are given."""
+    if choices is None:
+        yield loaded.drafter, _label(loaded.drafter), getattr(loaded.drafter, "vocab", loaded.target.n_vocab)
+        return
+    from dataclasses import replace
+
+    from cli.loading import open_drafter
+
+    if loaded.spec is None or loaded.spec.target.runtime == "onnx":
+        raise UserError("--drafters needs a pair with a llama.cpp target (QuantSpec pairs have one drafter)")
+    if loaded.drafter is not None:
+        _close(loaded.drafter)  # one drafter at a time: idle llama.cpp thread pools slow the others down
+        loaded.drafter = None
+    for runtime, vocab in choices:
+        model = replace(loaded.spec.drafter, runtime=runtime, vocab=vocab)
+        drafter = open_drafter(loaded.spec, model, loaded.target, threads, 0, report)
+        label = runtime if vocab is None else f"{runtime}:{vocab}"
+        yield drafter, label, vocab or loaded.target.n_vocab
+
+
+def _label(drafter) -> str:
+    vocab = getattr(drafter, "vocab", None)
+    if not hasattr(drafter, "kv"):
+        return "llama_cpp"
+    return "onnx" if vocab in (None, getattr(drafter.arch, "n_vocab", None)) else f"onnx:{vocab}"
+
+
+def _close(drafter) -> None:
+    close = getattr(drafter, "close", None)
+    if close is not None:
+        close()
+
+
+def expand_ms(drafter, prefix: list[int], sizes: tuple[int, ...] = (1, 8, 32), repeats: int = 5) -> dict[str, float]:
+    """Median milliseconds of one drafter pass over n sibling nodes, after a root pass on `prefix`."""
+    from edge.tree import TokenTree
+
+    drafter.truncate(0)
+    drafter.prefill(prefix[:-1])
+    result = {}
+    for n in sizes:
+        tree = TokenTree(np.array([prefix[-1], *range(100, 100 + n)], np.int32),
+                         np.array([-1, *[0] * n], np.int32), np.array([0, *[1] * n], np.int32),
+                         np.zeros(n + 1, np.float32))
+        times = []
+        for _ in range(repeats):
+            drafter.expand(tree, np.array([0]), 8)
+            start = time.perf_counter()
+            drafter.expand(tree, np.arange(1, n + 1), 8)
+            times.append(time.perf_counter() - start)
+            drafter.commit(tree, [0])
+            drafter.truncate(len(prefix) - 1)
+        result[str(n)] = round(1000 * float(np.median(times)), 3)
+    drafter.truncate(0)
+    return result
+
+
+def kv_bytes_per_token(drafter) -> float:
+    """Bytes one committed token takes in the drafter's KV cache (keys + values, all layers)."""
+    kv = getattr(drafter, "kv", None)
+    if kv is not None:  # QuantSpec codes plus one float16 scale and min per group
+        elements = kv.n_layers * kv.n_kv_heads * kv.head_dim
+        bits = elements * (2 * kv.bits + 32 / kv.group + 32 / kv.value_group)
+        return round(bits / 8, 1)
+    from runtimes.onnx.arch import GGUFWeights
+
+    arch = GGUFWeights(drafter.model.path).arch
+    bits = {"q4_0": 4.5, "q8_0": 8.5, "f16": 16, "bf16": 16, "f32": 32}[drafter.kv_type]
+    return round(arch.n_layers * arch.n_kv_heads * arch.head_dim * 2 * bits / 8, 1)
 
 
 def _row(method: str, budget: int | None, stats: Stats, matches_plain: bool) -> dict[str, Any]:
@@ -68,7 +181,7 @@ def _row(method: str, budget: int | None, stats: Stats, matches_plain: bool) -> 
         "method": method,
         "budget": budget or 0,
         "tokens_per_pass": round(stats.tokens_per_pass, 3),
-        "draft_s_per_round": round(stats.draft_s / rounds, 5),
+        "grow_s_per_round": round(stats.draft_s / rounds, 5),
         "verify_s_per_round": round(stats.verify_s / rounds, 5),
         "tokens_per_s": round(stats.tokens_per_s, 2),
         "target_passes": stats.target_passes,
@@ -81,11 +194,13 @@ def _row(method: str, budget: int | None, stats: Stats, matches_plain: bool) -> 
 
 
 def render_table(result: dict[str, Any], console: Console) -> None:
-    table = Table("method", "budget", "tokens/pass", "draft s/round", "verify s/round", "tokens/s", "passes",
+    table = Table("method", "drafter", "budget", "tokens/pass", "draft s/round", "verify s/round", "tokens/s", "passes",
                   "same as plain", title=f"{result['pair']} on {result['machine']['cpu']} "
                   f"({result['prompts']} prompts x {result['max_tokens']} tokens, T={result['temperature']})")
     for row in result["rows"]:
-        table.add_row(row["method"], str(row["budget"] or "-"), f"{row['tokens_per_pass']:.2f}",
-                      f"{row['draft_s_per_round']:.4f}", f"{row['verify_s_per_round']:.4f}",
-                      f"{row['tokens_per_s']:.1f}", str(row["target_passes"]), "yes" if row["matches_plain"] else "NO")
+        table.add_row(row["method"], row.get("drafter", "-"), str(row["budget"] or "-"),
+                      f"{row['tokens_per_pass']:.2f}",
+                      f"{row['grow_s_per_round']:.4f}", f"{row['verify_s_per_round']:.4f}",
+                      f"{row['tokens_per_s']:.1f}", str(row["target_passes"]),
+                      "yes" if row["matches_plain"] else "NO")
     console.print(table)

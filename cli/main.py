@@ -71,6 +71,9 @@ MinPOpt = Annotated[float, typer.Option()]
 RepeatOpt = Annotated[float, typer.Option(help="1 = off")]
 SeedOpt = Annotated[int | None, typer.Option(show_default=False)]
 ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: all cores)", show_default=False)]
+ProviderOpt = Annotated[str | None, typer.Option(
+    help="onnxruntime execution provider for ONNX models: cpu, cuda, directml, openvino, qnn (default: models.toml)",
+    show_default=False)]
 GpuOpt = Annotated[int, typer.Option("--gpu-layers", help="target layers to place on a GPU, if one is there")]
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="decode with the target alone (the reference)")]
 RawOpt = Annotated[bool, typer.Option("--raw", help="complete the prompt as-is, without the chat template")]
@@ -85,13 +88,16 @@ def sampling_config(temperature: float, top_k: int, top_p: float, min_p: float, 
 
 
 def load(ctx: typer.Context, pair: str | None, target: Path | None, drafter: Path | None, ctx_size: int | None,
-         budget: int | None, threads: int | None, gpu_layers: int):
+         budget: int | None, threads: int | None, gpu_layers: int, provider: str | None = None):
     from cli.loading import load_pair, resolve_pair
 
     if ctx_size is not None and ctx_size < 16:
         raise UserError(f"--ctx must be at least 16 tokens (got {ctx_size})")
     spec = resolve_pair(registry(ctx), pair, target, drafter, ctx_size)
-    return load_pair(spec, report, threads=threads, gpu_layers=gpu_layers, budget=budget)
+    if provider is not None and provider.lower() not in ("cpu", "cuda", "directml", "openvino", "qnn"):
+        raise UserError(f"--provider must be one of cpu, cuda, directml, openvino, qnn (got {provider!r})")
+    return load_pair(spec, report, threads=threads, gpu_layers=gpu_layers, budget=budget,
+                     provider=provider.lower() if provider else None)
 
 
 def stats_line(stats) -> str:
@@ -132,6 +138,7 @@ def generate(
     raw: RawOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     threads: ThreadsOpt = None,
+    provider: ProviderOpt = None,
     gpu_layers: GpuOpt = 0,
 ) -> None:
     """Complete one prompt, streaming the text (or one JSON object with --json)."""
@@ -142,7 +149,7 @@ def generate(
         raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
     sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     text = sys.stdin.read() if prompt == "-" else prompt
-    loaded = load(ctx, pair, target, drafter, ctx_size, budget, threads, gpu_layers)
+    loaded = load(ctx, pair, target, drafter, ctx_size, budget, threads, gpu_layers, provider)
     if loaded.lossless_warning and not no_spec:
         err.print(f"[yellow]warning:[/] {loaded.lossless_warning}", soft_wrap=True)
     grow = None if no_spec else GrowConfig.for_budget(loaded.budget)
@@ -185,13 +192,14 @@ def chat(
     ctx_size: CtxOpt = None,
     no_spec: NoSpecOpt = False,
     threads: ThreadsOpt = None,
+    provider: ProviderOpt = None,
     gpu_layers: GpuOpt = 0,
 ) -> None:
     """Talk to a model. Piped stdin: one prompt per line, replies on stdout."""
     from cli.repl import run_chat
 
     sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    loaded = load(ctx, pair, None, None, ctx_size, budget, threads, gpu_layers)
+    loaded = load(ctx, pair, None, None, ctx_size, budget, threads, gpu_layers, provider)
     if loaded.template is None:
         raise UserError(f"{loaded.name} has no chat template (a base model): use `edge-spec generate --raw`")
     run_chat(loaded, sampling, system, max_tokens, no_spec, err)
@@ -242,13 +250,41 @@ def pull(ctx: typer.Context, pair: Annotated[str | None, typer.Argument(show_def
 
 @app.command()
 @user_errors
-def prepare(ctx: typer.Context, pair: Annotated[str | None, typer.Argument(show_default=False)] = None) -> None:
-    """Download a pair and build its prepared files (requantized target / drafter)."""
+def prepare(
+    ctx: typer.Context,
+    pair: Annotated[str | None, typer.Argument(show_default=False)] = None,
+    vocab: Annotated[list[str] | None, typer.Option(
+        help="also build a frequency-ranked vocabulary of K tokens (repeat, or comma-separate: 8192,16384)",
+        metavar="K", show_default=False)] = None,
+    prompts: Annotated[Path | None, typer.Option(
+        help="calibration prompts, one per line (default: the packaged chat or text set)", show_default=False)] = None,
+    calibration_tokens: Annotated[int | None, typer.Option(
+        help="tokens the target generates per calibration prompt (default: 128)", show_default=False)] = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Download a pair and build its prepared files (requantized target / drafter, --vocab vocabularies)."""
     from cli.loading import materialize
 
     spec = registry(ctx).pair(pair)
+    sizes: list[int] = []
+    if vocab:
+        from cli.calibration import parse_vocab_sizes
+
+        sizes = parse_vocab_sizes(vocab)
+    elif prompts is not None or calibration_tokens is not None:
+        raise UserError("--prompts and --calibration-tokens apply to a vocabulary: add --vocab K")
+    n_tokens = 128 if calibration_tokens is None else calibration_tokens
+    if n_tokens < 1:
+        raise UserError(f"--calibration-tokens must be at least 1 (got {n_tokens})")
     for role, model in (("target", spec.target), ("drafter", spec.drafter)):
         print(f"{role}: {materialize(model, report)}")
+    if sizes:
+        from cli.calibration import build_vocabs
+
+        loaded = load(ctx, spec.name, None, None, None, None, threads, 0)
+        for built in build_vocabs(loaded, spec.target, sizes, prompts, n_tokens, err):
+            print(f"vocab {built.k}: {built.path} (coverage {built.coverage:.2%} of {built.counted} "
+                  f"calibration tokens, {built.distinct} distinct; unseen ranked by {built.prior})")
 
 
 @app.command()
@@ -266,15 +302,20 @@ def bench(
     ctx_size: CtxOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     threads: ThreadsOpt = None,
+    provider: ProviderOpt = None,
+    drafters: Annotated[str | None, typer.Option(
+        help="drafters to compare, comma-separated: llama_cpp, onnx, onnx:K (K-token head); default: the pair's",
+        show_default=False)] = None,
 ) -> None:
     """Plain decoding vs tree speculation on the same prompts, in one run."""
-    from cli.benchmark import parse_budgets, read_prompts, render_table, run_bench
+    from cli.benchmark import parse_budgets, parse_drafters, read_prompts, render_table, run_bench
 
+    drafter_list = parse_drafters(drafters)
     budget_list = parse_budgets(budgets)
     prompt_list = read_prompts(prompts)
     sampling = sampling_config(temperature, 0, 1.0, 0.0, 1.0, seed)
-    loaded = load(ctx, pair, None, None, ctx_size, None, threads, 0)
-    result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report)
+    loaded = load(ctx, pair, None, None, ctx_size, None, threads, 0, provider)
+    result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list, threads)
     if as_json:
         print(json.dumps(result, indent=2))
     else:

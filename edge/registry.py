@@ -16,7 +16,10 @@ FTYPES = (
     "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k",
     "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
 )  # fmt: skip
-MODEL_KEYS = ("path", "hf", "pypi", "files", "sha256", "name", "quantize", "kv_type", "from")
+MODEL_KEYS = ("path", "hf", "pypi", "files", "sha256", "name", "quantize", "kv_type", "from", "runtime", "vocab",
+              "provider")
+RUNTIMES = ("llama_cpp", "onnx")
+PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
 PAIR_KEYS = ("about", "ctx", "budget", "target", "drafter")
 TOP_KEYS = ("default", "pairs")
 SOURCE_KEYS = ("path", "hf", "pypi", "from")
@@ -51,6 +54,9 @@ class ModelSpec:
     source: Source
     quantize: str | None = None  # llama.cpp ftype: run a prepared requantization of the source
     kv_type: str = "f16"
+    runtime: str = "llama_cpp"  # "onnx": edge-spec's own graph (a drafter; a target means QuantSpec mode)
+    vocab: int | None = None  # onnx drafter: keep this many frequency-ranked tokens in the head
+    provider: str = "cpu"  # onnx: the onnxruntime execution provider
 
 
 @dataclass(frozen=True)
@@ -157,7 +163,13 @@ def _parse_model(path: Path, table: dict[str, Any], where: str, target_source: S
     if not given:
         raise UserError(f'{where}: no source; give one of path, hf, pypi (with files), or from = "target"')
     source = _reused_source(table, where, target_source) if given[0] == "from" else _parse_source(path, table, where)
-    return ModelSpec(source=source, quantize=quantize, kv_type=kv_type)
+    runtime = _choice(table, "runtime", "llama_cpp", RUNTIMES, where)
+    provider = _choice(table, "provider", "cpu", PROVIDERS, where)
+    vocab = _int_in_range(table, "vocab", 0, 0, None, where) or None
+    if runtime != "onnx" and ("vocab" in table or "provider" in table):
+        raise UserError(f"{where}: 'vocab' and 'provider' need runtime = \"onnx\"")
+    return ModelSpec(source=source, quantize=quantize, kv_type=kv_type, runtime=runtime, vocab=vocab,
+                     provider=provider)
 
 
 def _choice(

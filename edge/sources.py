@@ -68,11 +68,12 @@ def prepared_path(spec: ModelSpec) -> Path | None:
     """Where the requantized copy of `spec`'s source lives (None when the model is used as is)."""
     if spec.quantize is None:
         return None
-    source = spec.source
-    # The hash keeps two sources with the same file name (or a re-pinned sha) from sharing a prepared file.
-    identity = f"{_identity(source)}|{source.sha256 or ''}"
-    tag = hashlib.sha256(identity.encode()).hexdigest()[:8]
-    return cache_dir() / "prepared" / f"{_stem(source)}-{tag}.{spec.quantize}.gguf"
+    return cache_dir() / "prepared" / f"{_tagged_stem(spec.source)}.{spec.quantize}.gguf"
+
+
+def vocab_path(spec: ModelSpec, k: int) -> Path:
+    """Where the frequency-ranked vocabulary of `k` tokens counted from target `spec`'s generations lives."""
+    return cache_dir() / "prepared" / f"{_tagged_stem(spec.source)}.vocab-{k}.npz"
 
 
 def fetch(source: Source, report: Report | None = None) -> Path:
@@ -373,6 +374,12 @@ def _stamp_path(path: Path) -> Path:
 
 def _identity(source: Source) -> str:
     return str(source.path.absolute()) if source.path is not None else source.describe()
+
+
+def _tagged_stem(source: Source) -> str:
+    # The hash keeps two sources with the same file name (or a re-pinned sha) from sharing a prepared file.
+    identity = f"{_identity(source)}|{source.sha256 or ''}"
+    return f"{_stem(source)}-{hashlib.sha256(identity.encode()).hexdigest()[:8]}"
 
 
 def _stem(source: Source) -> str:

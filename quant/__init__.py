@@ -1,2 +1,3 @@
-"""Drafter compression: group-wise 4-bit weights, the QuantSpec hierarchical 4-bit KV cache, and
-frequency-ranked vocabularies for a trimmed draft head. numpy only."""
+"""Drafter compression: group-wise 4-bit weights (int4), the QuantSpec hierarchical 4-bit KV cache (kv), and
+frequency-ranked vocabularies for a trimmed draft head. Imports numpy only; int4 calls onnxruntime's own
+MatMulNBits packers (and onnx for initializers) inside the functions that need them."""

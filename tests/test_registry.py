@@ -36,7 +36,10 @@ def test_shipped_registry_loads() -> None:
     registry = load_registry()
     assert registry.path == default_models_path()
     assert registry.default == "smollm2-135m"
-    assert set(registry.pairs) == {"smollm2-135m", "gemma3-270m", "llama3.1-70b", "qwen2.5-72b", "gemma3-27b"}
+    assert set(registry.pairs) == {"smollm2-135m", "smollm2-135m-quantspec", "gemma3-270m", "llama3.1-70b",
+                                   "qwen2.5-72b", "gemma3-27b"}
+    quantspec = registry.pairs["smollm2-135m-quantspec"]
+    assert quantspec.target.runtime == quantspec.drafter.runtime == "onnx"
     assert all(pair.about for pair in registry.pairs.values())
 
 

@@ -42,7 +42,9 @@ def load_drafter(path: Path, options: RunOptions) -> LlamaDrafter:
     # Room past the target's context for the round's expanded nodes, which the drafter caches until commit.
     ctx = Context(model, options.n_ctx + MAX_SEQ, n_batch=MAX_SEQ, kv_type=options.kv_type,
                   n_threads=options.n_threads)
-    return LlamaDrafter(model, ctx)
+    drafter = LlamaDrafter(model, ctx)
+    drafter.kv_type = options.kv_type
+    return drafter
 
 
 def check_same_vocab(target: LlamaTarget, drafter: LlamaDrafter) -> None:

@@ -142,6 +142,20 @@ class Model:
         is_eog = ll.llama_vocab_is_eog
         return frozenset(t for t in range(self.n_vocab) if is_eog(self._vocab, t))
 
+    def special_tokens(self) -> frozenset[int]:
+        """Control, user-defined and unknown tokens, end-of-generation tokens, BOS, EOS and EOT.
+
+        Reserved slots (Gemma's 6242 `<unusedN>`, marked UNUSED) are left out: no model emits them.
+        """
+        special = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED | ll.LLAMA_TOKEN_ATTR_UNKNOWN
+        found = set()
+        for token in range(self.n_vocab):
+            attr = ll.llama_vocab_get_attr(self._vocab, token)
+            if attr & special and not attr & ll.LLAMA_TOKEN_ATTR_UNUSED:
+                found.add(token)
+        named = (self.bos, self.eos, ll.llama_vocab_eot(self._vocab))
+        return frozenset(found | self.eog_tokens() | {t for t in named if t >= 0})
+
 
 class Context:
     """A llama.cpp context: one unified KV cache shared by up to MAX_SEQ sequences."""

@@ -1,0 +1,141 @@
+"""Frequency-ranked vocabularies (VocabTrim / FR-Spec): the K tokens a trimmed draft head keeps.
+
+Count the tokens the target itself generates on calibration prompts, keep the K most frequent plus the
+special and control tokens no calibration text shows, and save the ids with the counts and what was
+counted. A drafter whose head has only those K rows costs K/n_vocab of the full head; the output stays
+the target's (acceptance is lossless for any drafter), only tokens outside the set can never be drafted.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge.errors import UserError
+from edge.sources import atomic_path
+
+_KEYS = {"ids", "counts", "n_vocab", "source"}
+
+
+@dataclass(frozen=True, eq=False)
+class RankedVocab:
+    ids: np.ndarray  # int32 [K] kept token ids, sorted ascending
+    counts: np.ndarray  # int64 [n_vocab] counts over the calibration completions
+    n_vocab: int
+    source: str  # what was counted: prompt file and its sha256, tokens generated per prompt, model
+
+    @property
+    def coverage(self) -> float:
+        """The fraction of counted tokens whose id is kept: how often the target's next token is draftable."""
+        return coverage(self.counts, self.ids)
+
+    def save(self, path: Path) -> None:
+        # Compressed: most of a large vocabulary's counts are 0. A file object, or numpy would append ".npz".
+        with atomic_path(path) as tmp, tmp.open("wb") as f:
+            np.savez_compressed(f, ids=self.ids, counts=self.counts, n_vocab=np.int64(self.n_vocab),
+                                source=np.str_(self.source))
+
+    @classmethod
+    def load(cls, path: Path) -> RankedVocab:
+        if not path.is_file():
+            raise UserError(f"vocabulary file {path} not found; build it with `edge-spec prepare PAIR --vocab K`")
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                if set(npz.files) != _KEYS:
+                    raise ValueError(f"keys {sorted(npz.files)}, expected {sorted(_KEYS)}")
+                vocab = cls(npz["ids"], npz["counts"], int(npz["n_vocab"]), str(npz["source"]))
+            _check(vocab)
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+            raise UserError(f"{path} is not a valid vocabulary file ({error}); delete it and run "
+                            "`edge-spec prepare PAIR --vocab K` again") from None
+        return vocab
+
+
+def count_tokens(sequences: Iterable[Sequence[int]], n_vocab: int) -> np.ndarray:
+    """How often each token id occurs in `sequences`: int64 [n_vocab]."""
+    counts = np.zeros(n_vocab, np.int64)
+    for sequence in sequences:
+        tokens = np.asarray(sequence, np.int64)
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= n_vocab):
+            raise ValueError(f"token ids must lie in [0, {n_vocab}) (got {tokens.min()}..{tokens.max()})")
+        counts += np.bincount(tokens, minlength=n_vocab)
+    return counts
+
+
+def select(counts: np.ndarray, k: int, always: Iterable[int], prior: np.ndarray | None = None) -> np.ndarray:
+    """Exactly `k` token ids, ascending: every id in `always`, then the others by count, then by `prior`
+    (higher first), then by lower id.
+
+    K counts the specials too, so it is the trimmed head's row count. The prior ranks the tokens a short
+    calibration run never saw, which fill most of a large K.
+    """
+    n_vocab = len(counts)
+    keep = np.zeros(n_vocab, bool)  # [n_vocab]
+    keep[np.fromiter(always, np.int64)] = True
+    n_always = int(keep.sum())
+    if not n_always <= k <= n_vocab:
+        raise ValueError(f"k must lie between the {n_always} always-kept tokens and the vocabulary's {n_vocab}"
+                         f" (got {k})")
+    if prior is not None and (prior.shape != counts.shape or not np.all(np.isfinite(prior))):
+        raise ValueError(f"prior must hold one finite value per token (got {prior.dtype} {prior.shape})")
+    ids = np.arange(n_vocab)
+    # lexsort's last key is the primary one: count, then prior, then id.
+    keys = (ids, -counts) if prior is None else (ids, -prior.astype(np.float64), -counts)
+    ranked = np.lexsort(keys)
+    keep[ranked[~keep[ranked]][: k - n_always]] = True
+    return np.flatnonzero(keep).astype(np.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class Prior:
+    """How likely each token is before anything is counted, from the tokenizer alone."""
+
+    values: np.ndarray | None  # float64 [n_vocab], higher is likelier; None: lower id is likelier
+    name: str  # which ranking, recorded in the vocabulary file's source
+
+
+def choose_prior(tokens: Sequence[str], scores: np.ndarray | None, merges: Sequence[str] | None) -> Prior:
+    """SentencePiece scores when they vary, else the BPE merge order, else token ids.
+
+    A score is a piece's log-probability (unigram) or minus its merge rank (BPE); a BPE token made by an
+    earlier merge is more frequent. Many vocabularies are already numbered in that order (SmolLM2's exactly,
+    Gemma-3's but for its byte pieces), and then every prior ranks as the ids do.
+    """
+    if scores is not None and len(scores) == len(tokens) and np.all(np.isfinite(scores)) and np.ptp(scores) > 0:
+        return Prior(scores.astype(np.float64), "tokenizer.ggml.scores")
+    if merges:
+        return Prior(merge_prior(tokens, merges), "BPE merge order")
+    return Prior(None, "token id")
+
+
+def merge_prior(tokens: Sequence[str], merges: Sequence[str]) -> np.ndarray:
+    """float64 [n_vocab]: 0 for tokens no merge makes (the base bytes), -(r + 1) for the token merge r makes."""
+    index = {token: i for i, token in enumerate(tokens)}
+    prior = np.zeros(len(tokens))
+    made = np.zeros(len(tokens), bool)
+    for rank, merge in enumerate(merges):
+        split = merge.find(" ", 1)  # as llama.cpp: the left part may itself be a space
+        token = index.get(merge[:split] + merge[split + 1 :]) if split > 0 else None
+        if token is not None and not made[token]:
+            prior[token], made[token] = -(rank + 1), True
+    return prior
+
+
+def coverage(counts: np.ndarray, ids: np.ndarray) -> float:
+    """The fraction of all counted tokens whose id is in `ids` (0 when nothing was counted)."""
+    total = int(counts.sum())
+    return float(counts[ids].sum() / total) if total else 0.0
+
+
+def _check(vocab: RankedVocab) -> None:
+    ids, counts = vocab.ids, vocab.counts
+    if counts.dtype != np.int64 or counts.shape != (vocab.n_vocab,):
+        raise ValueError(f"counts are {counts.dtype} {counts.shape}, expected int64 ({vocab.n_vocab},)")
+    if ids.dtype != np.int32 or ids.ndim != 1 or not len(ids):
+        raise ValueError(f"ids are {ids.dtype} {ids.shape}, expected a non-empty int32 [K]")
+    if ids[0] < 0 or ids[-1] >= vocab.n_vocab or np.any(np.diff(ids) <= 0):
+        raise ValueError(f"ids must be distinct, ascending and below {vocab.n_vocab}")

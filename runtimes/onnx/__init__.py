@@ -1,0 +1,95 @@
+"""ONNX Runtime: the fast drafter (int4 weights, 4-bit KV, frequency-ranked head) and the QuantSpec target.
+
+Graphs are built by edge-spec itself from GGUF weights (runtimes/onnx/graph.py) and cached beside the
+prepared model files; docs/drafter.md says why each piece is built the way it is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from quant.kv import QuantSpecKV, value_group
+from runtimes.onnx.arch import GGUFWeights
+from runtimes.onnx.graph import GraphOptions, build_graph
+from runtimes.onnx.models import OnnxDrafter, OnnxTarget
+from runtimes.onnx.session import PROVIDERS, DecoderSession, provider_name
+
+__all__ = ["PROVIDERS", "OnnxDrafter", "OnnxOptions", "OnnxTarget", "graph_path", "load_drafter",
+           "load_quantspec", "prepare_graph", "provider_name"]
+
+
+@dataclass(frozen=True)
+class OnnxOptions:
+    provider: str = "cpu"
+    threads: int | None = None
+    n_ctx: int = 4096
+
+
+def _variant(role: str, head_ids: np.ndarray | None) -> str:
+    head = "full" if head_ids is None else f"vocab{len(head_ids)}"
+    return {"drafter": f"int4-{head}-kv4", "shared-drafter": f"int4-{head}-kv8d", "target": "int8-full-kv8"}[role]
+
+
+def graph_path(gguf: Path, role: str, head_ids: np.ndarray | None = None) -> Path:
+    """The cached graph for a GGUF file (itself already in a per-source cache location) and a role."""
+    return gguf.with_name(f"{gguf.stem}.{_variant(role, head_ids)}.onnx")
+
+
+def _options(role: str, arch, head_ids: np.ndarray | None) -> GraphOptions:
+    vg = value_group(arch.n_kv_heads, arch.head_dim)
+    if role == "target":  # int8 weights, full head, full reader of the shared hierarchical cache, logits out
+        return GraphOptions(weights="int8", kv="hier8", kv_reader="full", kv_value_group=vg, outputs="logits")
+    kv = "upper4" if role == "drafter" else "hier8"
+    return GraphOptions(weights="int4", head_ids=head_ids, kv=kv, kv_reader="draft", kv_value_group=vg)
+
+
+def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, report=None) -> Path:
+    """Builds (once) the graph for `role` in 'drafter', 'shared-drafter', 'target'; returns its path."""
+    dest = graph_path(gguf, role, head_ids)
+    if dest.exists() and Path(str(dest) + ".data").exists():
+        return dest
+    if report:
+        report(f"building {dest.name} (ONNX graph from {gguf.name})")
+    weights = GGUFWeights(gguf)
+    tmp_dir = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        built = build_graph(gguf, _options(role, weights.arch, head_ids), tmp_dir / dest.name)
+        os.replace(str(built) + ".data", str(dest) + ".data")  # the weights first: a graph is never half there
+        os.replace(built, dest)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return dest
+
+
+def load_drafter(gguf: Path, options: OnnxOptions, head_ids: np.ndarray | None = None, report=None) -> OnnxDrafter:
+    """The drafter with its own 4-bit KV cache."""
+    arch = GGUFWeights(gguf).arch
+    session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report), options.provider, options.threads)
+    kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=4,
+                     value_group=value_group(arch.n_kv_heads, arch.head_dim))
+    drafter = OnnxDrafter(session, arch, kv)
+    drafter.vocab = arch.n_vocab if head_ids is None else len(head_ids)
+    return drafter
+
+
+def load_quantspec(target_gguf: Path, drafter_gguf: Path, options: OnnxOptions, tokenizer,
+                   stop_tokens: frozenset[int], head_ids: np.ndarray | None = None,
+                   report=None) -> tuple[OnnxTarget, OnnxDrafter]:
+    """A self-speculative pair on one hierarchical cache: the target writes it, the drafter reads nibbles."""
+    arch = GGUFWeights(target_gguf).arch
+    kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=8,
+                     value_group=value_group(arch.n_kv_heads, arch.head_dim))
+    target_session = DecoderSession(prepare_graph(target_gguf, "target", None, report), options.provider,
+                                    options.threads)
+    drafter_session = DecoderSession(prepare_graph(drafter_gguf, "shared-drafter", head_ids, report),
+                                     options.provider, options.threads)
+    target = OnnxTarget(target_session, arch, kv, tokenizer, stop_tokens, options.n_ctx)
+    drafter = OnnxDrafter(drafter_session, GGUFWeights(drafter_gguf).arch, kv, shared=True)
+    drafter.vocab = arch.n_vocab if head_ids is None else len(head_ids)
+    return target, drafter

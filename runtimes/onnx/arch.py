@@ -1,0 +1,123 @@
+"""What a GGUF model's graph needs: its hyperparameters and its weights as float32, read with `gguf`.
+
+Two architectures: `llama` (SmolLM2, Llama 3.x, Qwen2.x-style dense decoders) and `gemma3` (sliding-window
+layers, QK-norm, sandwich norms, GELU, scaled embeddings). The conventions follow llama.cpp's, so a graph
+built from these weights computes what llama.cpp computes on the same file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from edge.errors import UserError
+
+ARCHITECTURES = ("llama", "gemma3")
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str  # "llama" or "gemma3"
+    n_layers: int
+    n_embd: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    rms_eps: float
+    rope_base: float
+    rope_scale: float  # multiplies positions (llama.cpp's freq_scale) on full-attention layers
+    rope_neox: bool  # rotate halves (NEOX) rather than adjacent pairs (llama.cpp's NORM)
+    attn_scale: float
+    embed_scale: float  # gemma multiplies embeddings by sqrt(n_embd)
+    swa_window: int  # 0: no sliding-window layers
+    swa_layers: tuple[bool, ...]
+    rope_base_swa: float
+    n_ctx_train: int
+
+    @property
+    def has_swa(self) -> bool:
+        return any(self.swa_layers)
+
+    @property
+    def group(self) -> int:  # query heads per KV head
+        return self.n_heads // self.n_kv_heads
+
+
+class GGUFWeights:
+    """Lazily dequantized float32 tensors of one GGUF file, in [out_features, in_features] layout."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+        except (ValueError, OSError, IndexError) as e:
+            raise UserError(f"{path} is not a readable GGUF file ({e}); fetch it again") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def field(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        tensor = self.tensors[name]
+        return np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+    @cached_property
+    def arch(self) -> Arch:
+        return read_arch(self)
+
+
+def read_arch(weights: GGUFWeights) -> Arch:
+    name = weights.field("general.architecture")
+    if name not in ARCHITECTURES:
+        raise UserError(f"{weights.path.name}: architecture {name!r} has no ONNX graph builder "
+                        f"(supported: {', '.join(ARCHITECTURES)}); use the llama_cpp drafter runtime")
+
+    def key(suffix: str, default=None):
+        value = weights.field(f"{name}.{suffix}", default)
+        if value is None:
+            raise UserError(f"{weights.path.name}: GGUF key {name}.{suffix} is missing")
+        return value
+
+    n_layers, n_embd, n_heads = int(key("block_count")), int(key("embedding_length")), int(key("attention.head_count"))
+    n_kv_heads = int(key("attention.head_count_kv", n_heads))
+    head_dim = int(key("attention.key_length", n_embd // n_heads))
+    embd = weights.tensors["token_embd.weight"]
+    n_vocab = int(embd.shape[1])
+    swa_window, swa_layers = 0, (False,) * n_layers
+    if name == "gemma3":
+        swa_window = int(key("attention.sliding_window", 0))
+        if swa_window:  # llama.cpp's pattern: every 6th layer attends globally
+            swa_layers = tuple(i % 6 < 5 for i in range(n_layers))
+        # llama.cpp: 27B scales queries by n_embd / n_heads, the others by the head size
+        attn_scale = 1.0 / math.sqrt(n_embd / n_heads if n_layers == 62 else head_dim)
+        embed_scale = math.sqrt(n_embd)
+    else:
+        attn_scale, embed_scale = 1.0 / math.sqrt(head_dim), 1.0
+    scaling = weights.field(f"{name}.rope.scaling.type")
+    factor = float(weights.field(f"{name}.rope.scaling.factor", 1.0) or 1.0)
+    if scaling not in (None, "none", "linear") and factor != 1.0:
+        raise UserError(f"{weights.path.name}: rope scaling {scaling!r} is not supported by the ONNX builder")
+    return Arch(
+        name=name, n_layers=n_layers, n_embd=n_embd, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        n_ff=int(key("feed_forward_length")), n_vocab=n_vocab, rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_base=float(key("rope.freq_base", 10000.0)), rope_scale=1.0 / factor, rope_neox=name == "gemma3",
+        attn_scale=attn_scale, embed_scale=embed_scale, swa_window=swa_window, swa_layers=swa_layers,
+        rope_base_swa=float(weights.field(f"{name}.rope.freq_base_swa", 10000.0)),
+        n_ctx_train=int(key("context_length", 4096)),
+    )

@@ -1,0 +1,355 @@
+"""Builds a decoder's ONNX graph from GGUF weights: the drafter (int4, 4-bit KV, trimmed head, top-k in the
+graph), the QuantSpec target (int8, full head, ~8-bit KV reader) and a float32 reference graph for tests.
+
+One run of the graph processes n new tokens against the cached ones. Inputs (T = Q + W + S + n):
+
+    input_ids [n] int64, positions [n] int64
+    mask [n, T] float32            additive (0 or -inf): which cached/new tokens each new token sees
+    mask_swa [n, T] float32        the same with the sliding window applied (gemma3 only)
+    output_rows [m] int64          rows whose head is computed (prefill needs only the last)
+    top_k [1] int64                (topk outputs only)
+    k_codes, k_scale, k_min        the quantized part (Q tokens), as quant.kv stores it   (quantized KV only)
+    v_codes, v_scale, v_min
+    k_win, v_win [W, L, kvh, d]    committed tokens in the FP16 window (float32 in the reference graph)
+    k_tree, v_tree [S, L, kvh, d]  this round's earlier tree nodes
+Outputs:
+    k_new, v_new [n, L, kvh, d]    the new tokens' keys (after RoPE) and values
+    logits [m, V']                 or  top_ids [m, k] (full-vocabulary ids) + top_log_probs [m, k]
+
+Token-major caches ([tokens, layers, ...]) make every prefix a contiguous array, so Python passes views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from runtimes.onnx.arch import GGUFWeights
+
+IR_VERSION = 10  # onnxruntime 1.31 reads ir_version <= 13; the onnx package writes newer by default
+OPSET = 21
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    weights: str = "int4"  # "int4", "int8" (MatMulNBits) or "f32" (plain MatMul, the reference graph)
+    block: int = 32  # quantization group of MatMulNBits
+    accuracy_level: int = 4  # int8 compute in MatMulNBits: fastest here, and batch-invariant (DESIGN.md)
+    head_ids: np.ndarray | None = field(default=None, compare=False)  # kept vocabulary rows, None = full head
+    kv: str = "upper4"  # "upper4" (draft-only 4-bit cache), "hier8" (shared hierarchical cache) or "f32"
+    kv_reader: str = "draft"  # on "hier8": "draft" reads the upper nibble, "full" both nibbles
+    kv_group: int = 128  # tokens per key group
+    kv_value_group: int = 128  # channels per value group
+    outputs: str = "topk"  # "topk" or "logits"
+
+    @property
+    def kv_float(self) -> int:
+        return TensorProto.FLOAT if self.kv == "f32" else TensorProto.FLOAT16
+
+
+class _Graph:
+    """Small helper over onnx.helper: every op returns its output name."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._count = 0
+        self._consts: dict[tuple, str] = {}
+
+    def name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def op(self, op_type: str, *inputs: str, hint: str | None = None, domain: str = "", n_out: int = 1, **attrs):
+        outs = [self.name(hint or op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, domain=domain or None, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.asarray(array, order="C"), name))  # keeps 0-d arrays 0-d
+        return name
+
+    def const(self, value, dtype=np.int64) -> str:
+        array = np.asarray(value, dtype=dtype)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self._consts:
+            self._consts[key] = self.weight(self.name("const"), array)
+        return self._consts[key]
+
+    def input(self, name: str, elem_type: int, shape: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def output(self, value: str, name: str, elem_type: int, shape: list) -> None:
+        self.nodes.append(helper.make_node("Identity", [value], [name]))
+        self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+
+    def model(self) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, "edge_spec_decoder", self.inputs, self.outputs, self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = IR_VERSION
+        model.producer_name = "edge-spec"
+        return model
+
+
+class DecoderBuilder:
+    def __init__(self, weights: GGUFWeights, options: GraphOptions):
+        self.w, self.arch, self.opt = weights, weights.arch, options
+        self.g = _Graph()
+
+    # --- pieces -------------------------------------------------------------------------------------------
+
+    def linear(self, x: str, name: str, w: np.ndarray | None = None, source: str | None = None) -> str:
+        """x: [n, in] -> [n, out] for the GGUF weight `name` ([out, in]); `source` names the GGUF tensor."""
+        w = self.w.get(name) if w is None else w
+        g, opt = self.g, self.opt
+        if opt.weights == "f32":
+            return g.op("MatMul", x, g.weight(name, w.T), hint="mm")
+        packed = self.quantize(w, source or name)
+        inputs = [g.weight(name + ".q", packed.packed), g.weight(name + ".scales", packed.scales)]
+        if packed.zero_points is not None:
+            inputs.append(g.weight(name + ".zp", packed.zero_points))
+        return g.op("MatMulNBits", x, *inputs, hint="mm", domain="com.microsoft", K=packed.k, N=packed.n,
+                    bits=packed.bits, block_size=opt.block, accuracy_level=opt.accuracy_level)
+
+    def quantize(self, w: np.ndarray, source: str, symmetric_only: bool = False):
+        """Requantizes a dequantized GGUF tensor without adding error where the source's grid allows it.
+
+        A Q4_0 (Q8_0) block is d * q with d = (value of largest magnitude) / -8 (/127): symmetric 4-bit
+        (8-bit) MatMulNBits blocks of 32 hold it exactly, so a Q4_0 drafter keeps exactly its weights.
+        Tensors stored at 8 bits or more (embeddings, the head) stay 8-bit in the int4 graph, as llama.cpp
+        keeps them; everything else gets the graph's bits, asymmetric.
+        """
+        from quant.int4 import quantize_weight
+
+        kind = self.w.tensors[source].tensor_type.name
+        bits = 4 if self.opt.weights == "int4" else 8
+        if bits == 4 and kind in ("Q8_0", "F16", "BF16", "F32", "Q6_K"):
+            bits = 8
+        symmetric = symmetric_only or (kind == "Q4_0" and bits == 4) or (kind == "Q8_0" and bits == 8)
+        return quantize_weight(w, bits=bits, block=self.opt.block, symmetric=symmetric)
+
+    def rms_norm(self, x: str, name: str) -> str:
+        return self.g.op("SimplifiedLayerNormalization", x, self.g.weight(name, self.w.get(name)), hint="norm",
+                         axis=-1, epsilon=self.arch.rms_eps)
+
+    def embed(self, ids: str) -> str:
+        g, opt, table = self.g, self.opt, self.w.get("token_embd.weight")  # [V, H]
+        if opt.weights == "f32":
+            self.embedding = table
+            x = g.op("Gather", g.weight("token_embd", table), ids, axis=0)
+        else:
+            packed = self.quantize(table, "token_embd.weight", symmetric_only=True)
+            data = packed.packed.reshape(table.shape[0], -1)
+            scales = packed.scales.reshape(table.shape[0], -1)
+            x = g.op("GatherBlockQuantized", g.weight("token_embd.q", data), ids, g.weight("token_embd.s", scales),
+                     domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=opt.block, bits=packed.bits)
+        if self.arch.embed_scale != 1.0:
+            x = g.op("Mul", x, g.const(self.arch.embed_scale, np.float32))
+        return x
+
+    def rope_tables(self, positions: str, base: float, scale: float) -> tuple[str, str]:
+        """cos, sin: [n, 1, d/2] for positions [n]."""
+        g, d = self.g, self.arch.head_dim
+        inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+        if self.w.has("rope_freqs.weight"):  # Llama 3.x long-context frequency factors
+            inv_freq = inv_freq / self.w.get("rope_freqs.weight").astype(np.float64)
+        pos = g.op("Cast", positions, to=TensorProto.FLOAT)
+        pos = g.op("Unsqueeze", pos, g.const([1, 2]))  # [n, 1, 1]
+        angles = g.op("Mul", pos, g.const((inv_freq * scale).astype(np.float32)[None, None, :], np.float32))
+        return g.op("Cos", angles), g.op("Sin", angles)
+
+    def rope(self, x: str, tables: tuple[str, str], heads: int) -> str:
+        """x: [n, heads, d] rotated by position."""
+        g, d = self.g, self.arch.head_dim
+        cos, sin = tables
+        if self.arch.rope_neox:  # pairs (i, i + d/2)
+            x0, x1 = g.op("Split", x, g.const([d // 2, d // 2]), axis=-1, n_out=2)
+            out0 = g.op("Sub", g.op("Mul", x0, cos), g.op("Mul", x1, sin))
+            out1 = g.op("Add", g.op("Mul", x0, sin), g.op("Mul", x1, cos))
+            return g.op("Concat", out0, out1, axis=-1)
+        pairs = g.op("Reshape", x, g.const([0, heads, d // 2, 2]))  # pairs (2i, 2i + 1)
+        x0, x1 = g.op("Split", pairs, g.const([1, 1]), axis=-1, n_out=2)
+        cos4, sin4 = g.op("Unsqueeze", cos, g.const([-1])), g.op("Unsqueeze", sin, g.const([-1]))
+        out0 = g.op("Sub", g.op("Mul", x0, cos4), g.op("Mul", x1, sin4))
+        out1 = g.op("Add", g.op("Mul", x0, sin4), g.op("Mul", x1, cos4))
+        return g.op("Reshape", g.op("Concat", out0, out1, axis=-1), g.const([0, heads, d]))
+
+    def committed_kv(self, cache: dict[str, str], kind: str) -> str:
+        """Every layer's cached keys or values at once, float32 [L, kvh, T0, d] (T0 = Q + W + S), oldest first.
+
+        Done once per run rather than per layer: a 30-layer drafter runs thousands of tiny ops otherwise, and
+        onnxruntime's per-op overhead, not arithmetic, then dominates a drafter step.
+        """
+        g, opt, a = self.g, self.opt, self.arch
+        pieces = []
+        if opt.kv != "f32":
+            codes = cache[f"{kind}_codes"]  # [Q, L, kvh, d'] or [Q, L, C']
+            scale = g.op("Cast", cache[f"{kind}_scale"], to=TensorProto.FLOAT)
+            low = g.op("Cast", cache[f"{kind}_min"], to=TensorProto.FLOAT)
+            if opt.kv == "upper4":  # two channels per byte, the even channel in the low nibble
+                even = g.op("Unsqueeze", g.op("BitwiseAnd", codes, g.const(15, np.uint8)), g.const([-1]))
+                odd = g.op("Unsqueeze", g.op("BitShift", codes, g.const(4, np.uint8), direction="RIGHT"),
+                           g.const([-1]))
+                shape = [0, 0, a.n_kv_heads, a.head_dim] if kind == "k" else [0, 0, a.n_kv_heads * a.head_dim]
+                level = g.op("Cast", g.op("Reshape", g.op("Concat", even, odd, axis=-1), g.const(shape)),
+                             to=TensorProto.FLOAT)
+            elif opt.kv_reader == "draft":  # the upper nibble of a hierarchical byte
+                level = g.op("Cast", g.op("BitShift", codes, g.const(4, np.uint8), direction="RIGHT"),
+                             to=TensorProto.FLOAT)
+            else:  # u*s + (l-8)*s/16 + min == byte * s/16 + (min - s/2)
+                level = g.op("Cast", codes, to=TensorProto.FLOAT)
+                low = g.op("Sub", low, g.op("Mul", scale, g.const(0.5, np.float32)))
+                scale = g.op("Mul", scale, g.const(1 / 16, np.float32))
+            # Shapes from the inputs, not -1: Reshape cannot infer a dimension of an empty cache.
+            tokens = g.op("Slice", g.op("Shape", codes), g.const([0]), g.const([1]))
+            if kind == "k":  # per channel over groups of G tokens: scale [Q/G, L, kvh, d]
+                groups = g.op("Slice", g.op("Shape", scale), g.const([0]), g.const([1]))
+                dims = g.const([opt.kv_group, a.n_layers, a.n_kv_heads, a.head_dim])
+                grouped = g.op("Reshape", level, g.op("Concat", groups, dims, axis=0))
+                scale, low = (g.op("Unsqueeze", t, g.const([1])) for t in (scale, low))
+            else:  # per token over groups of VG channels: scale [Q, L, C/VG]
+                channels = a.n_kv_heads * a.head_dim
+                grouped = g.op("Reshape", level, g.const([0, 0, channels // opt.kv_value_group, opt.kv_value_group]))
+                scale, low = (g.op("Unsqueeze", t, g.const([-1])) for t in (scale, low))
+            values = g.op("Add", g.op("Mul", grouped, scale), low)
+            shape = g.op("Concat", tokens, g.const([a.n_layers, a.n_kv_heads, a.head_dim]), axis=0)
+            pieces.append(g.op("Reshape", values, shape))
+        for part in ("win", "tree"):
+            piece = cache[f"{kind}_{part}"]
+            pieces.append(piece if opt.kv == "f32" else g.op("Cast", piece, to=TensorProto.FLOAT))
+        return g.op("Transpose", g.op("Concat", *pieces, axis=0), perm=[1, 2, 0, 3])
+
+    def linears(self, x: str, names: list[str]) -> list[str]:
+        """Several projections of the same input in one matmul (fewer, larger ops), split afterwards."""
+        kinds = {self.w.tensors[name].tensor_type for name in names}
+        if len(kinds) > 1:  # mixed quantization types keep their own grids
+            return [self.linear(x, name) for name in names]
+        weights = [self.w.get(name) for name in names]
+        fused = self.linear(x, names[0].replace(".weight", "") + "+.weight", np.concatenate(weights), names[0])
+        sizes = self.g.const([w.shape[0] for w in weights])
+        return self.g.op("Split", fused, sizes, axis=-1, n_out=len(names))
+
+    def attention(self, layer: int, x: str, tables: tuple[str, str], mask: str, cached: tuple[str, str]):
+        """x: [n, H] normed. Returns the attention output [n, H] and this layer's new k, v [n, kvh, d]."""
+        g, a, prefix = self.g, self.arch, f"blk.{layer}."
+        q, k, v = self.linears(x, [prefix + "attn_q.weight", prefix + "attn_k.weight", prefix + "attn_v.weight"])
+        q = g.op("Reshape", q, g.const([0, a.n_heads, a.head_dim]))
+        k = g.op("Reshape", k, g.const([0, a.n_kv_heads, a.head_dim]))
+        v = g.op("Reshape", v, g.const([0, a.n_kv_heads, a.head_dim]))
+        if a.name == "gemma3":
+            q, k = self.rms_norm(q, prefix + "attn_q_norm.weight"), self.rms_norm(k, prefix + "attn_k_norm.weight")
+        q, k = self.rope(q, tables, a.n_heads), self.rope(k, tables, a.n_kv_heads)
+        q = g.op("Mul", q, g.const(a.attn_scale, np.float32))
+        if self.opt.kv != "f32":  # new tokens are read as the cache will hold them, so a batch equals one-by-one
+            k, v = (g.op("Cast", g.op("Cast", t, to=TensorProto.FLOAT16), to=TensorProto.FLOAT) for t in (k, v))
+        index = g.const(layer)
+        keys = g.op("Concat", g.op("Gather", cached[0], index, axis=0), g.op("Transpose", k, perm=[1, 0, 2]),
+                    axis=1)  # [kvh, T, d]
+        values = g.op("Concat", g.op("Gather", cached[1], index, axis=0), g.op("Transpose", v, perm=[1, 0, 2]),
+                      axis=1)
+        # q: [n, kvh*group, d] -> [kvh, group, n, d]; query head h reads KV head h // group
+        q = g.op("Transpose", g.op("Reshape", q, g.const([0, a.n_kv_heads, a.group, a.head_dim])), perm=[1, 2, 0, 3])
+        keys = g.op("Unsqueeze", g.op("Transpose", keys, perm=[0, 2, 1]), g.const([1]))  # [kvh, 1, d, T]
+        values = g.op("Unsqueeze", values, g.const([1]))  # [kvh, 1, T, d]
+        scores = g.op("Add", g.op("MatMul", q, keys), mask)  # [kvh, group, n, T]; mask [n, T] broadcasts
+        out = g.op("MatMul", g.op("Softmax", scores, axis=-1), values)  # [kvh, group, n, d]
+        out = g.op("Reshape", g.op("Transpose", out, perm=[2, 0, 1, 3]), g.const([-1, a.n_heads * a.head_dim]))
+        return self.linear(out, prefix + "attn_output.weight"), k, v
+
+    def ffn(self, layer: int, x: str) -> str:
+        g, prefix = self.g, f"blk.{layer}."
+        gate, up = self.linears(x, [prefix + "ffn_gate.weight", prefix + "ffn_up.weight"])
+        if self.arch.name == "gemma3":
+            act = g.op("Gelu", gate, approximate="tanh")
+        else:
+            act = g.op("Mul", gate, g.op("Sigmoid", gate))  # SiLU
+        return self.linear(g.op("Mul", act, up), prefix + "ffn_down.weight")
+
+    # --- the whole graph ----------------------------------------------------------------------------------
+
+    def build(self) -> onnx.ModelProto:
+        g, a, opt = self.g, self.arch, self.opt
+        F, U8, F16, I64 = TensorProto.FLOAT, TensorProto.UINT8, TensorProto.FLOAT16, TensorProto.INT64
+        L, kvh, d = a.n_layers, a.n_kv_heads, a.head_dim
+        ids = g.input("input_ids", I64, ["n"])
+        positions = g.input("positions", I64, ["n"])
+        mask = g.input("mask", F, ["n", "T"])
+        mask_swa = g.input("mask_swa", F, ["n", "T"]) if a.has_swa else mask
+        rows = g.input("output_rows", I64, ["m"])
+        top_k = g.input("top_k", I64, [1]) if opt.outputs == "topk" else None
+        cache: dict[str, str] = {}
+        if opt.kv != "f32":
+            width = d // 2 if opt.kv == "upper4" else d
+            cache["k_codes"] = g.input("k_codes", U8, ["Q", L, kvh, width])
+            cache["k_scale"] = g.input("k_scale", F16, ["QG", L, kvh, d])
+            cache["k_min"] = g.input("k_min", F16, ["QG", L, kvh, d])
+            cache["v_codes"] = g.input("v_codes", U8, ["Q", L, kvh * width])
+            cache["v_scale"] = g.input("v_scale", F16, ["Q", L, kvh * d // opt.kv_value_group])
+            cache["v_min"] = g.input("v_min", F16, ["Q", L, kvh * d // opt.kv_value_group])
+        for kind in ("k", "v"):
+            for part, dim in (("win", "W"), ("tree", "S")):
+                cache[f"{kind}_{part}"] = g.input(f"{kind}_{part}", opt.kv_float, [dim, L, kvh, d])
+
+        tables = self.rope_tables(positions, a.rope_base, a.rope_scale)
+        tables_swa = self.rope_tables(positions, a.rope_base_swa, 1.0) if a.has_swa else tables
+        x = self.embed(ids)
+        cached = (self.committed_kv(cache, "k"), self.committed_kv(cache, "v"))
+        new_k, new_v = [], []
+        for layer in range(L):
+            swa = a.swa_layers[layer]
+            h = self.rms_norm(x, f"blk.{layer}.attn_norm.weight")
+            h, k, v = self.attention(layer, h, tables_swa if swa else tables, mask_swa if swa else mask, cached)
+            if a.name == "gemma3":
+                h = self.rms_norm(h, f"blk.{layer}.post_attention_norm.weight")
+            x = g.op("Add", x, h)
+            h = self.ffn(layer, self.rms_norm(x, f"blk.{layer}.ffn_norm.weight"))
+            if a.name == "gemma3":
+                h = self.rms_norm(h, f"blk.{layer}.post_ffw_norm.weight")
+            x = g.op("Add", x, h)
+            new_k.append(g.op("Unsqueeze", k, g.const([1])))
+            new_v.append(g.op("Unsqueeze", v, g.const([1])))
+        for kind, parts in (("k", new_k), ("v", new_v)):
+            stacked = g.op("Concat", *parts, axis=1)  # [n, L, kvh, d]
+            if opt.kv != "f32":
+                stacked = g.op("Cast", stacked, to=TensorProto.FLOAT16)
+            g.output(stacked, f"{kind}_new", opt.kv_float, ["n", L, kvh, d])
+
+        x = self.rms_norm(g.op("Gather", x, rows, axis=0), "output_norm.weight")  # [m, H]
+        head_name = "output.weight" if self.w.has("output.weight") else "token_embd.weight"
+        if opt.weights == "f32" and opt.head_ids is None and head_name == "token_embd.weight":
+            head = self.embedding  # tied: share the table instead of a second copy
+            logits = g.op("Gemm", x, "token_embd", transB=1)
+        else:
+            head = self.w.get(head_name)  # [V, H]
+            if opt.head_ids is not None:
+                head = head[np.asarray(opt.head_ids)]
+            logits = self.linear(x, "head", head, source=head_name)  # [m, V']
+        if opt.outputs == "logits":
+            g.output(logits, "logits", F, ["m", head.shape[0]])
+        else:
+            log_probs = g.op("LogSoftmax", logits, axis=-1)
+            values, index = g.op("TopK", log_probs, top_k, axis=-1, largest=1, sorted=1, n_out=2)
+            if opt.head_ids is not None:
+                index = g.op("Gather", g.const(np.asarray(opt.head_ids, np.int64)), index, axis=0)
+            g.output(index, "top_ids", I64, ["m", "k"])
+            g.output(values, "top_log_probs", F, ["m", "k"])
+        return g.model()
+
+
+def build_graph(gguf_path: Path, options: GraphOptions, out_path: Path) -> Path:
+    """Writes out_path (+ out_path.data with the weights) and returns out_path."""
+    weights = GGUFWeights(gguf_path)
+    model = DecoderBuilder(weights, options).build()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=out_path.name + ".data", size_threshold=1024)
+    return out_path

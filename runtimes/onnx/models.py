@@ -1,0 +1,244 @@
+"""The Drafter and Target protocols on an ONNX decoder graph with the QuantSpec KV cache.
+
+A model's committed tokens live in a `QuantSpecKV` (4-bit codes plus an FP16 window); this round's tree nodes
+live in FP16 "tree slots" of the model's own, in the order they ran. One graph run takes any tree-shaped batch:
+the mask says which committed tokens, slots and new tokens each new token sees. Commit appends the accepted
+path's slots to the committed cache; the rest of the round is forgotten by resetting the slot count.
+
+In QuantSpec mode a target and a drafter share one hierarchical cache: the target writes it (its own K/V for
+every committed token), the drafter reads its upper nibbles and keeps only its tree slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from edge.tree import TokenTree
+from quant.kv import QuantSpecKV
+from runtimes.onnx.arch import Arch
+from runtimes.onnx.session import DecoderSession
+
+PREFILL_CHUNK = 256
+MAX_TREE = 256
+
+
+class _OnnxModel:
+    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, shared: bool):
+        self.session, self.arch, self.kv, self.shared = session, arch, kv, shared
+        shape = (MAX_TREE + PREFILL_CHUNK, arch.n_layers, arch.n_kv_heads, arch.head_dim)
+        self.tree_k = np.zeros(shape, np.float16)  # this round's nodes, in run order
+        self.tree_v = np.zeros(shape, np.float16)
+        self.tree_pos = np.zeros(shape[0], np.int64)
+        self.tree_token = np.zeros(shape[0], np.int64)  # slot -> its token, and the slot of its parent (-1: root)
+        self.tree_parent = np.full(shape[0], -1, np.int64)
+        self.n_tree = 0
+        self.history: list[int] = []  # the tokens in self.kv (the writer's view; unused by a shared reader)
+        self.passes = 0
+        self.last_run_s = 0.0
+
+    @property
+    def n_past(self) -> int:
+        return self.kv.n_tokens
+
+    def _run(self, tokens: np.ndarray, positions: np.ndarray, sees_slots: np.ndarray, sees_new: np.ndarray,
+             rows: np.ndarray, top_k: int = 0) -> dict[str, np.ndarray]:
+        """tokens, positions: [n]; sees_slots: [n, n_tree] bool; sees_new: [n, n] bool; rows: [m] outputs."""
+        if len(tokens) == 1:
+            # A lone query takes other matmul kernels (a GEMV path) whose sums round differently; a copy of it
+            # as a second row keeps one token's results bit-identical to the same token inside a batch.
+            out = self._run(np.repeat(tokens, 2), np.repeat(positions, 2), np.repeat(sees_slots, 2, axis=0),
+                            np.eye(2, dtype=bool), rows, top_k)
+            out["k_new"], out["v_new"] = out["k_new"][:1], out["v_new"][:1]
+            return out
+        n, committed, slots = len(tokens), self.kv.n_tokens, self.n_tree
+        visible = np.ones((n, committed + slots + n), bool)
+        visible[:, committed : committed + slots] = sees_slots
+        visible[:, committed + slots :] = sees_new
+        mask = np.where(visible, np.float32(0), np.float32(-np.inf))
+        feeds = {
+            "input_ids": tokens.astype(np.int64, copy=False),
+            "positions": positions.astype(np.int64, copy=False),
+            "mask": mask,
+            "output_rows": rows.astype(np.int64, copy=False),
+            "top_k": np.array([top_k], np.int64),
+            "k_tree": self.tree_k[:slots],
+            "v_tree": self.tree_v[:slots],
+            **self.kv.views(),
+        }
+        if self.arch.has_swa:
+            key_pos = np.concatenate([np.arange(committed), self.tree_pos[:slots], positions])
+            far = positions[:, None] - key_pos[None, :] >= self.arch.swa_window
+            feeds["mask_swa"] = np.where(far, np.float32(-np.inf), mask)
+        out = self.session.run(feeds)
+        self.passes += 1
+        return out
+
+    def _add_slots(self, out: dict[str, np.ndarray], tokens: np.ndarray, positions: np.ndarray,
+                   parent_slots: np.ndarray) -> np.ndarray:
+        """Keeps the run's new K/V as tree slots; returns their slot numbers."""
+        n = len(positions)
+        slots = np.arange(self.n_tree, self.n_tree + n)
+        self.tree_k[slots], self.tree_v[slots] = out["k_new"], out["v_new"]
+        self.tree_pos[slots], self.tree_token[slots], self.tree_parent[slots] = positions, tokens, parent_slots
+        self.n_tree += n
+        return slots
+
+    def _write(self, tokens: Sequence[int]) -> None:
+        """Runs committed tokens straight into the cache, a chunk per pass."""
+        tokens = list(tokens)
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = np.asarray(tokens[start : start + PREFILL_CHUNK], np.int64)
+            n = len(chunk)
+            positions = self.kv.n_tokens + np.arange(n)
+            out = self._run(chunk, positions, np.zeros((n, 0), bool), np.tri(n, dtype=bool), np.array([n - 1]),
+                            top_k=1)
+            self.kv.append(out["k_new"], out["v_new"])
+            self.history += chunk.tolist()
+
+    def _truncate_kv(self, n: int) -> None:
+        """Keeps the first n committed tokens; a cut inside the quantized part re-runs from the group start."""
+        kept = self.kv.truncate(min(n, self.kv.n_tokens))
+        tail = self.history[kept:n]
+        del self.history[kept:]
+        self._write(tail)
+
+
+class OnnxDrafter(_OnnxModel):
+    """The Drafter protocol. Tree slot s holds node `slot_node[s]`; a root pass also runs pending tokens."""
+
+    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, shared: bool = False):
+        super().__init__(session, arch, kv, shared)
+        self.expand_capacity = MAX_TREE - 1
+        self.node_slot: dict[int, int] = {}
+        self.pending: list[int] = []  # committed tokens not yet run (a path's unexpanded tail)
+        self.base = 0  # the root's position
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        if not self.shared:  # a shared cache is the target's to fill
+            self._write([*self.pending, *tokens])
+            self.pending = []
+
+    def truncate(self, n: int) -> None:
+        self._reset_tree()
+        if self.shared:
+            return
+        held = self.kv.n_tokens
+        if n >= held:
+            del self.pending[n - held :]
+        else:
+            self.pending = []
+            self._truncate_kv(n)
+
+    def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.node_slot) + len(nodes) > self.expand_capacity:
+            raise ValueError("drafter asked to expand more nodes in one round than it has tree slots")
+        out = self._run_root(int(tree.tokens[0]), k) if nodes[0] == 0 else self._run_nodes(tree, nodes, k)
+        return out["top_ids"].astype(np.int32), out["top_log_probs"]
+
+    def _run_root(self, root: int, k: int) -> dict[str, np.ndarray]:
+        """Pending tokens and the root in one pass; the pending ones join the committed cache."""
+        if self.shared and self.pending:
+            raise RuntimeError("a shared-cache drafter cannot hold pending tokens")
+        tokens = np.asarray([*self.pending, root], np.int64)
+        n = len(tokens)
+        positions = self.kv.n_tokens + np.arange(n)
+        out = self._run(tokens, positions, np.zeros((n, 0), bool), np.tri(n, dtype=bool), np.array([n - 1]), k)
+        if n > 1:
+            self.kv.append(out["k_new"][:-1], out["v_new"][:-1])
+            self.history += self.pending
+            self.pending = []
+        self.base = int(positions[-1])
+        self._reset_tree()
+        slot = self._add_slots({"k_new": out["k_new"][-1:], "v_new": out["v_new"][-1:]}, tokens[-1:],
+                               positions[-1:], np.array([-1]))
+        self.node_slot[0] = int(slot[0])
+        return out
+
+    def _run_nodes(self, tree: TokenTree, nodes: np.ndarray, k: int) -> dict[str, np.ndarray]:
+        n = len(nodes)
+        sees_slots = np.zeros((n, self.n_tree), bool)
+        ancestors = tree.parents[nodes]
+        while True:  # walk up to the root: every ancestor of a node being run has a slot already
+            live = ancestors >= 0
+            if not live.any():
+                break
+            rows = np.flatnonzero(live)
+            sees_slots[rows, [self.node_slot[int(a)] for a in ancestors[rows]]] = True
+            ancestors = np.where(live, tree.parents[np.maximum(ancestors, 0)], -1)
+        positions = self.base + tree.depth[nodes].astype(np.int64)
+        out = self._run(tree.tokens[nodes], positions, sees_slots, np.eye(n, dtype=bool), np.arange(n), k)
+        parent_slots = np.array([self.node_slot[int(p)] for p in tree.parents[nodes]])
+        slots = self._add_slots(out, tree.tokens[nodes], positions, parent_slots)
+        for node, slot in zip(nodes.tolist(), slots.tolist(), strict=True):
+            self.node_slot[node] = slot
+        return out
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None:
+        tokens = tree.path_tokens(path)
+        if not self.node_slot:  # this round ran without the drafter: catch up at the next root
+            if not self.shared:
+                self.pending += tokens
+            self._reset_tree()
+            return
+        if not self.shared:
+            slots = self._path_slots(tokens)  # grow renumbers the tree it returns: follow tokens, not node ids
+            self.kv.append(self.tree_k[slots], self.tree_v[slots])
+            self.history += tokens[: len(slots)]
+            self.pending = tokens[len(slots) :]
+        self._reset_tree()
+
+    def _path_slots(self, tokens: list[int]) -> list[int]:
+        """The slots along `tokens` from the root slot, as far as the drafter ran them."""
+        slots = [0]
+        parents, carried = self.tree_parent[: self.n_tree], self.tree_token[: self.n_tree]
+        for token in tokens[1:]:
+            hits = np.flatnonzero((parents == slots[-1]) & (carried == token))
+            if len(hits) == 0:
+                break
+            slots.append(int(hits[0]))
+        return slots
+
+    def _reset_tree(self) -> None:
+        self.node_slot.clear()
+        self.n_tree = 0
+
+
+class OnnxTarget(_OnnxModel):
+    """The Target protocol on the QuantSpec target graph (int8 weights, full head, full KV reader).
+
+    verify runs the whole tree in one pass and keeps every node's K/V as a tree slot; commit moves the
+    accepted path's slots into the shared cache, so a committed token's K/V is the target's own.
+    """
+
+    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, tokenizer, stop_tokens: frozenset[int],
+                 n_ctx: int):
+        super().__init__(session, arch, kv, shared=False)
+        self.tokenizer = tokenizer
+        self.stop_tokens = stop_tokens
+        self.n_vocab = arch.n_vocab
+        self.n_ctx = n_ctx
+        self.max_tree = MAX_TREE
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self._write(tokens)
+
+    def truncate(self, n: int) -> None:
+        self.n_tree = 0
+        self._truncate_kv(n)
+
+    def verify(self, tree: TokenTree) -> np.ndarray:
+        n = len(tree)
+        if n > self.max_tree:
+            raise ValueError(f"tree of {n} nodes exceeds the target's {self.max_tree}")
+        self.n_tree = 0
+        positions = self.kv.n_tokens + tree.depth.astype(np.int64)
+        out = self._run(tree.tokens, positions, np.zeros((n, 0), bool), tree.ancestor_mask(), np.arange(n))
+        self._add_slots(out, tree.tokens, positions, tree.parents)
+        return out["logits"]
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None:
+        self.kv.append(self.tree_k[path], self.tree_v[path])
+        self.history += tree.path_tokens(path)
+        self.n_tree = 0

