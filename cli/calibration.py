@@ -1,24 +1,27 @@
 """`edge-spec prepare --vocab K`: count the target's own greedy completions of calibration prompts and keep
 the K most frequent tokens (plus the special ones) as a frequency-ranked vocabulary for a trimmed draft head.
-Tokens the run never saw are ranked by the tokenizer's own prior (quant.vocab.choose_prior)."""
+Tokens the run never says are ranked by how likely the target found them at the same positions."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from cli.benchmark import benchmark_file, read_prompts
-from cli.loading import LoadedPair, model_path
+from cli.loading import LoadedPair
 from edge.errors import UserError
 from edge.generate import Decoder
+from edge.protocols import Target
 from edge.registry import ModelSpec
 from edge.sources import sha256_file, vocab_path
-from quant.vocab import Prior, RankedVocab, choose_prior, count_tokens, select
+from edge.tree import TokenTree
+from quant.vocab import RankedVocab, count_tokens, expected_counts, select
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,7 @@ class BuiltVocab:
     path: Path
     coverage: float  # fraction of the counted tokens that are kept
     counted: int  # tokens generated over all prompts
-    distinct: int  # distinct ids among them: past this, K is filled by the prior's likeliest unseen ids
-    prior: str  # what ranked the unseen ids
+    distinct: int  # distinct ids among them: past this, K is filled by the unseen ids the target found likeliest
 
 
 def parse_vocab_sizes(values: list[str]) -> list[int]:
@@ -61,40 +63,58 @@ def build_vocabs(loaded: LoadedPair, target: ModelSpec, sizes: list[int], prompt
     prompts_path = prompts_path or default_prompts(loaded)
     prompts = read_prompts(prompts_path)
     columns = (TextColumn("calibrating {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    scoring = ScoringTarget(loaded.target)
     with Progress(*columns, console=console) as progress:
         task = progress.add_task(f"{loaded.name} ({n_tokens} tokens per prompt)", total=len(prompts))
-        counts = count_tokens(completions(loaded, prompts, n_tokens, lambda: progress.advance(task)), model.n_vocab)
-    prior = token_prior(target)
+        sequences = completions(loaded, prompts, n_tokens, lambda: progress.advance(task), scoring)
+        counts = count_tokens(sequences, model.n_vocab)
+    if scoring.positions != counts.sum():
+        raise RuntimeError(f"the target scored {scoring.positions} positions for {counts.sum()} generated tokens: "
+                           "plain decoding no longer verifies one token per pass")
     source = (f"{n_tokens} greedy tokens per prompt of {prompts_path.name} (sha256 {sha256_file(prompts_path)}, "
               f"{len(prompts)} prompts, {'chat template' if loaded.template else 'raw text'}), "
               f"target {target.source.describe()}{f' as {target.quantize}' if target.quantize else ''}; "
-              f"unseen tokens ranked by {prior.name}")
+              "unseen tokens ranked by the target's expected counts")
     built = []
     for k in sizes:
-        vocab = RankedVocab(select(counts, k, special, prior.values), counts, model.n_vocab, source)
+        vocab = RankedVocab(select(counts, k, special, scoring.expected), counts, model.n_vocab, source)
         path = vocab_path(target, k)
         vocab.save(path)
-        built.append(BuiltVocab(k, path, vocab.coverage, int(counts.sum()), int(np.count_nonzero(counts)),
-                                prior.name))
+        built.append(BuiltVocab(k, path, vocab.coverage, int(counts.sum()), int(np.count_nonzero(counts))))
     return built
 
 
-def token_prior(target: ModelSpec) -> Prior:
-    """The prior of the target file's tokenizer: its scores, its merge order, or its ids."""
-    from runtimes.gguf_file import read_tokenizer
+class ScoringTarget:
+    """A target that also sums its next-token distributions (quant.vocab.expected_counts) over every pass.
 
-    path = model_path(target)
-    assert path is not None and path.is_file(), f"the target is loaded, so its file exists (got {path})"
-    tokenizer = read_tokenizer(path)
-    return choose_prior(tokenizer.tokens, tokenizer.scores, tokenizer.merges)
+    Plain decoding verifies a one-node tree per generated token, so the sum covers exactly the counted
+    positions, at no extra cost: the logits were computed anyway.
+    """
+
+    def __init__(self, target: Target):
+        self._target = target
+        self.expected = np.zeros(target.n_vocab)  # float64 [n_vocab]
+        self.positions = 0
+
+    def verify(self, tree: TokenTree) -> np.ndarray:
+        logits = self._target.verify(tree)  # [n_nodes, n_vocab]
+        self.expected += expected_counts(logits)
+        self.positions += len(logits)
+        return logits
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the target's
+        return getattr(self._target, name)
 
 
-def completions(loaded: LoadedPair, prompts: list[str], n_tokens: int,
-                done: Callable[[], None]) -> Iterator[list[int]]:
-    """The target's own greedy continuation of each prompt, up to n_tokens (an end-of-generation token included)."""
+def completions(loaded: LoadedPair, prompts: list[str], n_tokens: int, done: Callable[[], None],
+                target: Target | None = None) -> Iterator[list[int]]:
+    """The target's own greedy continuation of each prompt, up to n_tokens (an end-of-generation token included).
+
+    `target`, when given, decodes in place of loaded.target: build_vocabs passes a ScoringTarget around it.
+    """
     from cli.main import prompt_for
 
-    decoder = Decoder(loaded.target)  # no drafter: plain decoding
+    decoder = Decoder(target or loaded.target)  # no drafter: plain decoding
     for prompt in prompts:
         tokens = prompt_for(loaded, prompt, raw=loaded.template is None)
         decoder.load(tokens)

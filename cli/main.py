@@ -284,7 +284,7 @@ def prepare(
         loaded = load(ctx, spec.name, None, None, None, None, threads, 0)
         for built in build_vocabs(loaded, spec.target, sizes, prompts, n_tokens, err):
             print(f"vocab {built.k}: {built.path} (coverage {built.coverage:.2%} of {built.counted} "
-                  f"calibration tokens, {built.distinct} distinct; unseen ranked by {built.prior})")
+                  f"calibration tokens, {built.distinct} distinct)")
 
 
 @app.command()

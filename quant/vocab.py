@@ -1,9 +1,10 @@
 """Frequency-ranked vocabularies (VocabTrim / FR-Spec): the K tokens a trimmed draft head keeps.
 
 Count the tokens the target itself generates on calibration prompts, keep the K most frequent plus the
-special and control tokens no calibration text shows, and save the ids with the counts and what was
-counted. A drafter whose head has only those K rows costs K/n_vocab of the full head; the output stays
-the target's (acceptance is lossless for any drafter), only tokens outside the set can never be drafted.
+special and control tokens no calibration text shows (the many tokens never generated are ranked by the
+target's expected counts at the same positions), and save the ids with the counts and what was counted.
+A drafter whose head has only those K rows costs K/n_vocab of the full head; the output stays the
+target's (acceptance is lossless for any drafter), only tokens outside the set can never be drafted.
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ def count_tokens(sequences: Iterable[Sequence[int]], n_vocab: int) -> np.ndarray
 
 def select(counts: np.ndarray, k: int, always: Iterable[int], prior: np.ndarray | None = None) -> np.ndarray:
     """Exactly `k` token ids, ascending: every id in `always`, then the others by count, then by `prior`
-    (higher first), then by lower id.
+    (higher first; expected_counts over the same positions), then by lower id.
 
     K counts the specials too, so it is the trimmed head's row count. The prior ranks the tokens a short
-    calibration run never saw, which fill most of a large K.
+    calibration run never says, which fill most of a large K.
     """
     n_vocab = len(counts)
     keep = np.zeros(n_vocab, bool)  # [n_vocab]
@@ -90,39 +91,16 @@ def select(counts: np.ndarray, k: int, always: Iterable[int], prior: np.ndarray 
     return np.flatnonzero(keep).astype(np.int32)
 
 
-@dataclass(frozen=True, eq=False)
-class Prior:
-    """How likely each token is before anything is counted, from the tokenizer alone."""
+def expected_counts(logits: np.ndarray) -> np.ndarray:
+    """float64 [n_vocab]: the softmax of each row of `logits` [n_rows, n_vocab], summed over the rows.
 
-    values: np.ndarray | None  # float64 [n_vocab], higher is likelier; None: lower id is likelier
-    name: str  # which ranking, recorded in the vocabulary file's source
-
-
-def choose_prior(tokens: Sequence[str], scores: np.ndarray | None, merges: Sequence[str] | None) -> Prior:
-    """SentencePiece scores when they vary, else the BPE merge order, else token ids.
-
-    A score is a piece's log-probability (unigram) or minus its merge rank (BPE); a BPE token made by an
-    earlier merge is more frequent. Many vocabularies are already numbered in that order (SmolLM2's exactly,
-    Gemma-3's but for its byte pieces), and then every prior ranks as the ids do.
+    At the positions a calibration run counts, this is how often the target would have said each token if
+    it sampled: every token gets a share, so it ranks the many tokens one greedy run never says.
     """
-    if scores is not None and len(scores) == len(tokens) and np.all(np.isfinite(scores)) and np.ptp(scores) > 0:
-        return Prior(scores.astype(np.float64), "tokenizer.ggml.scores")
-    if merges:
-        return Prior(merge_prior(tokens, merges), "BPE merge order")
-    return Prior(None, "token id")
-
-
-def merge_prior(tokens: Sequence[str], merges: Sequence[str]) -> np.ndarray:
-    """float64 [n_vocab]: 0 for tokens no merge makes (the base bytes), -(r + 1) for the token merge r makes."""
-    index = {token: i for i, token in enumerate(tokens)}
-    prior = np.zeros(len(tokens))
-    made = np.zeros(len(tokens), bool)
-    for rank, merge in enumerate(merges):
-        split = merge.find(" ", 1)  # as llama.cpp: the left part may itself be a space
-        token = index.get(merge[:split] + merge[split + 1 :]) if split > 0 else None
-        if token is not None and not made[token]:
-            prior[token], made[token] = -(rank + 1), True
-    return prior
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)  # [n_rows, n_vocab]
+    probs = np.exp(shifted)
+    probs /= probs.sum(axis=1, keepdims=True)
+    return probs.sum(axis=0)
 
 
 def coverage(counts: np.ndarray, ids: np.ndarray) -> float:

@@ -78,14 +78,11 @@ class _HeaderReader(GGUFReader):
         blob = self._get(offs, np.uint8, end - offs)
         return end - orig_offs, [raw_itype, length, blob], [], [GGUFValueType.ARRAY, itype]
 
-    def length_format(self) -> str:
-        """The struct format of the file's uint64 string lengths."""
-        swapped = self.byte_order == "S"
-        return ("<Q" if sys.byteorder == "big" else ">Q") if swapped else "=Q"
-
     def _skip_strings(self, offs: int, count: int) -> int:
         # Each string is a uint64 length then its bytes: walking the lengths is the only way past them.
-        unpack = struct.Struct(self.length_format()).unpack_from
+        swapped = self.byte_order == "S"
+        fmt = ("<Q" if sys.byteorder == "big" else ">Q") if swapped else "=Q"
+        unpack = struct.Struct(fmt).unpack_from
         buffer = memoryview(self.data)
         size = len(buffer)
         for _ in range(count):
@@ -169,24 +166,6 @@ def _read_info(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
     )
 
 
-@dataclass(frozen=True)
-class GGUFTokenizer:
-    tokens: list[str]  # tokenizer.ggml.tokens, by id
-    scores: np.ndarray | None  # float32 [n_vocab], tokenizer.ggml.scores (SentencePiece models)
-    merges: list[str] | None  # tokenizer.ggml.merges, "left right" in merge order (BPE models)
-
-
-def read_tokenizer(path: Path) -> GGUFTokenizer:
-    """The vocabulary's tokens with their scores or merges, from a file check_gguf has accepted."""
-    reader = _HeaderReader(path)
-    scores = reader.fields.get("tokenizer.ggml.scores")
-    return GGUFTokenizer(
-        tokens=_strings(reader, "tokenizer.ggml.tokens") or [],
-        scores=np.array(scores.parts[-1], np.float32) if scores is not None else None,
-        merges=_strings(reader, "tokenizer.ggml.merges"),
-    )
-
-
 def lossless_guarantee(info: GGUFInfo, kv_type: str = "bf16") -> str | None:
     """None when the target's weights and KV cache are batch-invariant here, else one line saying why not."""
     if kv_type not in BATCH_INVARIANT_KV:
@@ -219,21 +198,6 @@ def _string(fields: dict[str, ReaderField], key: str) -> str | None:
     if field is None or field.types != [GGUFValueType.STRING]:
         return None
     return str(field.contents())
-
-
-def _strings(reader: _HeaderReader, key: str) -> list[str] | None:
-    # _HeaderReader keeps a string array as its raw bytes: a uint64 length, then the bytes, per element.
-    field = reader.fields.get(key)
-    if field is None or field.types != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
-        return None
-    count, blob = int(field.parts[-2][0]), field.parts[-1].tobytes()
-    unpack = struct.Struct(reader.length_format()).unpack_from
-    strings, offs = [], 0
-    for _ in range(count):
-        (length,) = unpack(blob, offs)
-        strings.append(blob[offs + 8 : offs + 8 + length].decode("utf-8", "surrogateescape"))
-        offs += 8 + length
-    return strings
 
 
 def _scalar(fields: dict[str, ReaderField], key: str) -> Any:

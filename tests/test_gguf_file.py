@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from edge.errors import UserError
-from runtimes.gguf_file import GGUFInfo, check_gguf, lossless_guarantee, read_tokenizer
+from runtimes.gguf_file import GGUFInfo, check_gguf, lossless_guarantee
 
 TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 TOKENS = ["<unk>", "<s>", "</s>", *(f"tok{i}" for i in range(61))]
@@ -158,18 +158,3 @@ def test_unreadable(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Path, "open", refuse)
     with pytest.raises(UserError, match="permission denied"):
         check_gguf(tiny)
-
-
-def test_read_tokenizer(tiny: Path, tmp_path: Path) -> None:
-    tokenizer = read_tokenizer(tiny)
-    assert tokenizer.tokens == TOKENS and tokenizer.merges is None
-    assert tokenizer.scores is not None and tokenizer.scores.tolist() == [0.0] * len(TOKENS)
-    writer = gguf.GGUFWriter(tmp_path / "bpe.gguf", arch="llama")
-    writer.add_token_list(["a", "b", "ab", "é", "aé"])  # one token of two UTF-8 bytes
-    writer.add_token_merges(["a b", "a é"])
-    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
-        write()
-    writer.close()
-    tokenizer = read_tokenizer(tmp_path / "bpe.gguf")
-    assert tokenizer.tokens == ["a", "b", "ab", "é", "aé"] and tokenizer.merges == ["a b", "a é"]
-    assert tokenizer.scores is None

@@ -9,13 +9,15 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.benchmark import benchmark_file
+from cli.calibration import ScoringTarget
 from cli.loading import LoadedPair
 from cli.main import app, prompt_for
 from edge.errors import UserError
 from edge.generate import Decoder
 from edge.registry import ModelSpec, Source, load_registry
 from edge.sources import cache_dir, prepared_path, vocab_path
-from quant.vocab import RankedVocab, choose_prior, count_tokens, coverage, merge_prior, select
+from edge.tree import TokenTree
+from quant.vocab import RankedVocab, count_tokens, coverage, expected_counts, select
 
 runner = CliRunner()
 
@@ -65,26 +67,26 @@ def test_select_rejects_a_prior_that_does_not_fit(prior: np.ndarray) -> None:
         select(np.zeros(8, np.int64), 2, always=[], prior=prior)
 
 
-def test_merge_prior() -> None:
-    tokens = ["a", "b", "c", "bc", "abc", "ab", " ", " a", "x"]
-    # "x y" makes no token here; the second "b c" does not move bc; "  a" is " " + "a", as llama.cpp splits it.
-    merges = ["b c", "x y", "a bc", "b c", "  a", "a b"]
-    assert merge_prior(tokens, merges).tolist() == [0, 0, 0, -1, -3, -6, 0, -5, 0]
+
+def test_expected_counts() -> None:
+    logits = np.array([[0, 0, 0, 0], [np.log(2), 0, 0, 0], [1000, 0, 0, 0]], np.float32)  # [3 rows, 4 tokens]
+    expected = expected_counts(logits)
+    assert expected.dtype == np.float64 and expected == pytest.approx([0.25 + 0.4 + 1, 0.45, 0.45, 0.45])
+    assert expected.sum() == pytest.approx(3)  # one token's worth per row: the rows are counted positions
 
 
-def test_choose_prior() -> None:
-    tokens = ["a", "b", "ab"]
-    scores = np.array([-2.0, -1.0, -5.0], np.float32)
-    prior = choose_prior(tokens, scores, ["a b"])
-    assert prior.name == "tokenizer.ggml.scores" and prior.values is not None
-    assert prior.values.dtype == np.float64 and prior.values.tolist() == [-2, -1, -5]
-    # Scores that do not vary (BPE models often store all zeros), or are not numbers, say nothing.
-    for flat in (np.zeros(3, np.float32), np.array([0, np.nan, 0], np.float32), None):
-        prior = choose_prior(tokens, flat, ["a b"])
-        assert prior.name == "BPE merge order" and prior.values is not None and prior.values.tolist() == [0, 0, -1]
-    prior = choose_prior(tokens, None, None)
-    assert prior.name == "token id" and prior.values is None
-    assert choose_prior(tokens, np.zeros(3, np.float32), []).name == "token id"
+def test_scoring_target_sums_what_it_verifies() -> None:
+    class Fixed:
+        n_vocab, passes = 3, 7
+
+        def verify(self, tree: TokenTree) -> np.ndarray:
+            return np.array([[0.0, 0.0, np.log(2)]] * len(tree), np.float32)
+
+    scoring = ScoringTarget(Fixed())
+    for _ in range(2):
+        assert scoring.verify(TokenTree.root(1)).shape == (1, 3)
+    assert scoring.positions == 2 and scoring.expected.tolist() == pytest.approx([0.5, 0.5, 1.0])
+    assert (scoring.n_vocab, scoring.passes) == (3, 7)  # the rest is the wrapped target's
 
 def test_coverage() -> None:
     counts = np.array([6, 3, 1, 0])
@@ -185,8 +187,7 @@ def test_prepare_vocab(smollm2: LoadedPair, model_cache: Path, tmp_path: Path) -
     assert len(specials) == 17 and {model.eos, model.bos, 0} <= specials  # <|endoftext|>, <|im_start|>, <|im_end|>
     assert specials <= set(vocab.ids.tolist())
     assert "8 greedy tokens per prompt of prompts.txt" in vocab.source and "SmolLM2-135M-Instruct" in vocab.source
-    assert vocab.source.endswith("; unseen tokens ranked by BPE merge order")
-    assert "distinct; unseen ranked by BPE merge order)" in result.stdout
+    assert vocab.source.endswith("; unseen tokens ranked by the target's expected counts")
     # The counts are exactly the target's own greedy completions, the prompt not included.
     decoder, completions = Decoder(smollm2.target), []
     for prompt in prompts:
@@ -196,6 +197,18 @@ def test_prepare_vocab(smollm2: LoadedPair, model_cache: Path, tmp_path: Path) -
         stop = [decoder.context[-1]] if steps[-1].finish_reason == "stop" else []  # counted too: it is drafted
         completions.append([s.token for s in steps if s.token is not None] + stop)
     assert np.array_equal(vocab.counts, count_tokens(completions, model.n_vocab))
+    # The unseen ids are those the target found likeliest at the same positions, scored here token by token.
+    target, expected = smollm2.target, np.zeros(model.n_vocab)
+    for prompt, completion in zip(prompts, completions, strict=True):
+        tokens = prompt_for(smollm2, prompt, raw=False)
+        target.truncate(0)
+        target.prefill(tokens[:-1])
+        for token in [tokens[-1], *completion[:-1]]:
+            tree = TokenTree.root(token)
+            expected += expected_counts(target.verify(tree))
+            target.commit(tree, [0])
+    assert vocab.ids.tolist() == select(vocab.counts, 512, specials, expected).tolist()
+    assert vocab.ids.tolist() != select(vocab.counts, 512, specials).tolist()  # not merely the lowest ids
 
 
 @pytest.mark.parametrize(("flags", "fragment"), [
