@@ -98,7 +98,7 @@ def open_drafter(spec: PairSpec, model: ModelSpec, target, threads: int | None, 
         from runtimes.onnx import load_drafter as load_onnx_drafter
 
         check_same_vocab(target, _VocabOnly(drafter_file))
-        head = head_ids(spec, model, report)
+        head = head_ids(spec, model)
         options = OnnxOptions(provider=model.provider, threads=threads, n_ctx=spec.ctx + 256)
         return load_onnx_drafter(drafter_file, options, head, report)
     options = RunOptions(n_ctx=spec.ctx, kv_type=model.kv_type, n_threads=threads, n_gpu_layers=gpu_layers)
@@ -116,7 +116,7 @@ class _VocabOnly:
         self.model = Model(path)
 
 
-def head_ids(spec: PairSpec, model: ModelSpec, report):
+def head_ids(spec: PairSpec, model: ModelSpec):
     """The frequency-ranked token ids a trimmed drafter head keeps (None: the full head)."""
     if not model.vocab:
         return None
@@ -143,7 +143,7 @@ def _load_quantspec(spec: PairSpec, target_file: Path, threads: int | None, repo
     tokenizer = Model(target_file)  # tokenizer and chat-template tokens; the weights stay mapped, unused
     options = OnnxOptions(provider=spec.target.provider, threads=threads, n_ctx=spec.ctx)
     target, drafter = load_quantspec(target_file, drafter_file, options, tokenizer, tokenizer.eog_tokens(),
-                                     head_ids(spec, spec.drafter, report), report)
+                                     head_ids(spec, spec.drafter), report)
     target.model = tokenizer
     return target, drafter
 

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from edge.errors import UserError
-from edge.registry import Registry, load_registry
+from edge.registry import PROVIDERS, Registry, load_registry
 
 app = typer.Typer(
     add_completion=False,
@@ -94,8 +94,8 @@ def load(ctx: typer.Context, pair: str | None, target: Path | None, drafter: Pat
     if ctx_size is not None and ctx_size < 16:
         raise UserError(f"--ctx must be at least 16 tokens (got {ctx_size})")
     spec = resolve_pair(registry(ctx), pair, target, drafter, ctx_size)
-    if provider is not None and provider.lower() not in ("cpu", "cuda", "directml", "openvino", "qnn"):
-        raise UserError(f"--provider must be one of cpu, cuda, directml, openvino, qnn (got {provider!r})")
+    if provider is not None and provider.lower() not in PROVIDERS:
+        raise UserError(f"--provider must be one of {', '.join(PROVIDERS)} (got {provider!r})")
     return load_pair(spec, report, threads=threads, gpu_layers=gpu_layers, budget=budget,
                      provider=provider.lower() if provider else None)
 

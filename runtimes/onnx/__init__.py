@@ -6,6 +6,7 @@ prepared model files; docs/drafter.md says why each piece is built the way it is
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -31,8 +32,13 @@ class OnnxOptions:
 
 
 def _variant(role: str, head_ids: np.ndarray | None) -> str:
-    head = "full" if head_ids is None else f"vocab{len(head_ids)}"
+    # the ids' hash: a vocabulary prepared again (other prompts, other ranking) must not reuse an old graph
+    head = "full" if head_ids is None else f"vocab{len(head_ids)}-{_digest(head_ids)}"
     return {"drafter": f"int4-{head}-kv4", "shared-drafter": f"int4-{head}-kv8d", "target": "int8-full-kv8"}[role]
+
+
+def _digest(ids: np.ndarray) -> str:
+    return hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:8]
 
 
 def graph_path(gguf: Path, role: str, head_ids: np.ndarray | None = None) -> Path:

@@ -27,7 +27,7 @@ MAX_TREE = 256
 class _OnnxModel:
     def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, shared: bool):
         self.session, self.arch, self.kv, self.shared = session, arch, kv, shared
-        shape = (MAX_TREE + PREFILL_CHUNK, arch.n_layers, arch.n_kv_heads, arch.head_dim)
+        shape = (MAX_TREE, arch.n_layers, arch.n_kv_heads, arch.head_dim)
         self.tree_k = np.zeros(shape, np.float16)  # this round's nodes, in run order
         self.tree_v = np.zeros(shape, np.float16)
         self.tree_pos = np.zeros(shape[0], np.int64)
@@ -36,7 +36,6 @@ class _OnnxModel:
         self.n_tree = 0
         self.history: list[int] = []  # the tokens in self.kv (the writer's view; unused by a shared reader)
         self.passes = 0
-        self.last_run_s = 0.0
 
     @property
     def n_past(self) -> int:
@@ -106,12 +105,13 @@ class _OnnxModel:
 
 
 class OnnxDrafter(_OnnxModel):
-    """The Drafter protocol. Tree slot s holds node `slot_node[s]`; a root pass also runs pending tokens."""
+    """The Drafter protocol. `node_slot[node]` is the tree slot a node ran in (-1: not run); a root pass also runs
+    pending tokens."""
 
     def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, shared: bool = False):
         super().__init__(session, arch, kv, shared)
         self.expand_capacity = MAX_TREE - 1
-        self.node_slot: dict[int, int] = {}
+        self.node_slot = np.full(1024, -1, np.int64)  # grows with the grow-time node ids
         self.pending: list[int] = []  # committed tokens not yet run (a path's unexpanded tail)
         self.base = 0  # the root's position
 
@@ -132,7 +132,7 @@ class OnnxDrafter(_OnnxModel):
             self._truncate_kv(n)
 
     def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if len(self.node_slot) + len(nodes) > self.expand_capacity:
+        if self.n_tree + len(nodes) > self.expand_capacity + 1:  # +1: the root's slot
             raise ValueError("drafter asked to expand more nodes in one round than it has tree slots")
         out = self._run_root(int(tree.tokens[0]), k) if nodes[0] == 0 else self._run_nodes(tree, nodes, k)
         return out["top_ids"].astype(np.int32), out["top_log_probs"]
@@ -153,31 +153,28 @@ class OnnxDrafter(_OnnxModel):
         self._reset_tree()
         slot = self._add_slots({"k_new": out["k_new"][-1:], "v_new": out["v_new"][-1:]}, tokens[-1:],
                                positions[-1:], np.array([-1]))
-        self.node_slot[0] = int(slot[0])
+        self.node_slot[0] = slot[0]
         return out
 
     def _run_nodes(self, tree: TokenTree, nodes: np.ndarray, k: int) -> dict[str, np.ndarray]:
         n = len(nodes)
+        if len(tree) > len(self.node_slot):
+            self.node_slot = np.concatenate([self.node_slot, np.full(len(tree), -1, np.int64)])
         sees_slots = np.zeros((n, self.n_tree), bool)
         ancestors = tree.parents[nodes]
-        while True:  # walk up to the root: every ancestor of a node being run has a slot already
-            live = ancestors >= 0
-            if not live.any():
-                break
-            rows = np.flatnonzero(live)
-            sees_slots[rows, [self.node_slot[int(a)] for a in ancestors[rows]]] = True
-            ancestors = np.where(live, tree.parents[np.maximum(ancestors, 0)], -1)
+        while (ancestors >= 0).any():  # up to the root: every ancestor of a node being run has a slot already
+            rows = np.flatnonzero(ancestors >= 0)
+            sees_slots[rows, self.node_slot[ancestors[rows]]] = True
+            ancestors[rows] = tree.parents[ancestors[rows]]
         positions = self.base + tree.depth[nodes].astype(np.int64)
         out = self._run(tree.tokens[nodes], positions, sees_slots, np.eye(n, dtype=bool), np.arange(n), k)
-        parent_slots = np.array([self.node_slot[int(p)] for p in tree.parents[nodes]])
-        slots = self._add_slots(out, tree.tokens[nodes], positions, parent_slots)
-        for node, slot in zip(nodes.tolist(), slots.tolist(), strict=True):
-            self.node_slot[node] = slot
+        parent_slots = self.node_slot[tree.parents[nodes]]
+        self.node_slot[nodes] = self._add_slots(out, tree.tokens[nodes], positions, parent_slots)
         return out
 
     def commit(self, tree: TokenTree, path: list[int]) -> None:
         tokens = tree.path_tokens(path)
-        if not self.node_slot:  # this round ran without the drafter: catch up at the next root
+        if self.n_tree == 0:  # this round ran without the drafter: catch up at the next root
             if not self.shared:
                 self.pending += tokens
             self._reset_tree()
@@ -201,7 +198,7 @@ class OnnxDrafter(_OnnxModel):
         return slots
 
     def _reset_tree(self) -> None:
-        self.node_slot.clear()
+        self.node_slot[:] = -1
         self.n_tree = 0
 
 

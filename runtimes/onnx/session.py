@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +28,6 @@ def provider_name(provider: str) -> str:
         raise UserError(f"onnxruntime provider {provider!r} is not installed here (available: {known}); "
                         "install the onnxruntime build that carries it (e.g. onnxruntime-gpu for cuda)")
     return name
-
-
-@dataclass
-class Shapes:
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
 
 
 class DecoderSession:
