@@ -74,6 +74,7 @@ def run_bench(loaded, prompts: list[str], budgets: list[int], max_tokens: int, s
     report(f"plain: {len(prompts)} prompts")
     reference, stats = _decode_all(loaded.target, None, None, prompt_tokens, max_tokens, sampling)
     rows = [_row("plain", None, stats, True)]
+    pass_ms = target_pass_times(loaded, prompt_tokens[0], threads, report)
     drafter_info = []
     for drafter, label, vocab in _drafters(loaded, drafters, threads, report):
         drafter_info.append({"drafter": label, "vocab": vocab, "expand_ms": expand_ms(drafter, prompt_tokens[0]),
@@ -87,7 +88,7 @@ def run_bench(loaded, prompts: list[str], budgets: list[int], max_tokens: int, s
             _close(drafter)
     return {"pair": loaded.name, "machine": probe_machine(), "prompts": len(prompts), "max_tokens": max_tokens,
             "temperature": sampling.temperature, "lossless_warning": loaded.lossless_warning,
-            "drafters": drafter_info, "rows": rows}
+            "target_pass_ms": pass_ms, "drafters": drafter_info, "rows": rows}
 
 
 def _decode_all(target, drafter, grow, prompt_tokens, max_tokens, sampling) -> tuple[list[list[int]], Stats]:
@@ -161,6 +162,48 @@ def expand_ms(drafter, prefix: list[int], sizes: tuple[int, ...] = (1, 8, 32), r
     return result
 
 
+def target_pass_times(loaded, prefix: list[int], threads: int | None, report) -> dict[str, dict[str, float]]:
+    """Pass times of the pair's target; a QuantSpec (onnx) target is timed beside llama.cpp on the same file."""
+    times = {_runtime(loaded.target): pass_ms(loaded.target, prefix)}
+    if loaded.spec is not None and loaded.spec.target.runtime == "onnx":
+        from cli.loading import materialize
+        from runtimes.llama_cpp import RunOptions, load_target
+
+        report("llama.cpp target on the same file, for its pass times")
+        options = RunOptions(n_ctx=loaded.spec.ctx, kv_type=loaded.spec.target.kv_type, n_threads=threads)
+        other = load_target(materialize(loaded.spec.target, report), options)
+        try:
+            times["llama_cpp"] = pass_ms(other, prefix)
+        finally:
+            other.close()
+    return times
+
+
+def _runtime(target) -> str:
+    return "onnx" if hasattr(target, "kv") else "llama_cpp"
+
+
+def pass_ms(target, prefix: list[int], sizes: tuple[int, ...] = (1, 16, 64), repeats: int = 5) -> dict[str, float]:
+    """Median milliseconds of one target pass over a chain of n new tokens after `prefix`."""
+    from edge.tree import TokenTree
+
+    target.truncate(0)
+    target.prefill(prefix[:-1])
+    result = {}
+    for n in sizes:
+        chain = TokenTree(np.array([prefix[-1], *range(100, 99 + n)], np.int32), np.arange(-1, n - 1, dtype=np.int32),
+                          np.arange(n, dtype=np.int32), np.zeros(n, np.float32))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            target.verify(chain)
+            times.append(time.perf_counter() - start)
+            target.truncate(len(prefix) - 1)
+        result[str(n)] = round(1000 * float(np.median(times)), 3)
+    target.truncate(0)
+    return result
+
+
 def kv_bytes_per_token(drafter) -> float:
     """Bytes one committed token takes in the drafter's KV cache (keys + values, all layers)."""
     kv = getattr(drafter, "kv", None)
@@ -181,7 +224,8 @@ def _row(method: str, budget: int | None, stats: Stats, matches_plain: bool) -> 
         "method": method,
         "budget": budget or 0,
         "tokens_per_pass": round(stats.tokens_per_pass, 3),
-        "grow_s_per_round": round(stats.draft_s / rounds, 5),
+        "grow_s_per_round": round(stats.grow_s / rounds, 5),
+        "draft_s_per_round": round(stats.draft_s / rounds, 5),
         "verify_s_per_round": round(stats.verify_s / rounds, 5),
         "tokens_per_s": round(stats.tokens_per_s, 2),
         "target_passes": stats.target_passes,
@@ -200,7 +244,12 @@ def render_table(result: dict[str, Any], console: Console) -> None:
     for row in result["rows"]:
         table.add_row(row["method"], row.get("drafter", "-"), str(row["budget"] or "-"),
                       f"{row['tokens_per_pass']:.2f}",
-                      f"{row['grow_s_per_round']:.4f}", f"{row['verify_s_per_round']:.4f}",
+                      f"{row['draft_s_per_round']:.4f}", f"{row['verify_s_per_round']:.4f}",
                       f"{row['tokens_per_s']:.1f}", str(row["target_passes"]),
                       "yes" if row["matches_plain"] else "NO")
     console.print(table)
+    for runtime, times in result.get("target_pass_ms", {}).items():
+        console.print(f"target pass, {runtime}: " + " · ".join(f"{n} tokens {ms:.1f} ms" for n, ms in times.items()))
+    for info in result.get("drafters", []):
+        expand = " · ".join(f"{n} nodes {ms:.1f} ms" for n, ms in info["expand_ms"].items())
+        console.print(f"drafter {info['drafter']}: expand {expand} · KV {info['kv_bytes_per_token']:.0f} B/token")

@@ -26,6 +26,7 @@ class Stats:
     drafter_passes: int = 0
     tree_nodes: int = 0
     prefill_s: float = 0.0
+    grow_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     decode_s: float = 0.0  # wall time of the rounds, prefill excluded
@@ -53,6 +54,7 @@ class Stats:
             "drafter_passes_per_round": round(self.drafter_passes / rounds, 3),
             "tree_nodes_per_round": round(self.tree_nodes / rounds, 1),
             "prefill_s": round(self.prefill_s, 4),
+            "grow_s": round(self.grow_s, 4),
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
@@ -131,6 +133,7 @@ class Decoder:
             stats.target_passes += self.target.passes - passes
             stats.drafter_passes += result.drafter_passes
             stats.tree_nodes += result.tree_size
+            stats.grow_s += result.grow_s
             stats.draft_s += result.draft_s
             stats.verify_s += result.verify_s
             stats.decode_s += time.perf_counter() - started

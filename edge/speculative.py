@@ -49,7 +49,8 @@ class RoundResult:
     tokens: list[int]  # accepted path tokens after the root, then the target's own token
     tree_size: int
     drafter_passes: int
-    draft_s: float
+    grow_s: float  # growing the tree (drafter passes)
+    draft_s: float  # all drafter time: growth plus keeping the accepted path
     verify_s: float
 
 
@@ -61,12 +62,13 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
         tree, drafter_passes = TokenTree.root(context[-1]), 0
     else:
         tree, drafter_passes = grow(drafter, context[-1], grow_config)
-    drafted = time.perf_counter()
+    grown = time.perf_counter()
     logits = target.verify(tree)
     path, token = accept(tree, logits, sampling, context[:-1], rng)
     verified = time.perf_counter()
     target.commit(tree, path)
+    committed = time.perf_counter()
     if drafter is not None:
         drafter.commit(tree, path)
-    return RoundResult([*tree.path_tokens(path[1:]), token], len(tree), drafter_passes,
-                       drafted - start, verified - drafted)
+    return RoundResult([*tree.path_tokens(path[1:]), token], len(tree), drafter_passes, grown - start,
+                       grown - start + time.perf_counter() - committed, verified - grown)

@@ -267,6 +267,30 @@ class QuantSpecKV:
             "v_win": self.v_win[:w],
         }
 
+    def quantized_after(self, n: int | np.ndarray) -> int | np.ndarray:
+        """How many tokens are quantized once appends from this state have committed n >= n_tokens tokens."""
+        steps = np.maximum(0, (np.asarray(n) - self.n_quant) // self.group - 1)
+        return self.n_quant + self.group * steps
+
+    def views_through(self, q: int) -> dict[str, np.ndarray]:
+        """views() with the quantized part reaching token q (> n_quant): the window's oldest groups quantized
+        now, as append will quantize them, into copies; the window itself is left whole. A reader whose tokens
+        lie on both sides of a quantization point sees each committed token as plain decoding would."""
+        views = self.views()
+        extra, g = q - self.n_quant, self.group
+        if extra == 0:
+            return views
+        if extra % g or extra > self.n_window:
+            raise ValueError(f"can quantize ahead only whole groups of the window ({self.n_window} tokens), "
+                             f"not {extra}")
+        k_parts = [quantize_keys(self.k_win[i : i + g], g, self.bits) for i in range(0, extra, g)]
+        v_parts = [quantize_values(self.v_win[i : i + g].reshape(g, self.n_layers, -1), self.value_group, self.bits)
+                   for i in range(0, extra, g)]
+        for name, index, parts in (("k_codes", 0, k_parts), ("k_scale", 1, k_parts), ("k_min", 2, k_parts),
+                                   ("v_codes", 0, v_parts), ("v_scale", 1, v_parts), ("v_min", 2, v_parts)):
+            views[name] = np.concatenate([views[name], *(part[index] for part in parts)])
+        return views
+
     def dequantized(self, reader: str = "draft") -> tuple[np.ndarray, np.ndarray]:
         """float32 K and V [n_tokens, L, kvh, d] as `reader` sees them: quantized part, then the window."""
         views = self.views()

@@ -88,7 +88,9 @@ def test_bench_json(smollm2: LoadedPair, tmp_path: Path) -> None:
     assert [(r["method"], r["budget"]) for r in out["rows"]] == [("plain", 0), ("tree", 1), ("tree", 8)]
     for row in out["rows"]:
         assert row["matches_plain"] and row["target_passes"] == row["rounds"]
-        assert set(row) >= {"tokens_per_pass", "draft_s_per_round", "verify_s_per_round", "tokens_per_s"}
+        assert set(row) >= {"tokens_per_pass", "grow_s_per_round", "draft_s_per_round", "verify_s_per_round",
+                            "tokens_per_s"}
+        assert row["grow_s_per_round"] <= row["draft_s_per_round"]
 
 
 # Bad input: one line on stderr, exit code 1, no traceback.

@@ -211,3 +211,24 @@ def test_grid_covers_float32_groups_far_from_zero() -> None:
     s = scale.astype(np.float32)  # [2, 1, 1]: one group per token
     assert np.all(np.abs(dequantize_values(codes, scale, minimum, "draft", bits=8) - x) <= s / 2 + 1e-4)
     assert np.all(np.abs(dequantize_values(codes, scale, minimum, "full", bits=8) - x) <= s / 16 + 1e-4)
+
+
+@pytest.mark.parametrize("start", [0, G + 5, 2 * G - 1, 3 * G + 100])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantizing_ahead_equals_appending(start: int, bits: int) -> None:
+    """What a tree pass reads for a node past a quantization point is what the cache holds once it is there."""
+    keys, values = kv_data(start + G, SMALL, outliers=True), kv_data(start + G, SMALL, seed=1)
+    cache = QuantSpecKV(*SMALL, capacity=0, bits=bits)
+    cache.append(keys[:start], values[:start])
+    for n in range(start, start + G):
+        q = int(cache.quantized_after(n))
+        later = QuantSpecKV(*SMALL, capacity=0, bits=bits)
+        later.append(keys[:n], values[:n])
+        assert q == later.n_quant
+        if q > cache.n_quant:
+            ahead = cache.views_through(q)
+            for name, array in later.views().items():
+                if "_win" not in name:
+                    assert ahead[name].tobytes() == array.tobytes(), name
+    with pytest.raises(ValueError):
+        cache.views_through(cache.n_quant + cache.n_window + G)

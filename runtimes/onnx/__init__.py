@@ -31,10 +31,14 @@ class OnnxOptions:
     n_ctx: int = 4096
 
 
+GRAPH_VERSION = 3  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
+
+
 def _variant(role: str, head_ids: np.ndarray | None) -> str:
     # the ids' hash: a vocabulary prepared again (other prompts, other ranking) must not reuse an old graph
     head = "full" if head_ids is None else f"vocab{len(head_ids)}-{_digest(head_ids)}"
-    return {"drafter": f"int4-{head}-kv4", "shared-drafter": f"int4-{head}-kv8d", "target": "int8-full-kv8"}[role]
+    kind = {"drafter": f"int4-{head}-kv4", "shared-drafter": f"int4-{head}-kv8d", "target": "int8-full-kv8-f64"}[role]
+    return f"{kind}.v{GRAPH_VERSION}"
 
 
 def _digest(ids: np.ndarray) -> str:
@@ -49,7 +53,8 @@ def graph_path(gguf: Path, role: str, head_ids: np.ndarray | None = None) -> Pat
 def _options(role: str, arch, head_ids: np.ndarray | None) -> GraphOptions:
     vg = value_group(arch.n_kv_heads, arch.head_dim)
     if role == "target":  # int8 weights, full head, full reader of the shared hierarchical cache, logits out
-        return GraphOptions(weights="int8", kv="hier8", kv_reader="full", kv_value_group=vg, outputs="logits")
+        return GraphOptions(weights="int8", kv="hier8", kv_reader="full", kv_value_group=vg, outputs="logits",
+                            attention="f64")
     kv = "upper4" if role == "drafter" else "hier8"
     return GraphOptions(weights="int4", head_ids=head_ids, kv=kv, kv_reader="draft", kv_value_group=vg)
 

@@ -46,6 +46,9 @@ class GraphOptions:
     kv_group: int = 128  # tokens per key group
     kv_value_group: int = 128  # channels per value group
     outputs: str = "topk"  # "topk" or "logits"
+    # "gqa": onnxruntime's GroupQueryAttention (one fused op per layer: the fast drafter); "f64": scores, softmax and
+    # the weighted sum as plain ops in float64, which makes a token's result independent of its batch (the target)
+    attention: str = "gqa"
 
     @property
     def kv_float(self) -> int:
@@ -156,35 +159,23 @@ class DecoderBuilder:
             x = g.op("Mul", x, g.const(self.arch.embed_scale, np.float32))
         return x
 
-    def rope_tables(self, positions: str, base: float, scale: float) -> tuple[str, str]:
-        """cos, sin: [n, 1, d/2] for positions [n]."""
+    def rope_tables(self, base: float, scale: float) -> tuple[str, str]:
+        """cos, sin [T, d/2] for positions 0..T-1 (every position a token of this run can have)."""
         g, d = self.g, self.arch.head_dim
         inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
         if self.w.has("rope_freqs.weight"):  # Llama 3.x long-context frequency factors
             inv_freq = inv_freq / self.w.get("rope_freqs.weight").astype(np.float64)
-        pos = g.op("Cast", positions, to=TensorProto.FLOAT)
-        pos = g.op("Unsqueeze", pos, g.const([1, 2]))  # [n, 1, 1]
-        angles = g.op("Mul", pos, g.const((inv_freq * scale).astype(np.float32)[None, None, :], np.float32))
+        pos = g.op("Unsqueeze", g.op("Cast", self.key_range, to=TensorProto.FLOAT), g.const([1]))  # [T, 1]
+        angles = g.op("Mul", pos, g.const((inv_freq * scale).astype(np.float32)[None, :], np.float32))
         return g.op("Cos", angles), g.op("Sin", angles)
 
     def rope(self, x: str, tables: tuple[str, str], heads: int) -> str:
-        """x: [n, heads, d] rotated by position."""
-        g, d = self.g, self.arch.head_dim
-        cos, sin = tables
-        if self.arch.rope_neox:  # pairs (i, i + d/2)
-            x0, x1 = g.op("Split", x, g.const([d // 2, d // 2]), axis=-1, n_out=2)
-            out0 = g.op("Sub", g.op("Mul", x0, cos), g.op("Mul", x1, sin))
-            out1 = g.op("Add", g.op("Mul", x0, sin), g.op("Mul", x1, cos))
-            return g.op("Concat", out0, out1, axis=-1)
-        pairs = g.op("Reshape", x, g.const([0, heads, d // 2, 2]))  # pairs (2i, 2i + 1)
-        x0, x1 = g.op("Split", pairs, g.const([1, 1]), axis=-1, n_out=2)
-        cos4, sin4 = g.op("Unsqueeze", cos, g.const([-1])), g.op("Unsqueeze", sin, g.const([-1]))
-        out0 = g.op("Sub", g.op("Mul", x0, cos4), g.op("Mul", x1, sin4))
-        out1 = g.op("Add", g.op("Mul", x0, sin4), g.op("Mul", x1, cos4))
-        return g.op("Reshape", g.op("Concat", out0, out1, axis=-1), g.const([0, heads, d]))
+        """x: [1, n, heads * d] rotated by position (pairs (i, i + d/2) for NEOX, (2i, 2i + 1) otherwise)."""
+        return self.g.op("RotaryEmbedding", x, self.position_ids, *tables, domain="com.microsoft",
+                         interleaved=0 if self.arch.rope_neox else 1, num_heads=heads)
 
     def committed_kv(self, cache: dict[str, str], kind: str) -> str:
-        """Every layer's cached keys or values at once, float32 [L, kvh, T0, d] (T0 = Q + W + S), oldest first.
+        """Every layer's cached keys or values at once, [L, kvh, T0, d] (T0 = Q + W + S), oldest first.
 
         Done once per run rather than per layer: a 30-layer drafter runs thousands of tiny ops otherwise, and
         onnxruntime's per-op overhead, not arithmetic, then dominates a drafter step.
@@ -226,43 +217,73 @@ class DecoderBuilder:
         for part in ("win", "tree"):
             piece = cache[f"{kind}_{part}"]
             pieces.append(piece if opt.kv == "f32" else g.op("Cast", piece, to=TensorProto.FLOAT))
-        return g.op("Transpose", g.op("Concat", *pieces, axis=0), perm=[1, 2, 0, 3])
+        cached = g.op("Transpose", g.op("Concat", *pieces, axis=0), perm=[1, 2, 0, 3])
+        return g.op("Cast", cached, to=TensorProto.DOUBLE) if opt.attention == "f64" else cached
 
-    def linears(self, x: str, names: list[str]) -> list[str]:
-        """Several projections of the same input in one matmul (fewer, larger ops), split afterwards."""
+    def linears(self, x: str, names: list[str], parts: list[int] | None = None) -> list[str]:
+        """Several projections of the same input in one matmul (fewer, larger ops), split afterwards into
+        `parts` consecutive groups of them (default: one output per projection)."""
+        parts = parts or [1] * len(names)
         kinds = {self.w.tensors[name].tensor_type for name in names}
         if len(kinds) > 1:  # mixed quantization types keep their own grids
-            return [self.linear(x, name) for name in names]
+            outs, start = [self.linear(x, name) for name in names], 0
+            grouped = []
+            for count in parts:
+                grouped.append(outs[start] if count == 1 else self.g.op("Concat", *outs[start : start + count],
+                                                                          axis=-1))
+                start += count
+            return grouped
         weights = [self.w.get(name) for name in names]
         fused = self.linear(x, names[0].replace(".weight", "") + "+.weight", np.concatenate(weights), names[0])
-        sizes = self.g.const([w.shape[0] for w in weights])
-        return self.g.op("Split", fused, sizes, axis=-1, n_out=len(names))
+        if len(parts) == 1:
+            return [fused]
+        rows, sizes, start = [w.shape[0] for w in weights], [], 0
+        for count in parts:
+            sizes.append(sum(rows[start : start + count]))
+            start += count
+        return self.g.op("Split", fused, self.g.const(sizes), axis=-1, n_out=len(parts))
 
-    def attention(self, layer: int, x: str, tables: tuple[str, str], mask: str, cached: tuple[str, str]):
-        """x: [n, H] normed. Returns the attention output [n, H] and this layer's new k, v [n, kvh, d]."""
+    def attention(self, layer: int, x: str, tables: tuple[str, str], mask: str, past: tuple[str, str]):
+        """x: [1, n, H] normed; past: this layer's cached keys and values [1, kvh, T0, d].
+        Returns the attention output [1, n, H] and this layer's new k, v [1, kvh, n, d] (k after RoPE)."""
         g, a, prefix = self.g, self.arch, f"blk.{layer}."
-        q, k, v = self.linears(x, [prefix + "attn_q.weight", prefix + "attn_k.weight", prefix + "attn_v.weight"])
-        q = g.op("Reshape", q, g.const([0, a.n_heads, a.head_dim]))
-        k = g.op("Reshape", k, g.const([0, a.n_kv_heads, a.head_dim]))
-        v = g.op("Reshape", v, g.const([0, a.n_kv_heads, a.head_dim]))
-        if a.name == "gemma3":
-            q, k = self.rms_norm(q, prefix + "attn_q_norm.weight"), self.rms_norm(k, prefix + "attn_k_norm.weight")
-        q, k = self.rope(q, tables, a.n_heads), self.rope(k, tables, a.n_kv_heads)
+        nh, kvh, d = a.n_heads, a.n_kv_heads, a.head_dim
+        names = [prefix + "attn_q.weight", prefix + "attn_k.weight", prefix + "attn_v.weight"]
+        gqa = dict(domain="com.microsoft", n_out=3, num_heads=nh, kv_num_heads=kvh, scale=a.attn_scale)
+        if self.opt.attention == "gqa" and a.name != "gemma3":  # one op: RoPE at the nodes' positions + attention
+            (qkv,) = self.linears(x, names, parts=[3])
+            out, present_k, present_v = g.op("GroupQueryAttention", qkv, "", "", *past, self.seqlens, self.total,
+                                             *tables, self.position_ids, mask, do_rotary=1,
+                                             rotary_interleaved=0 if a.rope_neox else 1, **gqa)
+            return (self.linear(out, prefix + "attn_output.weight"),
+                    *(g.op("Slice", t, self.past_len, g.const([2**62]), g.const([2])) for t in (present_k, present_v)))
+        qk, v = self.linears(x, names, parts=[2, 1])
+        if a.name == "gemma3":  # RMS norm per head, q and k with their own weights
+            heads = g.op("Reshape", qk, g.const([1, -1, nh + kvh, d]))
+            weight = np.concatenate([np.tile(self.w.get(prefix + "attn_q_norm.weight"), (nh, 1)),
+                                     np.tile(self.w.get(prefix + "attn_k_norm.weight"), (kvh, 1))])
+            normed = g.op("SimplifiedLayerNormalization", heads, g.const(np.ones(d), np.float32), axis=-1,
+                          epsilon=a.rms_eps)
+            qk = g.op("Reshape", g.op("Mul", normed, g.weight(prefix + "qk_norm", weight.astype(np.float32))),
+                      g.const([1, -1, (nh + kvh) * d]))
+        q, k = g.op("Split", self.rope(qk, tables, nh + kvh), g.const([nh * d, kvh * d]), axis=-1, n_out=2)
+        if self.opt.attention == "gqa":
+            out, present_k, present_v = g.op("GroupQueryAttention", q, k, v, *past, self.seqlens, self.total, "", "",
+                                             "", mask, **gqa)
+            return (self.linear(out, prefix + "attn_output.weight"),
+                    *(g.op("Slice", t, self.past_len, g.const([2**62]), g.const([2])) for t in (present_k, present_v)))
+        # float64: a token's scores, softmax and weighted sum then round to the same float32 in any batch
+        k, v = (g.op("Cast", g.op("Cast", t, to=TensorProto.FLOAT16), to=TensorProto.FLOAT) for t in (k, v))
         q = g.op("Mul", q, g.const(a.attn_scale, np.float32))
-        if self.opt.kv != "f32":  # new tokens are read as the cache will hold them, so a batch equals one-by-one
-            k, v = (g.op("Cast", g.op("Cast", t, to=TensorProto.FLOAT16), to=TensorProto.FLOAT) for t in (k, v))
-        index = g.const(layer)
-        keys = g.op("Concat", g.op("Gather", cached[0], index, axis=0), g.op("Transpose", k, perm=[1, 0, 2]),
-                    axis=1)  # [kvh, T, d]
-        values = g.op("Concat", g.op("Gather", cached[1], index, axis=0), g.op("Transpose", v, perm=[1, 0, 2]),
-                      axis=1)
-        # q: [n, kvh*group, d] -> [kvh, group, n, d]; query head h reads KV head h // group
-        q = g.op("Transpose", g.op("Reshape", q, g.const([0, a.n_kv_heads, a.group, a.head_dim])), perm=[1, 2, 0, 3])
-        keys = g.op("Unsqueeze", g.op("Transpose", keys, perm=[0, 2, 1]), g.const([1]))  # [kvh, 1, d, T]
-        values = g.op("Unsqueeze", values, g.const([1]))  # [kvh, 1, T, d]
-        scores = g.op("Add", g.op("MatMul", q, keys), mask)  # [kvh, group, n, T]; mask [n, T] broadcasts
-        out = g.op("MatMul", g.op("Softmax", scores, axis=-1), values)  # [kvh, group, n, d]
-        out = g.op("Reshape", g.op("Transpose", out, perm=[2, 0, 1, 3]), g.const([-1, a.n_heads * a.head_dim]))
+        q = g.op("Transpose", g.op("Reshape", q, g.const([-1, kvh, a.group, d])), perm=[1, 2, 0, 3])  # [kvh, grp, n, d]
+        k, v = (g.op("Transpose", g.op("Reshape", t, g.const([1, -1, kvh, d])), perm=[0, 2, 1, 3]) for t in (k, v))
+        keys, values = (g.op("Concat", cached, g.op("Cast", t, to=TensorProto.DOUBLE), axis=2)  # [1, kvh, T, d]
+                        for cached, t in zip(past, (k, v), strict=True))
+        keys = g.op("Transpose", keys, perm=[1, 0, 3, 2])  # [kvh, 1, d, T]
+        values = g.op("Transpose", values, perm=[1, 0, 2, 3])  # [kvh, 1, T, d]
+        scores = g.op("Add", g.op("MatMul", g.op("Cast", q, to=TensorProto.DOUBLE), keys), mask)  # [kvh, grp, n, T]
+        out = g.op("Cast", g.op("MatMul", g.op("Softmax", scores, axis=-1), values), to=TensorProto.FLOAT)
+        out = g.op("Reshape", g.op("Transpose", out, perm=[2, 0, 1, 3]), g.const([1, -1, nh * d]))
         return self.linear(out, prefix + "attn_output.weight"), k, v
 
     def ffn(self, layer: int, x: str) -> str:
@@ -299,15 +320,29 @@ class DecoderBuilder:
             for part, dim in (("win", "W"), ("tree", "S")):
                 cache[f"{kind}_{part}"] = g.input(f"{kind}_{part}", opt.kv_float, [dim, L, kvh, d])
 
-        tables = self.rope_tables(positions, a.rope_base, a.rope_scale)
-        tables_swa = self.rope_tables(positions, a.rope_base_swa, 1.0) if a.has_swa else tables
-        x = self.embed(ids)
-        cached = (self.committed_kv(cache, "k"), self.committed_kv(cache, "v"))
+        # once per run: the key count T, RoPE tables for positions 0..T-1 (a token's position is below T)
+        total = g.op("Slice", g.op("Shape", mask), g.const([1]), g.const([2]))  # [1]
+        self.key_range = g.op("Range", g.const(0), g.op("Squeeze", total, g.const([0])), g.const(1))
+        self.position_ids = g.op("Unsqueeze", positions, g.const([0]))  # [1, n]
+        if opt.attention == "gqa":  # GroupQueryAttention's lengths: per sequence the last key's index, and T
+            self.seqlens = g.op("Cast", g.op("Sub", total, g.const([1])), to=TensorProto.INT32)
+            self.total = g.op("Cast", g.op("Squeeze", total, g.const([0])), to=TensorProto.INT32)
+            mask, mask_swa = (g.op("Unsqueeze", m, g.const([0, 1])) for m in (mask, mask_swa))  # [1, 1, n, T]
+        else:
+            mask, mask_swa = (g.op("Cast", m, to=TensorProto.DOUBLE) for m in (mask, mask_swa))
+        tables = self.rope_tables(a.rope_base, a.rope_scale)
+        tables_swa = self.rope_tables(a.rope_base_swa, 1.0) if a.has_swa else tables
+        x = self.embed(g.op("Unsqueeze", ids, g.const([0])))  # [1, n, H]
+        # every layer's cached K and V, split into per-layer [1, kvh, T0, d] with one op each
+        cached = [self.committed_kv(cache, kind) for kind in ("k", "v")]
+        self.past_len = g.op("Slice", g.op("Shape", cached[0]), g.const([2]), g.const([3]))
+        past_k, past_v = ([t] if L == 1 else g.op("Split", t, g.const([1] * L), axis=0, n_out=L) for t in cached)
         new_k, new_v = [], []
         for layer in range(L):
             swa = a.swa_layers[layer]
             h = self.rms_norm(x, f"blk.{layer}.attn_norm.weight")
-            h, k, v = self.attention(layer, h, tables_swa if swa else tables, mask_swa if swa else mask, cached)
+            h, k, v = self.attention(layer, h, tables_swa if swa else tables, mask_swa if swa else mask,
+                                     (past_k[layer], past_v[layer]))
             if a.name == "gemma3":
                 h = self.rms_norm(h, f"blk.{layer}.post_attention_norm.weight")
             x = g.op("Add", x, h)
@@ -315,15 +350,16 @@ class DecoderBuilder:
             if a.name == "gemma3":
                 h = self.rms_norm(h, f"blk.{layer}.post_ffw_norm.weight")
             x = g.op("Add", x, h)
-            new_k.append(g.op("Unsqueeze", k, g.const([1])))
-            new_v.append(g.op("Unsqueeze", v, g.const([1])))
-        for kind, parts in (("k", new_k), ("v", new_v)):
-            stacked = g.op("Concat", *parts, axis=1)  # [n, L, kvh, d]
+            new_k.append(k)
+            new_v.append(v)
+        for kind, parts in (("k", new_k), ("v", new_v)):  # [1, kvh, n, d] per layer -> [n, L, kvh, d]
+            stacked = g.op("Transpose", g.op("Concat", *parts, axis=0), perm=[2, 0, 1, 3])
             if opt.kv != "f32":
                 stacked = g.op("Cast", stacked, to=TensorProto.FLOAT16)
             g.output(stacked, f"{kind}_new", opt.kv_float, ["n", L, kvh, d])
 
-        x = self.rms_norm(g.op("Gather", x, rows, axis=0), "output_norm.weight")  # [m, H]
+        x = g.op("Gather", g.op("Squeeze", x, g.const([0])), rows, axis=0)  # [m, H]
+        x = self.rms_norm(x, "output_norm.weight")
         head_name = "output.weight" if self.w.has("output.weight") else "token_embd.weight"
         if opt.weights == "f32" and opt.head_ids is None and head_name == "token_embd.weight":
             head = self.embedding  # tied: share the table instead of a second copy

@@ -42,17 +42,27 @@ class _OnnxModel:
         return self.kv.n_tokens
 
     def _run(self, tokens: np.ndarray, positions: np.ndarray, sees_slots: np.ndarray, sees_new: np.ndarray,
-             rows: np.ndarray, top_k: int = 0) -> dict[str, np.ndarray]:
-        """tokens, positions: [n]; sees_slots: [n, n_tree] bool; sees_new: [n, n] bool; rows: [m] outputs."""
+             rows: np.ndarray, top_k: int = 0, quantized: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """tokens, positions: [n]; sees_slots: [n, n_tree] bool; sees_new: [n, n] bool; rows: [m] outputs.
+
+        quantized [n]: per new token, how many committed tokens it reads quantized (default: as they are now);
+        more than now means the window's oldest groups are quantized ahead for those tokens (views_through).
+        """
         if len(tokens) == 1:
             # A lone query takes other matmul kernels (a GEMV path) whose sums round differently; a copy of it
             # as a second row keeps one token's results bit-identical to the same token inside a batch.
             out = self._run(np.repeat(tokens, 2), np.repeat(positions, 2), np.repeat(sees_slots, 2, axis=0),
-                            np.eye(2, dtype=bool), rows, top_k)
+                            np.eye(2, dtype=bool), rows, top_k, None if quantized is None else np.repeat(quantized, 2))
             out["k_new"], out["v_new"] = out["k_new"][:1], out["v_new"][:1]
             return out
-        n, committed, slots = len(tokens), self.kv.n_tokens, self.n_tree
+        n, slots, kv = len(tokens), self.n_tree, self.kv
+        through = kv.n_quant if quantized is None else int(quantized.max())
+        committed = through + kv.n_window  # columns: quantized part (maybe ahead), then the whole window
         visible = np.ones((n, committed + slots + n), bool)
+        if through > kv.n_quant:  # a token reads each group either quantized or from the window, never both
+            token = np.concatenate([np.arange(through), kv.n_quant + np.arange(kv.n_window)])
+            visible[:, :through] = token[None, :through] < quantized[:, None]
+            visible[:, through:committed] = token[None, through:] >= quantized[:, None]
         visible[:, committed : committed + slots] = sees_slots
         visible[:, committed + slots :] = sees_new
         mask = np.where(visible, np.float32(0), np.float32(-np.inf))
@@ -64,10 +74,11 @@ class _OnnxModel:
             "top_k": np.array([top_k], np.int64),
             "k_tree": self.tree_k[:slots],
             "v_tree": self.tree_v[:slots],
-            **self.kv.views(),
+            **(kv.views() if through == kv.n_quant else kv.views_through(through)),
         }
         if self.arch.has_swa:
-            key_pos = np.concatenate([np.arange(committed), self.tree_pos[:slots], positions])
+            key_pos = np.concatenate([np.arange(through), kv.n_quant + np.arange(kv.n_window),
+                                      self.tree_pos[:slots], positions])
             far = positions[:, None] - key_pos[None, :] >= self.arch.swa_window
             feeds["mask_swa"] = np.where(far, np.float32(-np.inf), mask)
         out = self.session.run(feeds)
@@ -231,7 +242,14 @@ class OnnxTarget(_OnnxModel):
             raise ValueError(f"tree of {n} nodes exceeds the target's {self.max_tree}")
         self.n_tree = 0
         positions = self.kv.n_tokens + tree.depth.astype(np.int64)
-        out = self._run(tree.tokens, positions, np.zeros((n, 0), bool), tree.ancestor_mask(), np.arange(n))
+        # A node reads the cache as plain decoding would at its position: groups that one-token-at-a-time
+        # commits would have quantized by then are read quantized, even though this pass commits nothing.
+        quantized = self.kv.quantized_after(positions)
+        if quantized.max() > self.kv.n_quant + self.kv.n_window - self.kv.n_window % self.kv.group:
+            raise ValueError(f"tree of depth {tree.depth.max()} reaches past the cache's quantization window; "
+                             f"keep trees shallower than {self.kv.group} tokens")
+        out = self._run(tree.tokens, positions, np.zeros((n, 0), bool), tree.ancestor_mask(), np.arange(n),
+                        quantized=quantized)
         self._add_slots(out, tree.tokens, positions, tree.parents)
         return out["logits"]
 
