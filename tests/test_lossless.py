@@ -53,11 +53,13 @@ def plain_outputs() -> dict:
 def test_greedy_speculation_equals_plain_decoding(pair: LoadedPair, plain_outputs: dict) -> None:
     prompts = prompts_for(pair)
     assert len(prompts) >= 8
-    for text in prompts:
+    for i, text in enumerate(prompts):
         tokens = prompt_tokens(pair, text)
         plain, _ = generate(pair, tokens, None)
         plain_outputs[(pair.name, text)] = plain
-        for budget in GROW:
+        # budget 255 (half of this test's time) on every other prompt; test_tree_logits_equal_sequential_decoding
+        # checks full 256-node trees node by node
+        for budget in [b for b in GROW if b < 255 or i % 2 == 0]:
             spec, decoder = generate(pair, tokens, budget)
             assert spec == plain, f"budget {budget} differs on {text!r}"
             assert_caches_hold_exactly(pair, decoder)

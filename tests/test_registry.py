@@ -52,7 +52,7 @@ def test_shipped_default_pair_is_self_speculative() -> None:
     assert (pair.target.quantize, pair.target.kv_type) == (None, "bf16")
     # from = "target" reuses the source, not the target's quantize
     assert pair.drafter.source is pair.target.source
-    assert (pair.drafter.quantize, pair.drafter.kv_type) == ("q4_0", "q4_0")
+    assert (pair.drafter.quantize, pair.drafter.kv_type, pair.drafter.runtime) == ("q4_0", "q4_0", "onnx")
 
 
 def test_shipped_gemma_pair() -> None:
@@ -62,7 +62,7 @@ def test_shipped_gemma_pair() -> None:
     assert len(source.pypi) == len(source.files) == 4
     assert [f[-6:] for f in source.files] == ["part00", "part01", "part02", "part03"]
     assert source.name == "gemma-3-270m-q4_k_m.gguf"
-    assert pair.drafter.source is source
+    assert pair.drafter.source is source and pair.drafter.runtime == "onnx"
 
 
 def test_shipped_real_pairs_use_hub() -> None:
