@@ -223,25 +223,20 @@ class DecoderBuilder:
     def linears(self, x: str, names: list[str], parts: list[int] | None = None) -> list[str]:
         """Several projections of the same input in one matmul (fewer, larger ops), split afterwards into
         `parts` consecutive groups of them (default: one output per projection)."""
-        parts = parts or [1] * len(names)
-        kinds = {self.w.tensors[name].tensor_type for name in names}
-        if len(kinds) > 1:  # mixed quantization types keep their own grids
-            outs, start = [self.linear(x, name) for name in names], 0
-            grouped = []
-            for count in parts:
-                grouped.append(outs[start] if count == 1 else self.g.op("Concat", *outs[start : start + count],
-                                                                          axis=-1))
-                start += count
-            return grouped
-        weights = [self.w.get(name) for name in names]
-        fused = self.linear(x, names[0].replace(".weight", "") + "+.weight", np.concatenate(weights), names[0])
-        if len(parts) == 1:
-            return [fused]
-        rows, sizes, start = [w.shape[0] for w in weights], [], 0
-        for count in parts:
-            sizes.append(sum(rows[start : start + count]))
+        groups, start = [], 0
+        for count in parts or [1] * len(names):
+            groups.append(names[start : start + count])
             start += count
-        return self.g.op("Split", fused, self.g.const(sizes), axis=-1, n_out=len(parts))
+        if len({self.w.tensors[name].tensor_type for name in names}) > 1:  # mixed types keep their own grids
+            return [self.linear(x, group[0]) if len(group) == 1
+                    else self.g.op("Concat", *(self.linear(x, name) for name in group), axis=-1) for group in groups]
+        weights = {name: self.w.get(name) for name in names}
+        fused = self.linear(x, names[0].replace(".weight", "") + "+.weight", np.concatenate(list(weights.values())),
+                            names[0])
+        if len(groups) == 1:
+            return [fused]
+        sizes = [sum(weights[name].shape[0] for name in group) for group in groups]
+        return self.g.op("Split", fused, self.g.const(sizes), axis=-1, n_out=len(groups))
 
     def attention(self, layer: int, x: str, tables: tuple[str, str], mask: str, past: tuple[str, str]):
         """x: [1, n, H] normed; past: this layer's cached keys and values [1, kvh, T0, d].
@@ -255,24 +250,30 @@ class DecoderBuilder:
             out, present_k, present_v = g.op("GroupQueryAttention", qkv, "", "", *past, self.seqlens, self.total,
                                              *tables, self.position_ids, mask, do_rotary=1,
                                              rotary_interleaved=0 if a.rope_neox else 1, **gqa)
-            return (self.linear(out, prefix + "attn_output.weight"),
-                    *(g.op("Slice", t, self.past_len, g.const([2**62]), g.const([2])) for t in (present_k, present_v)))
-        qk, v = self.linears(x, names, parts=[2, 1])
-        if a.name == "gemma3":  # RMS norm per head, q and k with their own weights
-            heads = g.op("Reshape", qk, g.const([1, -1, nh + kvh, d]))
-            weight = np.concatenate([np.tile(self.w.get(prefix + "attn_q_norm.weight"), (nh, 1)),
-                                     np.tile(self.w.get(prefix + "attn_k_norm.weight"), (kvh, 1))])
-            normed = g.op("SimplifiedLayerNormalization", heads, g.const(np.ones(d), np.float32), axis=-1,
-                          epsilon=a.rms_eps)
-            qk = g.op("Reshape", g.op("Mul", normed, g.weight(prefix + "qk_norm", weight.astype(np.float32))),
-                      g.const([1, -1, (nh + kvh) * d]))
-        q, k = g.op("Split", self.rope(qk, tables, nh + kvh), g.const([nh * d, kvh * d]), axis=-1, n_out=2)
-        if self.opt.attention == "gqa":
+        else:
+            qk, v = self.linears(x, names, parts=[2, 1])
+            if a.name == "gemma3":  # RMS norm per head, q and k with their own weights
+                heads = g.op("Reshape", qk, g.const([1, -1, nh + kvh, d]))
+                weight = np.concatenate([np.tile(self.w.get(prefix + "attn_q_norm.weight"), (nh, 1)),
+                                         np.tile(self.w.get(prefix + "attn_k_norm.weight"), (kvh, 1))])
+                normed = g.op("SimplifiedLayerNormalization", heads, g.const(np.ones(d), np.float32), axis=-1,
+                              epsilon=a.rms_eps)
+                qk = g.op("Reshape", g.op("Mul", normed, g.weight(prefix + "qk_norm", weight.astype(np.float32))),
+                          g.const([1, -1, (nh + kvh) * d]))
+            q, k = g.op("Split", self.rope(qk, tables, nh + kvh), g.const([nh * d, kvh * d]), axis=-1, n_out=2)
+            if self.opt.attention == "f64":
+                out, k, v = self.attention_f64(q, k, v, mask, past)
+                return self.linear(out, prefix + "attn_output.weight"), k, v
             out, present_k, present_v = g.op("GroupQueryAttention", q, k, v, *past, self.seqlens, self.total, "", "",
                                              "", mask, **gqa)
-            return (self.linear(out, prefix + "attn_output.weight"),
-                    *(g.op("Slice", t, self.past_len, g.const([2**62]), g.const([2])) for t in (present_k, present_v)))
-        # float64: a token's scores, softmax and weighted sum then round to the same float32 in any batch
+        new_k, new_v = (g.op("Slice", t, self.past_len, g.const([2**62]), g.const([2])) for t in (present_k, present_v))
+        return self.linear(out, prefix + "attn_output.weight"), new_k, new_v
+
+    def attention_f64(self, q: str, k: str, v: str, mask: str, past: tuple[str, str]) -> tuple[str, str, str]:
+        """Scores, softmax and weighted sum in float64: a token's result then rounds to the same float32 in any
+        batch. q [1, n, nh*d], k and v [1, n, kvh*d] -> output [1, n, nh*d], new k and v [1, kvh, n, d]."""
+        g, a = self.g, self.arch
+        kvh, d = a.n_kv_heads, a.head_dim
         k, v = (g.op("Cast", g.op("Cast", t, to=TensorProto.FLOAT16), to=TensorProto.FLOAT) for t in (k, v))
         q = g.op("Mul", q, g.const(a.attn_scale, np.float32))
         q = g.op("Transpose", g.op("Reshape", q, g.const([-1, kvh, a.group, d])), perm=[1, 2, 0, 3])  # [kvh, grp, n, d]
@@ -283,8 +284,7 @@ class DecoderBuilder:
         values = g.op("Transpose", values, perm=[1, 0, 2, 3])  # [kvh, 1, T, d]
         scores = g.op("Add", g.op("MatMul", g.op("Cast", q, to=TensorProto.DOUBLE), keys), mask)  # [kvh, grp, n, T]
         out = g.op("Cast", g.op("MatMul", g.op("Softmax", scores, axis=-1), values), to=TensorProto.FLOAT)
-        out = g.op("Reshape", g.op("Transpose", out, perm=[2, 0, 1, 3]), g.const([1, -1, nh * d]))
-        return self.linear(out, prefix + "attn_output.weight"), k, v
+        return g.op("Reshape", g.op("Transpose", out, perm=[2, 0, 1, 3]), g.const([1, -1, a.n_heads * d])), k, v
 
     def ffn(self, layer: int, x: str) -> str:
         g, prefix = self.g, f"blk.{layer}."
@@ -322,11 +322,12 @@ class DecoderBuilder:
 
         # once per run: the key count T, RoPE tables for positions 0..T-1 (a token's position is below T)
         total = g.op("Slice", g.op("Shape", mask), g.const([1]), g.const([2]))  # [1]
-        self.key_range = g.op("Range", g.const(0), g.op("Squeeze", total, g.const([0])), g.const(1))
+        keys = g.op("Squeeze", total, g.const([0]))  # T, a scalar
+        self.key_range = g.op("Range", g.const(0), keys, g.const(1))
         self.position_ids = g.op("Unsqueeze", positions, g.const([0]))  # [1, n]
         if opt.attention == "gqa":  # GroupQueryAttention's lengths: per sequence the last key's index, and T
             self.seqlens = g.op("Cast", g.op("Sub", total, g.const([1])), to=TensorProto.INT32)
-            self.total = g.op("Cast", g.op("Squeeze", total, g.const([0])), to=TensorProto.INT32)
+            self.total = g.op("Cast", keys, to=TensorProto.INT32)
             mask, mask_swa = (g.op("Unsqueeze", m, g.const([0, 1])) for m in (mask, mask_swa))  # [1, 1, n, T]
         else:
             mask, mask_swa = (g.op("Cast", m, to=TensorProto.DOUBLE) for m in (mask, mask_swa))

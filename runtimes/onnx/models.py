@@ -58,11 +58,11 @@ class _OnnxModel:
         n, slots, kv = len(tokens), self.n_tree, self.kv
         through = kv.n_quant if quantized is None else int(quantized.max())
         committed = through + kv.n_window  # columns: quantized part (maybe ahead), then the whole window
+        committed_pos = np.concatenate([np.arange(through), kv.n_quant + np.arange(kv.n_window)])  # per column
         visible = np.ones((n, committed + slots + n), bool)
         if through > kv.n_quant:  # a token reads each group either quantized or from the window, never both
-            token = np.concatenate([np.arange(through), kv.n_quant + np.arange(kv.n_window)])
-            visible[:, :through] = token[None, :through] < quantized[:, None]
-            visible[:, through:committed] = token[None, through:] >= quantized[:, None]
+            visible[:, :through] = committed_pos[None, :through] < quantized[:, None]
+            visible[:, through:committed] = committed_pos[None, through:] >= quantized[:, None]
         visible[:, committed : committed + slots] = sees_slots
         visible[:, committed + slots :] = sees_new
         mask = np.where(visible, np.float32(0), np.float32(-np.inf))
@@ -77,8 +77,7 @@ class _OnnxModel:
             **(kv.views() if through == kv.n_quant else kv.views_through(through)),
         }
         if self.arch.has_swa:
-            key_pos = np.concatenate([np.arange(through), kv.n_quant + np.arange(kv.n_window),
-                                      self.tree_pos[:slots], positions])
+            key_pos = np.concatenate([committed_pos, self.tree_pos[:slots], positions])
             far = positions[:, None] - key_pos[None, :] >= self.arch.swa_window
             feeds["mask_swa"] = np.where(far, np.float32(-np.inf), mask)
         out = self.session.run(feeds)
