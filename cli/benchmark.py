@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -14,6 +12,7 @@ from edge.errors import UserError
 from edge.generate import Decoder, Stats
 from edge.grow import GrowConfig
 from edge.sampling import SamplingConfig
+from offload.tuning import expand_ms, pass_ms
 
 
 def benchmark_file(name: str) -> Path:
@@ -26,14 +25,27 @@ def benchmark_file(name: str) -> Path:
 DEFAULT_PROMPTS = benchmark_file("chat-prompts.txt")
 
 
-def parse_budgets(text: str) -> list[int]:
+def parse_budgets(text: str) -> list[int | str]:
+    """'auto,1,16,64' -> ["auto", 1, 16, 64]."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
     try:
-        budgets = [int(part) for part in text.split(",") if part.strip()]
+        budgets = [part if part == "auto" else int(part) for part in parts]
     except ValueError:
-        raise UserError(f"--budgets takes comma-separated integers, like 1,16,64,255 (got {text!r})") from None
-    if not budgets or any(not 1 <= b <= 255 for b in budgets):
-        raise UserError(f"--budgets must be between 1 and 255 (got {text!r})")
+        raise UserError(f"--budgets takes comma-separated integers or auto, like auto,1,16,64,255 (got {text!r})"
+                        ) from None
+    if not budgets or any(b != "auto" and not 1 <= b <= 255 for b in budgets):
+        raise UserError(f"--budgets must be auto or between 1 and 255 (got {text!r})")
     return budgets
+
+
+METHODS = ("plain", "chain", "tree")
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [part.strip() for part in text.split(",") if part.strip()]
+    if not methods or any(m not in METHODS for m in methods):
+        raise UserError(f"--methods takes {', '.join(METHODS)}, comma-separated (got {text!r})")
+    return methods
 
 
 def read_prompts(path: Path | None) -> list[str]:
@@ -63,45 +75,91 @@ def parse_drafters(text: str | None) -> list[tuple[str, int | None]] | None:
     return choices
 
 
-def run_bench(loaded, prompts: list[str], budgets: list[int], max_tokens: int, sampling: SamplingConfig,
+def run_bench(loaded, prompts: list[str], budgets: list[int | str], max_tokens: int, sampling: SamplingConfig,
               raw: bool, report, drafters: list[tuple[str, int | None]] | None = None,
-              threads: int | None = None) -> dict[str, Any]:
+              threads: int | None = None, methods: tuple[str, ...] = ("plain", "tree")) -> dict[str, Any]:
+    """Plain decoding first (the reference every row is checked against), then each method x budget."""
     from cli.main import prompt_for
     from offload.probe import probe_machine
 
     raw = raw or loaded.template is None
     prompt_tokens = [prompt_for(loaded, prompt, raw) for prompt in prompts]
     report(f"plain: {len(prompts)} prompts")
-    reference, stats = _decode_all(loaded.target, None, None, prompt_tokens, max_tokens, sampling)
-    rows = [_row("plain", None, stats, True)]
+    reference, stats, read = _decode_all(Decoder(loaded.target, None, None, sampling), prompt_tokens, max_tokens,
+                                         sampling)
+    plain = _row("plain", None, stats, True, read)
+    rows = [plain]
     pass_ms = target_pass_times(loaded, prompt_tokens[0], threads, report)
     drafter_info = []
     for drafter, label, vocab in _drafters(loaded, drafters, threads, report):
-        drafter_info.append({"drafter": label, "vocab": vocab, "expand_ms": expand_ms(drafter, prompt_tokens[0]),
+        expand = _str_keys(expand_ms(drafter, prompt_tokens[0]))
+        drafter_info.append({"drafter": label, "vocab": vocab, "expand_ms": expand,
                              "kv_bytes_per_token": kv_bytes_per_token(drafter)})
-        for budget in budgets:
-            report(f"{label} budget {budget}: {len(prompts)} prompts")
-            outputs, stats = _decode_all(loaded.target, drafter, GrowConfig.for_budget(budget), prompt_tokens,
-                                         max_tokens, sampling)
-            rows.append({"drafter": label, "vocab": vocab, **_row("tree", budget, stats, outputs == reference)})
+        costs = None
+        for method in (m for m in methods if m != "plain"):
+            for budget in budgets:
+                if budget == "auto" and method == "chain":
+                    continue  # auto chooses tree shapes
+                report(f"{label} {method} budget {budget}: {len(prompts)} prompts")
+                policy = None
+                if budget == "auto":
+                    costs = costs or _costs(loaded, drafter, prompt_tokens[0])
+                    from offload.tuning import AutoBudget
+
+                    policy = AutoBudget(costs)
+                    grow = None
+                else:
+                    grow = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
+                decoder = Decoder(loaded.target, drafter, grow, sampling, policy=policy)
+                outputs, stats, read = _decode_all(decoder, prompt_tokens, max_tokens, sampling)
+                row = _row(method, budget, stats, outputs == reference, read)
+                row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0
+                rows.append({"drafter": label, "vocab": vocab, **row})
         if drafter is not loaded.drafter:
             _close(drafter)
-    return {"pair": loaded.name, "machine": probe_machine(), "prompts": len(prompts), "max_tokens": max_tokens,
+    plain["speedup"] = 1.0
+    return {"pair": loaded.name, "machine": probe_machine(), "placement": loaded.placement,
+            "target": _target_file(loaded), "prompts": len(prompts), "max_tokens": max_tokens,
             "temperature": sampling.temperature, "lossless_warning": loaded.lossless_warning,
-            "target_pass_ms": pass_ms, "drafters": drafter_info, "rows": rows}
+            "target_pass_ms": pass_ms, "auto_costs": _costs_json(costs), "drafters": drafter_info, "rows": rows}
 
 
-def _decode_all(target, drafter, grow, prompt_tokens, max_tokens, sampling) -> tuple[list[list[int]], Stats]:
-    decoder = Decoder(target, drafter, grow, sampling)
+def _costs(loaded, drafter, prefix: list[int]):
+    from offload.tuning import measure_costs
+
+    return measure_costs(loaded.target, drafter, prefix, loaded.target.max_tree)
+
+
+def _costs_json(costs) -> dict[str, Any] | None:
+    return None if costs is None else costs.to_json()
+
+
+def _str_keys(table: dict) -> dict[str, float]:
+    return {str(k): v for k, v in table.items()}
+
+
+def _target_file(loaded) -> str | None:
+    from cli.loading import model_path
+
+    path = model_path(loaded.spec.target) if loaded.spec is not None else None
+    return path.name if path is not None else None
+
+
+def _decode_all(decoder: Decoder, prompt_tokens, max_tokens, sampling) -> tuple[list[list[int]], Stats, int | None]:
+    """Every prompt through one decoder; also the bytes the process read from storage meanwhile."""
+    from offload.ssd import read_bytes
+
     total, outputs = Stats(), []
+    before = read_bytes()
     for tokens in prompt_tokens:
         decoder.set_sampling(sampling)  # the same seed for every method: sampled runs are comparable
         decoder.load(tokens)
         steps = list(decoder.generate(max_tokens))
         outputs.append([s.token for s in steps if s.token is not None and s.finish_reason is None])
         total.add(steps[-1].stats)
+    after = read_bytes()
     decoder.reset()
-    return outputs, total
+    return outputs, total, None if before is None or after is None else after - before
 
 
 def _drafters(loaded, choices, threads, report):
@@ -138,33 +196,9 @@ def _close(drafter) -> None:
         close()
 
 
-def expand_ms(drafter, prefix: list[int], sizes: tuple[int, ...] = (1, 8, 32), repeats: int = 5) -> dict[str, float]:
-    """Median milliseconds of one drafter pass over n sibling nodes, after a root pass on `prefix`."""
-    from edge.tree import TokenTree
-
-    drafter.truncate(0)
-    drafter.prefill(prefix[:-1])
-    result = {}
-    for n in sizes:
-        tree = TokenTree(np.array([prefix[-1], *range(100, 100 + n)], np.int32),
-                         np.array([-1, *[0] * n], np.int32), np.array([0, *[1] * n], np.int32),
-                         np.zeros(n + 1, np.float32))
-        times = []
-        for _ in range(repeats):
-            drafter.expand(tree, np.array([0]), 8)
-            start = time.perf_counter()
-            drafter.expand(tree, np.arange(1, n + 1), 8)
-            times.append(time.perf_counter() - start)
-            drafter.commit(tree, [0])
-            drafter.truncate(len(prefix) - 1)
-        result[str(n)] = round(1000 * float(np.median(times)), 3)
-    drafter.truncate(0)
-    return result
-
-
 def target_pass_times(loaded, prefix: list[int], threads: int | None, report) -> dict[str, dict[str, float]]:
     """Pass times of the pair's target; a QuantSpec (onnx) target is timed beside llama.cpp on the same file."""
-    times = {_runtime(loaded.target): pass_ms(loaded.target, prefix)}
+    times = {_runtime(loaded.target): _str_keys(pass_ms(loaded.target, prefix))}
     if loaded.spec is not None and loaded.spec.target.runtime == "onnx":
         from cli.loading import materialize
         from runtimes.llama_cpp import RunOptions, load_target
@@ -173,7 +207,7 @@ def target_pass_times(loaded, prefix: list[int], threads: int | None, report) ->
         options = RunOptions(n_ctx=loaded.spec.ctx, kv_type=loaded.spec.target.kv_type, n_threads=threads)
         other = load_target(materialize(loaded.spec.target, report), options)
         try:
-            times["llama_cpp"] = pass_ms(other, prefix)
+            times["llama_cpp"] = _str_keys(pass_ms(other, prefix))
         finally:
             other.close()
     return times
@@ -181,27 +215,6 @@ def target_pass_times(loaded, prefix: list[int], threads: int | None, report) ->
 
 def _runtime(target) -> str:
     return "onnx" if hasattr(target, "kv") else "llama_cpp"
-
-
-def pass_ms(target, prefix: list[int], sizes: tuple[int, ...] = (1, 16, 64), repeats: int = 5) -> dict[str, float]:
-    """Median milliseconds of one target pass over a chain of n new tokens after `prefix`."""
-    from edge.tree import TokenTree
-
-    target.truncate(0)
-    target.prefill(prefix[:-1])
-    result = {}
-    for n in sizes:
-        chain = TokenTree(np.array([prefix[-1], *range(100, 99 + n)], np.int32), np.arange(-1, n - 1, dtype=np.int32),
-                          np.arange(n, dtype=np.int32), np.zeros(n, np.float32))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            target.verify(chain)
-            times.append(time.perf_counter() - start)
-            target.truncate(len(prefix) - 1)
-        result[str(n)] = round(1000 * float(np.median(times)), 3)
-    target.truncate(0)
-    return result
 
 
 def kv_bytes_per_token(drafter) -> float:
@@ -218,8 +231,9 @@ def kv_bytes_per_token(drafter) -> float:
     return round(arch.n_layers * arch.n_kv_heads * arch.head_dim * 2 * bits / 8, 1)
 
 
-def _row(method: str, budget: int | None, stats: Stats, matches_plain: bool) -> dict[str, Any]:
+def _row(method: str, budget: int | str | None, stats: Stats, matches_plain: bool, read: int | None) -> dict[str, Any]:
     rounds = max(stats.rounds, 1)
+    passes = max(stats.target_passes, 1)
     return {
         "method": method,
         "budget": budget or 0,
@@ -228,24 +242,33 @@ def _row(method: str, budget: int | None, stats: Stats, matches_plain: bool) -> 
         "draft_s_per_round": round(stats.draft_s / rounds, 5),
         "verify_s_per_round": round(stats.verify_s / rounds, 5),
         "tokens_per_s": round(stats.tokens_per_s, 2),
+        "bytes_read_per_pass": None if read is None else round(read / passes),
         "target_passes": stats.target_passes,
         "rounds": stats.rounds,
         "new_tokens": stats.new_tokens,
         "drafter_passes_per_round": round(stats.drafter_passes / rounds, 3),
         "tree_nodes_per_round": round(stats.tree_nodes / rounds, 1),
+        "mean_budget": round(stats.budget_sum / rounds, 1),
+        "plain_rounds": stats.plain_rounds if budget == "auto" else 0,
         "matches_plain": matches_plain,
     }
 
 
 def render_table(result: dict[str, Any], console: Console) -> None:
-    table = Table("method", "drafter", "budget", "tokens/pass", "draft s/round", "verify s/round", "tokens/s", "passes",
-                  "same as plain", title=f"{result['pair']} on {result['machine']['cpu']} "
-                  f"({result['prompts']} prompts x {result['max_tokens']} tokens, T={result['temperature']})")
+    table = Table("method", "drafter", "budget", "tokens/pass", "draft s/round", "verify s/round", "tokens/s",
+                  "speedup", "MB read/pass", "passes", "same as plain",
+                  title=f"{result['pair']} ({result.get('target')}, placement {result.get('placement')}) on "
+                  f"{result['machine']['cpu']} ({result['prompts']} prompts x {result['max_tokens']} tokens, "
+                  f"T={result['temperature']})")
     for row in result["rows"]:
-        table.add_row(row["method"], row.get("drafter", "-"), str(row["budget"] or "-"),
-                      f"{row['tokens_per_pass']:.2f}",
+        budget = str(row["budget"] or "-")
+        if row["budget"] == "auto":
+            budget += f" (mean {row['mean_budget']:g}, {row['plain_rounds']} plain rounds)"
+        read = row.get("bytes_read_per_pass")
+        table.add_row(row["method"], row.get("drafter", "-"), budget, f"{row['tokens_per_pass']:.2f}",
                       f"{row['draft_s_per_round']:.4f}", f"{row['verify_s_per_round']:.4f}",
-                      f"{row['tokens_per_s']:.1f}", str(row["target_passes"]),
+                      f"{row['tokens_per_s']:.1f}", f"{row.get('speedup', 1.0):.2f}x",
+                      "-" if read is None else f"{read / 1e6:.1f}", str(row["target_passes"]),
                       "yes" if row["matches_plain"] else "NO")
     console.print(table)
     for runtime, times in result.get("target_pass_ms", {}).items():
@@ -253,3 +276,50 @@ def render_table(result: dict[str, Any], console: Console) -> None:
     for info in result.get("drafters", []):
         expand = " · ".join(f"{n} nodes {ms:.1f} ms" for n, ms in info["expand_ms"].items())
         console.print(f"drafter {info['drafter']}: expand {expand} · KV {info['kv_bytes_per_token']:.0f} B/token")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """tokens/s and tokens per pass against the budget, one line per method (and drafter); auto as a marker."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'edge-spec[plot]' (or pip install matplotlib)") from None
+    figure, (speed, per_pass) = plt.subplots(1, 2, figsize=(11, 4.2))
+    plain = next(r for r in result["rows"] if r["method"] == "plain")
+    lines: dict[str, list[dict]] = {}
+    for row in result["rows"]:
+        if row["method"] != "plain":
+            label = row["method"] if len(result.get("drafters", [])) < 2 else f"{row['method']} ({row['drafter']})"
+            lines.setdefault(label, []).append(row)
+    for label, rows in lines.items():
+        fixed = sorted((r for r in rows if r["budget"] != "auto"), key=lambda r: r["budget"])
+        if fixed:
+            budgets = [r["budget"] for r in fixed]
+            speed.plot(budgets, [r["tokens_per_s"] for r in fixed], marker="o", label=label)
+            per_pass.plot(budgets, [r["tokens_per_pass"] for r in fixed], marker="o", label=label)
+        for row in rows:
+            if row["budget"] == "auto":
+                at = max(row["mean_budget"], 1)
+                speed.scatter([at], [row["tokens_per_s"]], marker="*", s=160, zorder=3,
+                              label=f"{label}, auto (mean budget {row['mean_budget']:g})")
+                per_pass.scatter([at], [row["tokens_per_pass"]], marker="*", s=160, zorder=3)
+    speed.axhline(plain["tokens_per_s"], color="gray", linestyle="--", label="plain")
+    per_pass.axhline(plain["tokens_per_pass"], color="gray", linestyle="--")
+    for axis, name in ((speed, "tokens/s"), (per_pass, "tokens per target pass")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("tree budget (draft nodes)")
+        axis.set_ylabel(name)
+        axis.grid(alpha=0.3)
+    speed.legend(fontsize=8)
+    figure.suptitle(f"{result['pair']} · {result.get('target')} · placement {result.get('placement')} · "
+                    f"{result['machine']['cpu']}, {result['machine']['cores']} cores", fontsize=10)
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=110)
+    except OSError as error:
+        raise UserError(f"cannot write the plot to {path}: {error.strerror}") from None
+    finally:
+        plt.close(figure)

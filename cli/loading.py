@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from edge.chat_template import ChatTemplate
 from edge.errors import UserError
 from edge.registry import ModelSpec, PairSpec, Registry, Source
-from edge.sources import atomic_path, fetch, prepared_path, source_path
+from edge.sources import atomic_path, cache_dir, fetch, prepared_path, source_path
 
 if TYPE_CHECKING:
     from runtimes.llama_cpp import LlamaDrafter, LlamaTarget
@@ -21,9 +21,73 @@ class LoadedPair:
     target: LlamaTarget  # or an OnnxTarget (QuantSpec mode)
     drafter: LlamaDrafter  # or an OnnxDrafter
     template: ChatTemplate | None
-    budget: int
+    budget: int | str  # draft nodes per tree, or "auto"
     lossless_warning: str | None  # why this target's output may differ from plain decoding, if it may
     spec: PairSpec | None = None
+    placement: str = "ram"  # where the target's weights stream from: "ram", or "ssd" (evicted after each pass)
+    costs: object | None = None  # measured pass times for --budget auto (offload.tuning.Costs), once per load
+
+    def decoder(self, sampling, no_spec: bool = False, budget: int | str | None = None):
+        """A Decoder for this pair: plain with no_spec, a fixed budget, or --budget auto's policy."""
+        from edge.generate import Decoder
+        from edge.grow import GrowConfig
+
+        budget = self.budget if budget is None else budget
+        if no_spec:
+            return Decoder(self.target, None, None, sampling)
+        if budget != "auto":
+            return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling)
+        return Decoder(self.target, self.drafter, None, sampling, policy=self.auto_budget())
+
+    def auto_budget(self):
+        """--budget auto's policy; its pass times are measured once per machine, placement and pair (cached)."""
+        from offload.tuning import AutoBudget, Costs, measure_costs
+
+        if self.costs is None:
+            key, cache = self._costs_key(), cache_dir() / "pass-times.json"
+            known = _read_json(cache)
+            if key is not None and key in known:
+                self.costs = Costs.from_json(known[key])
+            else:
+                prefix = self.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
+                self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree)
+                if key is not None:
+                    _write_json(cache, {**known, key: self.costs.to_json()})
+        return AutoBudget(self.costs)
+
+    def _costs_key(self) -> str | None:
+        from offload.probe import machine_key
+
+        path = model_path(self.spec.target) if self.spec is not None else None
+        if path is None or not path.is_file():
+            return None
+        stat = path.stat()
+        drafter = f"{type(self.drafter).__name__}:{getattr(self.drafter, 'vocab', None)}"
+        readahead = getattr(getattr(self.target, "streamer", None), "readahead", None)
+        return (f"{machine_key(path)}|{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{self.placement}|"
+                f"readahead {readahead}")
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))
+
+
+# Timing passes for --budget auto needs some context; what it says does not matter.
+CALIBRATION_TEXT = "The committee met on Tuesday to review the budget, and after a long discussion it agreed to"
+TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
 
 
 def spec_for_paths(target: Path, drafter: Path | None, ctx: int) -> PairSpec:
@@ -66,26 +130,59 @@ def materialize(spec: ModelSpec, report) -> Path:
 
 
 def load_pair(spec: PairSpec, report, threads: int | None = None, gpu_layers: int = 0,
-              budget: int | None = None, provider: str | None = None) -> LoadedPair:
+              budget: int | str | None = None, provider: str | None = None, placement: str = "ram",
+              target_dtype: str | None = None, mlock: bool = False, readahead: bool = True) -> LoadedPair:
+    """placement "ssd": the target is mmap'd and its pages evicted after every pass (offload/ssd.py);
+    target_dtype rewrites the target with llama.cpp's quantizer first (cached), "as-is" loads the source."""
     from runtimes.gguf_file import check_gguf, lossless_guarantee
     from runtimes.llama_cpp import RunOptions, load_target
 
     if provider is not None:  # --provider overrides models.toml for every ONNX model of the pair
         spec = replace(spec, target=replace(spec.target, provider=provider),
                        drafter=replace(spec.drafter, provider=provider))
+    if target_dtype is not None:
+        if target_dtype not in TARGET_DTYPES:
+            raise UserError(f"--target-dtype must be one of {', '.join(TARGET_DTYPES)} (got {target_dtype!r})")
+        spec = replace(spec, target=replace(spec.target, quantize=None if target_dtype == "as-is" else target_dtype))
+    if placement not in ("ram", "ssd"):
+        raise UserError(f"--placement must be ram or ssd (got {placement!r})")
+    if placement == "ssd" and (spec.target.runtime == "onnx" or mlock):
+        raise UserError("--placement ssd streams a llama.cpp target from its file: not with an onnx target or --mlock")
     target_file = materialize(spec.target, report)
     info = check_gguf(target_file)
     if spec.target.runtime == "onnx":
         target, drafter = _load_quantspec(spec, target_file, threads, report)
         warning = None
     else:
-        options = RunOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, n_threads=threads, n_gpu_layers=gpu_layers)
+        options = RunOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, n_threads=threads, n_gpu_layers=gpu_layers,
+                             use_mlock=mlock)
         target = load_target(target_file, options)
         drafter = open_drafter(spec, spec.drafter, target, threads, gpu_layers, report)
         warning = lossless_guarantee(info, spec.target.kv_type)
+        if placement == "ssd":
+            target = _on_ssd(target, target_file, readahead)
     template = _template(info.chat_template, target)
     budget = spec.budget if budget is None else budget
-    return LoadedPair(spec.name, target, drafter, template, budget, warning, spec)
+    return LoadedPair(spec.name, target, drafter, template, budget, warning, spec, placement)
+
+
+def _on_ssd(target, path: Path, readahead: bool):
+    """The target streamed from its file; refused when a pass does not read its weights from the mapping
+    (llama.cpp copies weights it repacks for faster kernels, e.g. Q4_0 on x86, and leaves the file mapped)."""
+    from edge.tree import TokenTree
+    from offload.ssd import SsdStreamer, SsdTarget, resident_fraction
+
+    probe = SsdStreamer(path, readahead=False)
+    probe.evict()
+    target.verify(TokenTree.root(max(target.model.bos, 0)))  # a pass with logits: the head is read too
+    touched = resident_fraction(path)
+    target.truncate(0)
+    probe.close()
+    if touched < 0.5:
+        target.close()
+        raise UserError(f"--placement ssd: a pass of {path.name} read only {touched:.0%} of the file (llama.cpp "
+                        "copied its weights into repacked buffers); use --target-dtype f16 or q8_0")
+    return SsdTarget(target, path, readahead)
 
 
 def open_drafter(spec: PairSpec, model: ModelSpec, target, threads: int | None, gpu_layers: int, report):

@@ -60,8 +60,18 @@ PairOpt = Annotated[str | None, typer.Option("--pair", "-p", help="pair from mod
 TargetOpt = Annotated[Path | None, typer.Option(help="target GGUF file (instead of --pair)", show_default=False)]
 DrafterOpt = Annotated[Path | None, typer.Option(help="drafter GGUF file (default: the target itself)",
                                                  show_default=False)]
-BudgetOpt = Annotated[int | None, typer.Option(help="draft tree size in nodes (default: the pair's)",
-                                               show_default=False)]
+BudgetOpt = Annotated[str | None, typer.Option(
+    help="draft tree size in nodes, or auto: the fastest for this machine, chosen as the text goes (default: the "
+         "pair's, auto unless models.toml says)", show_default=False)]
+PlacementOpt = Annotated[str, typer.Option(
+    help="where the target's weights live: ram, or ssd (mmap'd and read from the disk every pass, as for a model "
+         "larger than RAM)")]
+ReadaheadOpt = Annotated[bool, typer.Option(
+    "--readahead/--no-readahead", help="ssd: read the next pass's weights while the drafter works")]
+MlockOpt = Annotated[bool, typer.Option("--mlock", help="lock the target's weights in RAM")]
+TargetDtypeOpt = Annotated[str | None, typer.Option(
+    "--target-dtype", help="rewrite the target with llama.cpp's quantizer first (cached): f16, f32, bf16, q8_0, q4_0, "
+    "or as-is (the source file); default: models.toml's", show_default=False)]
 CtxOpt = Annotated[int | None, typer.Option("--ctx", help="context size in tokens (default: the pair's)",
                                             show_default=False)]
 TempOpt = Annotated[float, typer.Option(help="0 = greedy")]
@@ -74,7 +84,9 @@ ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: all 
 ProviderOpt = Annotated[str | None, typer.Option(
     help="onnxruntime execution provider for ONNX models: cpu, cuda, directml, openvino, qnn (default: models.toml)",
     show_default=False)]
-GpuOpt = Annotated[int, typer.Option("--gpu-layers", help="target layers to place on a GPU, if one is there")]
+GpuOpt = Annotated[int | None, typer.Option(
+    "--gpu-layers", help="target layers to place on a GPU (default: `edge-spec plan`'s, when a GPU is visible)",
+    show_default=False)]
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="decode with the target alone (the reference)")]
 RawOpt = Annotated[bool, typer.Option("--raw", help="complete the prompt as-is, without the chat template")]
 
@@ -87,8 +99,20 @@ def sampling_config(temperature: float, top_k: int, top_p: float, min_p: float, 
                           repeat_penalty=repeat_penalty, seed=seed)
 
 
+def parse_budget(text: str | None) -> int | str | None:
+    if text is None or text == "auto":
+        return text
+    if not text.isdigit():
+        raise UserError(f"--budget takes a number of draft nodes or auto (got {text!r})")
+    from edge.grow import GrowConfig
+
+    GrowConfig.for_budget(int(text))  # the same limits, the same message
+    return int(text)
+
+
 def load(ctx: typer.Context, pair: str | None, target: Path | None, drafter: Path | None, ctx_size: int | None,
-         budget: int | None, threads: int | None, gpu_layers: int, provider: str | None = None):
+         budget: str | None, threads: int | None, gpu_layers: int, provider: str | None = None,
+         placement: str = "ram", mlock: bool = False, readahead: bool = True, target_dtype: str | None = None):
     from cli.loading import load_pair, resolve_pair
 
     if ctx_size is not None and ctx_size < 16:
@@ -96,8 +120,29 @@ def load(ctx: typer.Context, pair: str | None, target: Path | None, drafter: Pat
     spec = resolve_pair(registry(ctx), pair, target, drafter, ctx_size)
     if provider is not None and provider.lower() not in PROVIDERS:
         raise UserError(f"--provider must be one of {', '.join(PROVIDERS)} (got {provider!r})")
-    return load_pair(spec, report, threads=threads, gpu_layers=gpu_layers, budget=budget,
-                     provider=provider.lower() if provider else None)
+    if gpu_layers is None:
+        gpu_layers = planned_gpu_layers(ctx, spec)
+    return load_pair(spec, report, threads=threads, gpu_layers=gpu_layers, budget=parse_budget(budget),
+                     provider=provider.lower() if provider else None, placement=placement, mlock=mlock,
+                     readahead=readahead, target_dtype=target_dtype)
+
+
+def planned_gpu_layers(ctx: typer.Context, spec) -> int:
+    """Apply `edge-spec plan`: refuse a pair that cannot run here (with the numbers), and give the target's GPU
+    layers when a GPU is visible. The rest of the plan is what loading does anyway (mmap'd weights, the kernel
+    streams what RAM cannot hold). Skipped while a model file is not here yet (it is fetched first)."""
+    from cli.loading import model_path
+    from offload.probe import probe_gpus
+
+    if any(path is None or not path.is_file() for path in (model_path(spec.target), model_path(spec.drafter))):
+        return 0
+    from cli.planning import make_plan
+
+    plan = make_plan(spec, None, registry(ctx).path)
+    if not probe_gpus():
+        return 0
+    report(f"plan: {plan.target.n_gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
+    return plan.target.n_gpu_layers
 
 
 def stats_line(stats) -> str:
@@ -139,21 +184,22 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     threads: ThreadsOpt = None,
     provider: ProviderOpt = None,
-    gpu_layers: GpuOpt = 0,
+    gpu_layers: GpuOpt = None,
+    placement: PlacementOpt = "ram",
+    readahead: ReadaheadOpt = True,
+    mlock: MlockOpt = False,
+    target_dtype: TargetDtypeOpt = None,
 ) -> None:
     """Complete one prompt, streaming the text (or one JSON object with --json)."""
-    from edge.generate import Decoder
-    from edge.grow import GrowConfig
-
     if max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
     sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     text = sys.stdin.read() if prompt == "-" else prompt
-    loaded = load(ctx, pair, target, drafter, ctx_size, budget, threads, gpu_layers, provider)
+    loaded = load(ctx, pair, target, drafter, ctx_size, budget, threads, gpu_layers, provider, placement, mlock,
+                  readahead, target_dtype)
     if loaded.lossless_warning and not no_spec:
         err.print(f"[yellow]warning:[/] {loaded.lossless_warning}", soft_wrap=True)
-    grow = None if no_spec else GrowConfig.for_budget(loaded.budget)
-    decoder = Decoder(loaded.target, loaded.drafter, grow, sampling)
+    decoder = loaded.decoder(sampling, no_spec)
     prefill_s = decoder.load(prompt_for(loaded, text, raw))
     pieces, tokens = [], []
     for step in decoder.generate(max_tokens):
@@ -193,13 +239,16 @@ def chat(
     no_spec: NoSpecOpt = False,
     threads: ThreadsOpt = None,
     provider: ProviderOpt = None,
-    gpu_layers: GpuOpt = 0,
+    gpu_layers: GpuOpt = None,
+    placement: PlacementOpt = "ram",
+    readahead: ReadaheadOpt = True,
+    mlock: MlockOpt = False,
 ) -> None:
     """Talk to a model. Piped stdin: one prompt per line, replies on stdout."""
     from cli.repl import run_chat
 
     sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    loaded = load(ctx, pair, None, None, ctx_size, budget, threads, gpu_layers, provider)
+    loaded = load(ctx, pair, None, None, ctx_size, budget, threads, gpu_layers, provider, placement, mlock, readahead)
     if loaded.template is None:
         raise UserError(f"{loaded.name} has no chat template (a base model): use `edge-spec generate --raw`")
     run_chat(loaded, sampling, system, max_tokens, no_spec, err)
@@ -294,7 +343,8 @@ def bench(
     pair: PairOpt = None,
     prompts: Annotated[Path | None, typer.Option(help="one prompt per line (default: the repo's chat prompts)",
                                                  show_default=False)] = None,
-    budgets: Annotated[str, typer.Option(help="comma-separated tree budgets")] = "1,16,64,255",
+    budgets: Annotated[str, typer.Option(
+        help="comma-separated tree budgets; auto picks one per round")] = "auto,1,16,64,255",
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 128,
     temperature: TempOpt = 0.0,
     seed: SeedOpt = 0,
@@ -306,16 +356,30 @@ def bench(
     drafters: Annotated[str | None, typer.Option(
         help="drafters to compare, comma-separated: llama_cpp, onnx, onnx:K (K-token head); default: the pair's",
         show_default=False)] = None,
+    methods: Annotated[str, typer.Option(help="plain, chain (one draft token per drafter pass), tree")] = "plain,tree",
+    placement: PlacementOpt = "ram",
+    readahead: ReadaheadOpt = True,
+    mlock: MlockOpt = False,
+    target_dtype: TargetDtypeOpt = None,
+    plot: Annotated[Path | None, typer.Option(help="write a PNG: tokens/s and tokens per pass against the budget",
+                                              show_default=False)] = None,
 ) -> None:
-    """Plain decoding vs tree speculation on the same prompts, in one run."""
-    from cli.benchmark import parse_budgets, parse_drafters, read_prompts, render_table, run_bench
+    """Plain decoding vs chain and tree speculation on the same prompts, the same placement, in one run."""
+    from cli.benchmark import parse_budgets, parse_drafters, parse_methods, read_prompts, render_table, run_bench
+    from cli.benchmark import plot as plot_result
 
     drafter_list = parse_drafters(drafters)
     budget_list = parse_budgets(budgets)
+    method_list = parse_methods(methods)
     prompt_list = read_prompts(prompts)
     sampling = sampling_config(temperature, 0, 1.0, 0.0, 1.0, seed)
-    loaded = load(ctx, pair, None, None, ctx_size, None, threads, 0, provider)
-    result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list, threads)
+    loaded = load(ctx, pair, None, None, ctx_size, None, threads, 0, provider, placement, mlock, readahead,
+                  target_dtype)
+    result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list, threads,
+                       tuple(method_list))
+    result["readahead"] = readahead if placement == "ssd" else None
+    if plot is not None:
+        plot_result(result, plot)
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -345,6 +409,34 @@ def check(
         table.add_row(row["shape"], str(row["nodes"]), str(row["nodes_checked"]), f"{row['max_abs_diff']:.4g}",
                       str(row["argmax_differences"]))
     Console().print(table)
+
+
+@app.command()
+@user_errors
+def plan(
+    ctx: typer.Context,
+    pair: Annotated[str | None, typer.Argument(help="pair from models.toml (default: the default pair)",
+                                               show_default=False)] = None,
+    machine: Annotated[str | None, typer.Option(
+        help="plan for a described machine instead of this one: ram=32G,vram=24G,disk=3GB/s (optional: cores=N, "
+             "pcie=25GB/s, rambw=20GB/s)", show_default=False)] = None,
+    ctx_size: CtxOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Where each part of a pair goes (GPU, RAM, SSD) and what a target pass costs; loads and downloads nothing."""
+    from dataclasses import replace
+
+    from cli.planning import make_plan, render_plan
+
+    if ctx_size is not None and ctx_size < 16:
+        raise UserError(f"--ctx must be at least 16 tokens (got {ctx_size})")
+    reg = registry(ctx)
+    spec = reg.pair(pair)
+    result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, reg.path)
+    if as_json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        render_plan(result, Console())
 
 
 def main() -> None:

@@ -11,8 +11,7 @@ from rich.console import Console
 
 from edge.chat import ChatSession
 from edge.errors import UserError
-from edge.generate import Decoder, Stats
-from edge.grow import GrowConfig
+from edge.generate import Stats
 from edge.sampling import SamplingConfig
 
 HELP = """commands:
@@ -26,8 +25,7 @@ Ctrl-C stops a reply and keeps the chat. Multi-line input: start and end it with
 
 def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: int, no_spec: bool,
              err: Console) -> None:
-    grow = None if no_spec else GrowConfig.for_budget(loaded.budget)
-    decoder = Decoder(loaded.target, loaded.drafter, grow, sampling)
+    decoder = loaded.decoder(sampling, no_spec)
     session = ChatSession(decoder, loaded.template, loaded.target.tokenizer, system)
     interactive = sys.stdin.isatty()
     if interactive:

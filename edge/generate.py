@@ -12,7 +12,7 @@ import numpy as np
 
 from edge.errors import UserError
 from edge.grow import GrowConfig
-from edge.protocols import Drafter, Target
+from edge.protocols import BudgetPolicy, Drafter, Target
 from edge.sampling import SamplingConfig
 from edge.speculative import speculative_round
 
@@ -30,6 +30,8 @@ class Stats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     decode_s: float = 0.0  # wall time of the rounds, prefill excluded
+    plain_rounds: int = 0  # rounds a budget policy ran without a tree (speculation did not pay)
+    budget_sum: int = 0  # draft nodes asked for, summed over rounds (mean budget = budget_sum / rounds)
 
     @property
     def tokens_per_pass(self) -> float:
@@ -58,6 +60,8 @@ class Stats:
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "plain_rounds": self.plain_rounds,
+            "mean_budget": round(self.budget_sum / rounds, 1),
         }
 
 
@@ -73,12 +77,17 @@ GREEDY_DRAFT_TEMPERATURE = 0.5  # measured: tokens per pass 5.7 -> 6.3 at budget
 
 
 class Decoder:
-    """Owns a target (and optionally a drafter) and the committed context; both KV caches hold context[:-1]."""
+    """Owns a target (and optionally a drafter) and the committed context; both KV caches hold context[:-1].
+
+    The tree's shape is `grow_config` every round, or, with a `policy` (`--budget auto`), whatever the
+    policy chooses round by round, plain decoding included.
+    """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, grow_config: GrowConfig | None = None,
-                 sampling: SamplingConfig | None = None):
+                 sampling: SamplingConfig | None = None, policy: BudgetPolicy | None = None):
         self.target = target
-        self.drafter = drafter if grow_config is not None else None
+        self.policy = policy if drafter is not None else None
+        self.drafter = drafter if grow_config is not None or self.policy is not None else None
         self.grow_config = grow_config
         self.context: list[int] = []
         self.set_sampling(sampling or SamplingConfig())
@@ -88,8 +97,10 @@ class Decoder:
         self.sampling = sampling
         self.rng = np.random.default_rng(sampling.seed)
         if self.grow_config is not None:
-            draft_temperature = GREEDY_DRAFT_TEMPERATURE if sampling.greedy else sampling.temperature
-            self.grow_config = dataclasses.replace(self.grow_config, draft_temperature=draft_temperature)
+            self.grow_config = dataclasses.replace(self.grow_config, draft_temperature=self._draft_temperature())
+
+    def _draft_temperature(self) -> float:
+        return GREEDY_DRAFT_TEMPERATURE if self.sampling.greedy else self.sampling.temperature
 
     def load(self, tokens: Sequence[int]) -> float:
         """Make `tokens` the context, running only what the KV caches do not already hold. Returns seconds."""
@@ -127,9 +138,13 @@ class Decoder:
                 finish = "context"
                 break
             started, passes = time.perf_counter(), self.target.passes
-            result = speculative_round(self.target, self.drafter, self.context, self._grow_config(room),
-                                       self.sampling, self.rng)
+            config = self._grow_config(room)
+            result = speculative_round(self.target, self.drafter, self.context, config, self.sampling, self.rng)
+            if self.policy is not None:
+                self.policy.observe(config, result)
             stats.rounds += 1
+            stats.plain_rounds += config is None
+            stats.budget_sum += 0 if config is None else config.budget
             stats.target_passes += self.target.passes - passes
             stats.drafter_passes += result.drafter_passes
             stats.tree_nodes += result.tree_size
@@ -155,6 +170,10 @@ class Decoder:
     def _grow_config(self, room: int) -> GrowConfig | None:
         """The tree must fit the context left and one target pass."""
         config, room = self.grow_config, min(room, self.target.max_tree)
+        if self.policy is not None:
+            config = self.policy.choose(room)
+            if config is not None:
+                config = dataclasses.replace(config, draft_temperature=self._draft_temperature())
         if config is None or config.budget + 1 <= room:
             return config
         return dataclasses.replace(config, budget=room - 1) if room > 1 else None

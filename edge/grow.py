@@ -33,6 +33,12 @@ class GrowConfig:
     draft_temperature: float = 1.0
 
     @classmethod
+    def chain(cls, length: int) -> GrowConfig:
+        """A plain chain of `length` draft tokens: the drafter's top token, one pass per token."""
+        cls.for_budget(length)  # the same limits
+        return cls(budget=length, beams=1, width=1, max_depth=length, max_steps=length)
+
+    @classmethod
     def for_budget(cls, budget: int) -> GrowConfig:
         """Defaults that scale with the budget; budget <= 4 is a plain chain (beams = width = 1)."""
         if budget < 1:

@@ -1,4 +1,4 @@
-"""The two seams between the engine and whatever runs a model.
+"""The seams between the engine and whatever runs a model.
 
 Both models keep a KV cache. Between rounds each holds exactly the committed tokens except the newest one,
 which is the next tree's root. `commit` keeps the root plus the accepted path and drops every other branch.
@@ -7,11 +7,15 @@ which is the next tree's root. `commit` keeps the root plus the accepted path an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from edge.tree import TokenTree
+
+if TYPE_CHECKING:
+    from edge.grow import GrowConfig
+    from edge.speculative import RoundResult
 
 
 class Tokenizer(Protocol):
@@ -34,6 +38,7 @@ class Target(Protocol):
     def verify(self, tree: TokenTree) -> np.ndarray: ...  # [n_nodes, n_vocab] float32 view, ONE pass
     def commit(self, tree: TokenTree, path: list[int]) -> None: ...
     def truncate(self, n: int) -> None: ...  # keep the first n tokens of the KV cache
+    # Optional: `prefetch()`, called as a round starts growing its tree (a streamed target reads ahead).
 
 
 class Drafter(Protocol):
@@ -47,3 +52,10 @@ class Drafter(Protocol):
 
     def commit(self, tree: TokenTree, path: list[int]) -> None: ...
     def truncate(self, n: int) -> None: ...
+
+
+class BudgetPolicy(Protocol):
+    """Chooses each round's tree shape (None: plain decoding) and learns from the round that ran."""
+
+    def choose(self, max_nodes: int) -> GrowConfig | None: ...  # a tree of at most max_nodes nodes, root included
+    def observe(self, config: GrowConfig | None, result: RoundResult) -> None: ...

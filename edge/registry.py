@@ -3,6 +3,7 @@ pair and the key."""
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -16,8 +17,9 @@ FTYPES = (
     "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k",
     "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
 )  # fmt: skip
+FACT_KEYS = ("size_gb", "layers", "embd", "kv_heads", "head_dim", "params_b")
 MODEL_KEYS = ("path", "hf", "pypi", "files", "sha256", "name", "quantize", "kv_type", "from", "runtime", "vocab",
-              "provider")
+              "provider", *FACT_KEYS)
 RUNTIMES = ("llama_cpp", "onnx")
 PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
 PAIR_KEYS = ("about", "ctx", "budget", "target", "drafter")
@@ -50,6 +52,18 @@ class Source:
 
 
 @dataclass(frozen=True)
+class ModelFacts:
+    """What models.toml states about a model file, so `edge-spec plan` can size it before it is downloaded."""
+
+    size_gb: float  # the file, in GB (10^9 bytes) as the Hub lists it
+    layers: int
+    embd: int
+    kv_heads: int
+    head_dim: int
+    params_b: float | None = None  # billions of parameters (None: estimated from the size)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     source: Source
     quantize: str | None = None  # llama.cpp ftype: run a prepared requantization of the source
@@ -57,6 +71,7 @@ class ModelSpec:
     runtime: str = "llama_cpp"  # "onnx": edge-spec's own graph (a drafter; a target means QuantSpec mode)
     vocab: int | None = None  # onnx drafter: keep this many frequency-ranked tokens in the head
     provider: str = "cpu"  # onnx: the onnxruntime execution provider
+    facts: ModelFacts | None = None  # the file's shape when it is not here yet (size_gb, layers, ... keys)
 
 
 @dataclass(frozen=True)
@@ -66,7 +81,7 @@ class PairSpec:
     target: ModelSpec
     drafter: ModelSpec
     ctx: int = 4096
-    budget: int = 64
+    budget: int | str = "auto"  # draft nodes per tree, or "auto": chosen round by round (offload/tuning.py)
 
 
 @dataclass(frozen=True)
@@ -131,7 +146,9 @@ def _parse_pair(path: Path, name: str, table: Any) -> PairSpec:
     if not isinstance(about, str):
         raise UserError(f"{where}: 'about' must be a string")
     ctx = _int_in_range(table, "ctx", 4096, 1, None, where)
-    budget = _int_in_range(table, "budget", 64, 1, MAX_BUDGET, where)
+    budget: int | str = "auto"  # chosen round by round unless the pair fixes it
+    if table.get("budget", "auto") != "auto":
+        budget = _int_in_range(table, "budget", 64, 1, MAX_BUDGET, where)
     for role in ("target", "drafter"):
         if not isinstance(table.get(role), dict):
             raise UserError(f"{where}: missing table '{role}' (e.g. {role}.hf = \"user/repo:Q4_0\")")
@@ -169,7 +186,28 @@ def _parse_model(path: Path, table: dict[str, Any], where: str, target_source: S
     if runtime != "onnx" and ("vocab" in table or "provider" in table):
         raise UserError(f"{where}: 'vocab' and 'provider' need runtime = \"onnx\"")
     return ModelSpec(source=source, quantize=quantize, kv_type=kv_type, runtime=runtime, vocab=vocab,
-                     provider=provider)
+                     provider=provider, facts=_parse_facts(table, where))
+
+
+def _parse_facts(table: dict[str, Any], where: str) -> ModelFacts | None:
+    given = [key for key in FACT_KEYS if key in table]
+    if not given:
+        return None
+    required = [key for key in FACT_KEYS if key != "params_b"]
+    missing = [key for key in required if key not in table]
+    if missing:
+        raise UserError(f"{where}: facts about the file need all of {', '.join(required)}; "
+                        f"missing {', '.join(missing)}")
+    ints = {key: _int_in_range(table, key, 0, 1, None, where) for key in ("layers", "embd", "kv_heads", "head_dim")}
+    return ModelFacts(size_gb=_positive_number(table, "size_gb", where),
+                      params_b=_positive_number(table, "params_b", where) if "params_b" in table else None, **ints)
+
+
+def _positive_number(table: dict[str, Any], key: str, where: str) -> float:
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise UserError(f"{where}: '{key}' must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _choice(

@@ -52,6 +52,8 @@ class RoundResult:
     grow_s: float  # growing the tree (drafter passes)
     draft_s: float  # all drafter time: growth plus keeping the accepted path
     verify_s: float
+    tree: TokenTree | None = None  # what was verified, and the accepted path in it (for budget tuning)
+    path: list[int] | None = None
 
 
 def speculative_round(target: Target, drafter: Drafter | None, context: Sequence[int], grow_config: GrowConfig | None,
@@ -61,6 +63,9 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
     if drafter is None or grow_config is None:
         tree, drafter_passes = TokenTree.root(context[-1]), 0
     else:
+        prefetch = getattr(target, "prefetch", None)  # a streamed target reads its weights while we draft
+        if prefetch is not None:
+            prefetch()
         tree, drafter_passes = grow(drafter, context[-1], grow_config)
     grown = time.perf_counter()
     logits = target.verify(tree)
@@ -71,4 +76,4 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
     if drafter is not None:
         drafter.commit(tree, path)
     return RoundResult([*tree.path_tokens(path[1:]), token], len(tree), drafter_passes, grown - start,
-                       grown - start + time.perf_counter() - committed, verified - grown)
+                       grown - start + time.perf_counter() - committed, verified - grown, tree, path)

@@ -1,27 +1,155 @@
-"""What this machine has: CPU, cores, RAM. Cheap and import-light, so `edge-spec plan` can call it first."""
+"""What this machine has: CPU, cores, RAM, GPUs, and (measured once, cached) how fast a drive reads.
+
+probe_machine() is cheap and import-light, so `edge-spec plan` can call it first; the disk is only measured
+when disk_read_gbps() is asked."""
 
 from __future__ import annotations
 
+import json
+import mmap
 import os
 import platform
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 
 GIB = 1024**3
+MIB = 1024**2
+DISK_SAMPLE_BYTES = 256 * MIB  # enough to get past a drive's own cache and the read-ahead ramp
+_READ_BLOCK = 8 * MIB
 
 
 def probe_machine() -> dict:
-    """CPU model, core count, RAM total/free in GiB (None where the OS will not say), platform, versions."""
+    """CPU model, core count, RAM total/free in GiB (None where the OS will not say), GPUs, platform, versions."""
     ram_total_gb, ram_free_gb = _ram_gb()
     return {
         "cpu": _cpu_name(),
         "cores": os.cpu_count() or 1,
         "ram_total_gb": ram_total_gb,
         "ram_free_gb": ram_free_gb,
+        "gpus": probe_gpus(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "llama_cpp": _version("llama-cpp-python"),
     }
+
+
+def probe_gpus() -> list[dict]:
+    """NVIDIA GPUs as nvidia-smi reports them (name, VRAM total/free in GiB); [] when there is none or no tool."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    query = [exe, "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []  # a driver that is installed but not loaded fails here: no usable GPU
+    gpus = []
+    for line in out.splitlines():
+        fields = [field.strip() for field in line.rsplit(",", 2)]
+        try:
+            total_mib, free_mib = float(fields[1]), float(fields[2])
+        except (IndexError, ValueError):
+            continue  # "[N/A]" and the like
+        gpus.append({"name": fields[0], "vram_total_gb": _gib(int(total_mib * MIB)),
+                     "vram_free_gb": _gib(int(free_mib * MIB))})
+    return gpus
+
+
+def machine_key(path: Path) -> str:
+    """This machine and the drive holding `path`: hostname, the filesystem's device id, the CPU's name."""
+    return f"{socket.gethostname()}|dev {os.stat(path).st_dev}|{_cpu_name()}"
+
+
+def disk_read_gbps(path: Path, cache_file: Path | None = None, sample_bytes: int = DISK_SAMPLE_BYTES,
+                   refresh: bool = False) -> float | None:
+    """Read speed in GB/s (10^9 bytes) of the drive holding `path` (a model file, or a folder models go to).
+
+    Measured once per machine and drive, then read from a JSON cache; None when it cannot be measured."""
+    if cache_file is None:
+        from edge.sources import cache_dir
+
+        cache_file = cache_dir() / "machine.json"
+    key = machine_key(path)
+    cached = _read_json(cache_file)
+    if not refresh and isinstance(cached.get(key), dict) and "disk_read_gbps" in cached[key]:
+        return float(cached[key]["disk_read_gbps"])
+    try:
+        gbps = _measure_disk(Path(path), sample_bytes)
+    except OSError:
+        return None
+    cached[key] = {"disk_read_gbps": round(gbps, 3), "sample_bytes": sample_bytes, "measured": time.time()}
+    _write_json(cache_file, cached)
+    return gbps
+
+
+def _measure_disk(path: Path, sample_bytes: int) -> float:
+    # The model file itself when it is big enough; else a file of our own beside it, on the same drive.
+    if path.is_file() and path.stat().st_size >= sample_bytes:
+        return _timed_read(path, sample_bytes)
+    try:
+        fd, name = tempfile.mkstemp(prefix=".edge-spec-disk-", dir=path if path.is_dir() else path.parent)
+    except OSError:
+        if path.is_file():
+            return _timed_read(path, path.stat().st_size)  # a read-only folder: a smaller sample beats none
+        raise
+    try:
+        block = os.urandom(MIB)  # random, so a compressing filesystem cannot shrink it
+        with os.fdopen(fd, "wb") as f:
+            for _ in range(max(1, sample_bytes // MIB)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())  # only clean pages can be dropped from the page cache
+        return _timed_read(Path(name), max(1, sample_bytes // MIB) * MIB)
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
+def _timed_read(path: Path, n_bytes: int) -> float:
+    """GB/s reading the first n_bytes of `path` from the drive, not from the page cache."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return _read_file(path, n_bytes, os.O_DIRECT)
+        except OSError:
+            pass  # tmpfs and some others refuse O_DIRECT, at open or at the first read
+    return _read_file(path, n_bytes, 0, drop_cache=True)
+
+
+def _read_file(path: Path, n_bytes: int, flags: int, drop_cache: bool = False) -> float:
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        if drop_cache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        buffer = mmap.mmap(-1, _READ_BLOCK)  # page-aligned, as O_DIRECT requires
+        with buffer, open(fd, "rb", buffering=0, closefd=False) as f:
+            done, start = 0, time.perf_counter()
+            while done < n_bytes and (got := f.readinto(buffer)):
+                done += got
+            elapsed = time.perf_counter() - start
+    finally:
+        os.close(fd)
+    if done == 0:
+        raise OSError(f"{path} is empty")
+    return done / max(elapsed, 1e-9) / 1e9
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
 
 
 def _cpu_name() -> str:

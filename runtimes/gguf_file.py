@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import struct
 import sys
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from edge.errors import UserError
 
 GGUF_MAGIC = b"GGUF"
+_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$", re.IGNORECASE)
 
 # Weight types whose llama.cpp CPU kernels gave bit-identical logits whatever the batch shape (token by
 # token vs one batch vs half and half; llama-cpp-python 0.3.36, AMD EPYC AVX-512; see DESIGN.md).
@@ -166,6 +168,81 @@ def _read_info(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
     )
 
 
+@dataclass(frozen=True)
+class GGUFShape:
+    """What sizing a model needs (offload/plan.py): its dimensions and where its bytes are."""
+
+    n_layers: int  # {arch}.block_count, the keys runtimes/onnx/arch.py reads too
+    n_embd: int
+    n_kv_heads: int
+    head_dim: int  # {arch}.attention.key_length, else n_embd / n_heads
+    n_params: int
+    lookup_params: int  # elements of the looked-up token_embd (below), 0 when it is also the output head
+    tensor_bytes: int  # all tensors
+    layer_bytes: int  # the blk.N tensors, all layers together
+    lookup_bytes: int  # token_embd when a separate output head exists: rows are looked up, never streamed whole
+
+
+def gguf_shape(path: str | Path) -> GGUFShape:
+    """The dimensions and tensor bytes of a GGUF file (header only; one clear line if it is not one)."""
+    info = check_gguf(path)
+    # The path as given, not resolved: the Hugging Face cache links split parts' names to blobs named by hash.
+    given = Path(path).expanduser().absolute()
+    parts = (given, *_later_parts(given))
+    stamps = tuple((part.stat().st_size, part.stat().st_mtime_ns) for part in parts)
+    return _read_shape(parts, stamps, info.architecture)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_shape(parts: tuple[Path, ...], stamps: tuple[tuple[int, int], ...], arch: str) -> GGUFShape:
+    # Keyed on every part's size and mtime, like _read_info.
+    path = parts[0]
+    reader = _HeaderReader(path)  # check_gguf has already read this header once without error
+    fields = reader.fields
+    tensors = list(reader.tensors)
+    for part in parts[1:]:  # a split model: the keys are in part 1, the tensors in every part
+        try:
+            tensors += _HeaderReader(part).tensors
+        except (_Truncated, ValueError, KeyError, OSError):
+            raise UserError(f"{part} is not a complete GGUF part; download the model again") from None
+
+    def key(suffix: str, default: int | None = None) -> int:
+        value = _scalar(fields, f"{arch}.{suffix}")
+        if value is None:
+            value = _array_max(fields, f"{arch}.{suffix}")  # per-layer arrays (some archs vary kv heads by layer)
+        if value is None and default is None:
+            raise UserError(f"{path.name}: GGUF key {arch}.{suffix} is missing; convert it again with llama.cpp")
+        return int(default if value is None else value)
+
+    n_embd, n_heads = key("embedding_length"), key("attention.head_count")
+    names = {tensor.name for tensor in tensors}
+    lookup = "token_embd.weight" if "output.weight" in names else None
+    return GGUFShape(
+        n_layers=key("block_count"),
+        n_embd=n_embd,
+        n_kv_heads=key("attention.head_count_kv", n_heads),
+        head_dim=key("attention.key_length", n_embd // n_heads),
+        n_params=sum(int(t.n_elements) for t in tensors),
+        lookup_params=sum(int(t.n_elements) for t in tensors if t.name == lookup),
+        tensor_bytes=sum(int(t.n_bytes) for t in tensors),
+        layer_bytes=sum(int(t.n_bytes) for t in tensors if t.name.startswith("blk.")),
+        lookup_bytes=sum(int(t.n_bytes) for t in tensors if t.name == lookup),
+    )
+
+
+def _later_parts(path: Path) -> list[Path]:
+    """Parts 2..N beside part 1 of a split GGUF ("x-00001-of-00003.gguf"); [] for a single file."""
+    split = _SPLIT_RE.match(path.name)
+    if split is None or int(split["part"]) != 1:
+        return []
+    total = int(split["total"])
+    parts = [path.with_name(f"{split['stem']}-{i:05d}-of-{total:05d}.gguf") for i in range(2, total + 1)]
+    missing = [part.name for part in parts if not part.is_file()]
+    if missing:
+        raise UserError(f"{path.name} is part 1 of {total}; missing {', '.join(missing)}: download the model again")
+    return parts
+
+
 def lossless_guarantee(info: GGUFInfo, kv_type: str = "bf16") -> str | None:
     """None when the target's weights and KV cache are batch-invariant here, else one line saying why not."""
     if kv_type not in BATCH_INVARIANT_KV:
@@ -205,6 +282,13 @@ def _scalar(fields: dict[str, ReaderField], key: str) -> Any:
     if field is None or field.types[0] in (GGUFValueType.STRING, GGUFValueType.ARRAY):
         return None
     return field.contents()
+
+
+def _array_max(fields: dict[str, ReaderField], key: str) -> int | None:
+    field = fields.get(key)
+    if field is None or field.types[:1] != [GGUFValueType.ARRAY] or not field.parts[-1].size:
+        return None
+    return int(np.max(field.parts[-1]))
 
 
 def _file_type_name(value: int | None) -> str | None:

@@ -49,9 +49,12 @@ def test_generate_json(smollm2: LoadedPair) -> None:
                                  "tokens_per_s"}
     assert out["finish_reason"] in ("stop", "length") and out["lossless_warning"] is None
     assert len(out["tokens"]) == out["stats"]["new_tokens"] - (out["finish_reason"] == "stop")
+    assert {"plain_rounds", "mean_budget"} <= set(out["stats"])  # --budget auto, the default
     plain = json.loads(run("generate", "What is 2 + 2?", "--max-tokens", "24", "--json", "--no-spec").stdout)
     assert plain["tokens"] == out["tokens"] and plain["text"] == out["text"]
-    assert out["stats"]["target_passes"] < plain["stats"]["target_passes"]
+    tree = json.loads(run("generate", "What is 2 + 2?", "--max-tokens", "24", "--json", "--budget", "16").stdout)
+    assert tree["tokens"] == plain["tokens"]
+    assert tree["stats"]["target_passes"] < plain["stats"]["target_passes"]
 
 
 def test_generate_streams_text_and_stats(smollm2: LoadedPair) -> None:
@@ -91,6 +94,24 @@ def test_bench_json(smollm2: LoadedPair, tmp_path: Path) -> None:
         assert set(row) >= {"tokens_per_pass", "grow_s_per_round", "draft_s_per_round", "verify_s_per_round",
                             "tokens_per_s"}
         assert row["grow_s_per_round"] <= row["draft_s_per_round"]
+
+
+def test_bench_methods_auto_and_plot(smollm2: LoadedPair, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Say hello.\n")
+    plot = tmp_path / "bench.png"
+    result = run("bench", "--prompts", str(prompts), "--methods", "plain,chain,tree", "--budgets", "auto,4",
+                 "--max-tokens", "12", "--json", "--plot", str(plot))
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert [(r["method"], r["budget"]) for r in out["rows"]] == [("plain", 0), ("chain", 4), ("tree", "auto"),
+                                                                  ("tree", 4)]
+    assert out["placement"] == "ram" and out["auto_costs"]["warm_ms"] is None  # nothing to read ahead in RAM
+    for row in out["rows"]:
+        assert row["matches_plain"] and row["speedup"] > 0 and "bytes_read_per_pass" in row
+    auto = out["rows"][2]
+    assert auto["rounds"] > 0 and 0 <= auto["plain_rounds"] <= auto["rounds"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # Bad input: one line on stderr, exit code 1, no traceback.
@@ -154,6 +175,10 @@ def test_base_model_needs_raw(gemma3: LoadedPair) -> None:
 
 def test_bad_bench_budgets(smollm2: LoadedPair) -> None:
     assert_one_line_error(run("bench", "--budgets", "1,x"), "--budgets")
+    assert_one_line_error(run("bench", "--methods", "plain,beam"), "--methods")
+    assert_one_line_error(run("generate", "hi", "--budget", "fast"), "--budget", "auto")
+    assert_one_line_error(run("generate", "hi", "--placement", "disk"), "--placement")
+    assert_one_line_error(run("generate", "hi", "--target-dtype", "q3"), "--target-dtype")
 
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(smollm2: LoadedPair) -> None:

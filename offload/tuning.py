@@ -1,0 +1,255 @@
+"""`--budget auto`: the tree budget that gives the most tokens per second on this machine, chosen every round.
+
+Sequoia's idea (hardware-aware trees) done online. For each candidate budget b:
+
+    rate(b)     = tokens(b) / (grow(b) + verify(b))        rate(plain) = 1 / verify(plain)
+    tokens(b)   expected tokens per target pass: measured on the trees that ran (below), a prior until then
+    grow(b)     drafter passes x the drafter's measured pass time t_d(beams), scaled by what rounds took
+    verify(b)   the target's measured pass time t(n) for n = b + 1 + the tokens it re-runs, less the part of the
+                weights' reading that growth hid (SSD with readahead), scaled likewise
+
+and the round runs the best of them, plain decoding included. Every round that runs a tree of b nodes also
+says what any smaller budget would have yielded, for free: best-first growth keeps the best-scoring nodes,
+so the tree of budget b' < b is (nearly) the b' best nodes of this one, and the accepted path's prefix
+that lies among them is what it would have accepted. Budgets above the largest tree seen are extrapolated
+(tokens grow about linearly in log budget), which is optimistic, so a larger budget gets tried when it
+could pay and is dropped when the measurement says it does not. While plain decoding wins, a tree round
+is tried now and then (less and less often) when an upper bound says it could still pay.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge.grow import GrowConfig
+from edge.speculative import RoundResult
+from edge.tree import TokenTree
+
+CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 255)
+# Tokens per pass gained per doubling of the budget before any round is seen: the slope of the
+# tokens-per-pass curves in docs/drafter.md (about 5.8-6.1 at budget 64, 8.8 at 255).
+PRIOR_SLOPE = 0.85
+SMOOTHING = 0.25  # weight of the newest round in the running averages
+FIRST_PROBE = 16  # plain rounds before a tree is tried again; doubles after each try that does not pay
+MAX_PROBE = 1024
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured times on this machine and placement: target passes over n tokens, drafter passes over n nodes."""
+
+    target_ms: dict[int, float]
+    drafter_ms: dict[int, float]
+    read_ahead_ms: float = 0.0  # SSD with readahead: reading the weights, which drafting can hide
+    warm_ms: dict[int, float] | None = None  # SSD with readahead: passes once the weights are read ahead
+
+    def verify_s(self, tokens: float, grow_s: float) -> float:
+        """A pass over `tokens` after `grow_s` of drafting: with readahead, only the reading growth left undone
+        adds to the pass over read-ahead weights; otherwise the pass as measured back to back."""
+        if self.warm_ms is None:
+            return self.target_s(tokens)
+        return _interpolate(self.warm_ms, tokens) / 1000 + max(self.read_ahead_ms / 1000 - grow_s, 0.0)
+
+    def to_json(self) -> dict:
+        warm = None if self.warm_ms is None else _str_keys(self.warm_ms)
+        return {"target_ms": _str_keys(self.target_ms), "drafter_ms": _str_keys(self.drafter_ms),
+                "read_ahead_ms": self.read_ahead_ms, "warm_ms": warm}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Costs:
+        def table(d: dict) -> dict[int, float]:
+            return {int(k): float(v) for k, v in d.items()}
+
+        warm = data.get("warm_ms")
+        return cls(table(data["target_ms"]), table(data["drafter_ms"]), float(data.get("read_ahead_ms", 0.0)),
+                   None if warm is None else table(warm))
+
+    def target_s(self, n: float) -> float:
+        return _interpolate(self.target_ms, n) / 1000
+
+    def drafter_s(self, nodes: float) -> float:
+        return _interpolate(self.drafter_ms, nodes) / 1000
+
+
+def _str_keys(table: dict) -> dict[str, float]:
+    return {str(k): v for k, v in table.items()}
+
+
+def _interpolate(table: dict[int, float], x: float) -> float:
+    """Piecewise linear through the measured points, extended linearly past the last two."""
+    xs = np.array(sorted(table), float)
+    ys = np.array([table[int(k)] for k in xs], float)
+    if len(xs) == 1:
+        return float(ys[0])
+    if x > xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return float(ys[-1] + slope * (x - xs[-1]))
+    return float(np.interp(x, xs, ys))
+
+
+def measure_costs(target, drafter, prefix: list[int], max_tree: int) -> Costs:
+    """Time the target (chains of 1..max_tree tokens) and the drafter (1, 8, 32 nodes) after `prefix`."""
+    sizes = tuple(n for n in (1, 16, 64, 256) if n <= max_tree) or (1,)
+    cold = pass_ms(target, prefix, sizes, repeats=3)
+    drafter_ms = expand_ms(drafter, prefix, repeats=3)
+    streamer = getattr(target, "streamer", None)  # offload.ssd.SsdTarget
+    if streamer is None or not streamer.readahead:
+        return Costs(cold, drafter_ms)
+    read_ahead = streamer.time_read_ahead()
+    warm = pass_ms(target, prefix, sizes, repeats=3, before=streamer.read_ahead_now)
+    return Costs(cold, drafter_ms, round(1000 * read_ahead, 3), warm)
+
+
+def pass_ms(target, prefix: list[int], sizes: tuple[int, ...] = (1, 16, 64), repeats: int = 5,
+            before=None) -> dict[int, float]:
+    """Median milliseconds of one target pass over a chain of n new tokens after `prefix` (`before()`, untimed,
+    runs ahead of each pass)."""
+    target.truncate(0)
+    target.prefill(prefix[:-1])
+    result = {}
+    for n in sizes:
+        chain = TokenTree(np.array([prefix[-1], *range(100, 99 + n)], np.int32), np.arange(-1, n - 1, dtype=np.int32),
+                          np.arange(n, dtype=np.int32), np.zeros(n, np.float32))
+        times = []
+        for _ in range(repeats):
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            target.verify(chain)
+            times.append(time.perf_counter() - start)
+            target.truncate(len(prefix) - 1)
+        result[n] = round(1000 * float(np.median(times)), 3)
+    target.truncate(0)
+    return result
+
+
+def expand_ms(drafter, prefix: list[int], sizes: tuple[int, ...] = (1, 8, 32), repeats: int = 5) -> dict[int, float]:
+    """Median milliseconds of one drafter pass over n sibling nodes, after a root pass on `prefix`."""
+    drafter.truncate(0)
+    drafter.prefill(prefix[:-1])
+    result = {}
+    for n in sizes:
+        tree = TokenTree(np.array([prefix[-1], *range(100, 100 + n)], np.int32),
+                         np.array([-1, *[0] * n], np.int32), np.array([0, *[1] * n], np.int32),
+                         np.zeros(n + 1, np.float32))
+        times = []
+        for _ in range(repeats):
+            drafter.expand(tree, np.array([0]), 8)
+            start = time.perf_counter()
+            drafter.expand(tree, np.arange(1, n + 1), 8)
+            times.append(time.perf_counter() - start)
+            drafter.commit(tree, [0])
+            drafter.truncate(len(prefix) - 1)
+        result[n] = round(1000 * float(np.median(times)), 3)
+    drafter.truncate(0)
+    return result
+
+
+def tokens_by_budget(tree: TokenTree, path: list[int], budgets: tuple[int, ...]) -> dict[int, int]:
+    """Tokens a pass would have yielded with only the best b nodes of `tree`, for each b <= its size."""
+    nodes = np.arange(1, len(tree))
+    order = nodes[np.lexsort((nodes, tree.depth[nodes], -tree.score[nodes]))]  # growth's own ranking
+    rank = np.empty(len(tree), np.int64)
+    rank[order] = np.arange(len(order))
+    path_ranks = rank[np.asarray(path[1:], np.int64)]
+    result = {}
+    for b in budgets:
+        if b > len(tree) - 1:
+            break
+        inside = path_ranks < b
+        accepted = len(inside) if inside.all() else int(np.argmin(inside))  # the path's prefix within the b best
+        result[b] = accepted + 1
+    return result
+
+
+def prior_tokens(budget: int) -> float:
+    return min(budget + 1.0, 1 + PRIOR_SLOPE * math.log2(1 + budget))
+
+
+@dataclass
+class AutoBudget:
+    """The BudgetPolicy behind `--budget auto` (see the module's docstring)."""
+
+    costs: Costs
+    max_budget: int = CANDIDATES[-1]
+    tokens: dict[int, float] = field(default_factory=dict)  # budget -> running tokens per pass
+    passes: dict[int, float] = field(default_factory=dict)  # budget -> running drafter passes per round
+    grow_scale: float = 1.0  # measured / predicted growth time
+    verify_scale: float = 1.0  # measured / predicted verify time with a tree (SSD: readahead overlaps growth)
+    plain_scale: float = 1.0  # the same for plain rounds
+    plain_streak: int = 0
+    probe_every: int = FIRST_PROBE
+    chosen: list[int] = field(default_factory=list)  # budget per round, 0 = plain (for reports and tests)
+
+    def choose(self, max_nodes: int) -> GrowConfig | None:
+        budgets = [b for b in CANDIDATES if b <= min(self.max_budget, max_nodes - 1)]
+        rates = {b: self.expected_tokens(b) / self.round_s(b) for b in budgets}
+        plain_rate = 1 / self.round_s(0)
+        best = max(rates, key=rates.get) if rates else None
+        if best is not None and rates[best] <= plain_rate:
+            best = self._probe(budgets, plain_rate)
+        self.chosen.append(best or 0)
+        return None if best is None else GrowConfig.for_budget(best)
+
+    def _probe(self, budgets: list[int], plain_rate: float) -> int | None:
+        """Plain decoding pays: try a tree now and then, if one could pay with every draft token accepted."""
+        self.plain_streak += 1
+        if self.plain_streak < self.probe_every:
+            return None
+        bound = {b: (b + 1) / self.round_s(b) for b in budgets}
+        hopeful = [b for b in budgets if bound[b] > plain_rate]
+        if not hopeful:
+            return None
+        self.plain_streak = 0
+        self.probe_every = min(2 * self.probe_every, MAX_PROBE)
+        return max(hopeful, key=lambda b: self.expected_tokens(b) / self.round_s(b))
+
+    def observe(self, config: GrowConfig | None, result: RoundResult) -> None:
+        if config is None:
+            predicted = self.costs.target_s(len(result.tokens))
+            self.plain_scale = _blend(self.plain_scale, result.verify_s / predicted)
+            return
+        self.plain_streak = 0
+        self.probe_every = FIRST_PROBE
+        budget = config.budget
+        self.passes[budget] = _blend(self.passes.get(budget), result.drafter_passes)
+        self.grow_scale = _blend(self.grow_scale, result.grow_s / self._grow_s(config, result.drafter_passes))
+        verified = result.tree_size + len(result.tokens) - 1  # about: the previous round's accepted tokens ran too
+        self.verify_scale = _blend(self.verify_scale, result.verify_s / self._verify_s(verified, result.grow_s))
+        if result.tree is not None and result.path is not None:
+            for b, tokens in tokens_by_budget(result.tree, result.path, CANDIDATES).items():
+                self.tokens[b] = _blend(self.tokens.get(b), tokens)
+
+    def expected_tokens(self, budget: int) -> float:
+        if budget in self.tokens:
+            return self.tokens[budget]
+        seen = [b for b in self.tokens if b < budget]
+        if not seen:
+            return prior_tokens(budget)
+        base = max(seen)  # extrapolate from the largest budget seen, at the slope the acceptance so far gives
+        slope = PRIOR_SLOPE * max(self.tokens[base] - 1, 0.1) / (prior_tokens(base) - 1)
+        return min(budget + 1.0, self.tokens[base] + slope * math.log2((1 + budget) / (1 + base)))
+
+    def round_s(self, budget: int) -> float:
+        """Predicted seconds of one round: growth plus the target pass (plain: the pass alone)."""
+        if budget == 0:
+            return self.plain_scale * self.costs.target_s(1)
+        config = GrowConfig.for_budget(budget)
+        steps = self.passes.get(budget, config.max_steps)
+        rerun = self.expected_tokens(budget) - 1  # the previous round's accepted tokens run again
+        grow = self.grow_scale * self._grow_s(config, steps)
+        return grow + self.verify_scale * self._verify_s(budget + 1 + rerun, grow)
+
+    def _verify_s(self, tokens: float, grow_s: float) -> float:
+        return self.costs.verify_s(tokens, grow_s)
+
+    def _grow_s(self, config: GrowConfig, steps: float) -> float:
+        return max(steps, 1) * self.costs.drafter_s(config.beams)
+
+
+def _blend(old: float | None, new: float) -> float:
+    return float(new) if old is None else (1 - SMOOTHING) * old + SMOOTHING * float(new)

@@ -1,0 +1,338 @@
+"""The placement plan: machine descriptions, models.toml facts, where each part goes, what a pass costs, the probe's
+GPU and disk readings, and `edge-spec plan` as users type it. No model is loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import offload.probe as probe
+from cli.loading import model_path
+from cli.main import app
+from edge.errors import UserError
+from edge.registry import ModelFacts, load_registry
+from offload.plan import (
+    GIB,
+    GPU_RESERVE,
+    PLACEMENT_KEYS,
+    Shape,
+    kv_bytes,
+    parse_machine,
+    plan_pair,
+)
+
+LLAMA_70B = load_registry().pair("llama3.1-70b")  # target and drafter sized from models.toml facts
+DESCRIBED = "ram=32G,vram=24G,disk=3GB/s"
+runner = CliRunner()
+
+
+def shapes(pair=LLAMA_70B) -> tuple[Shape, Shape]:
+    assert pair.target.facts is not None and pair.drafter.facts is not None
+    return Shape.from_facts(pair.target.facts), Shape.from_facts(pair.drafter.facts)
+
+
+def plan_on(machine: str, pair=LLAMA_70B):
+    return plan_pair(pair, *shapes(pair), parse_machine(machine))
+
+
+# --- --machine descriptions ---
+
+
+def test_machine_description() -> None:
+    machine = parse_machine(DESCRIBED)
+    assert (machine.ram_free, machine.vram_free, machine.disk_gbps) == (32 * GIB, 24 * GIB, 3.0)
+    assert (machine.cores, machine.pcie_gbps, machine.ram_gbps) == (8, 25.0, 20.0)
+    assert machine.assumed == ("cores", "pcie", "rambw")
+
+
+def test_machine_units_and_optional_keys() -> None:
+    machine = parse_machine(" RAM=1.5GiB, disk=3500MB/s ,cores=4,rambw=40 ")
+    assert machine.ram_free == int(1.5 * GIB) and machine.vram_free == 0
+    assert (machine.disk_gbps, machine.cores, machine.ram_gbps) == (3.5, 4, 40.0)
+    assert machine.assumed == ()  # pcie is moot without a GPU
+    assert parse_machine("ram=512M,vram=8GB,pcie=16GB/s").vram_free == 8 * GIB
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("", "is not key=value"),
+    ("ram", "'ram' is not key=value"),
+    ("ram=lots", "ram=lots is not a size like 32G"),
+    ("ram=32", "ram=32 is not a size"),
+    ("ram=0G", "'ram' must be more than 0"),
+    ("vram=24G", "'ram' is missing"),
+    ("ram=32G,ram=16G", "'ram' is given twice"),
+    ("ram=32G,gpu=1", "unknown key 'gpu'"),
+    ("ram=32G,disk=fast", "disk=fast is not a speed like 3GB/s"),
+    ("ram=32G,disk=0GB/s", "disk=0GB/s is not a speed"),
+    ("ram=32G,cores=0", "cores must be a positive whole number"),
+])
+def test_bad_machine_descriptions(text: str, fragment: str) -> None:
+    with pytest.raises(UserError) as info:
+        parse_machine(text)
+    message = str(info.value)
+    assert message.startswith("--machine: ") and fragment in message and "\n" not in message
+    assert "ram=32G,vram=24G,disk=3GB/s" in message  # says what to write instead
+
+
+# --- models.toml facts ---
+
+FACTS_PAIR = """
+[pairs.x]
+target.hf = "user/big-GGUF:Q4_0"
+target.size_gb = 40.12
+target.layers = 80
+target.embd = 8192
+target.kv_heads = 8
+target.head_dim = 128
+drafter.hf = "user/small-GGUF:Q4_0"
+"""
+
+
+def test_facts_are_parsed(tmp_path: Path) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(FACTS_PAIR + "target.params_b = 70\n")
+    pair = load_registry(path).pair("x")
+    assert pair.target.facts == ModelFacts(size_gb=40.12, layers=80, embd=8192, kv_heads=8, head_dim=128, params_b=70.0)
+    assert pair.drafter.facts is None
+    shape = Shape.from_facts(pair.target.facts)
+    assert (shape.file_bytes, shape.n_params, shape.n_layers) == (40_120_000_000, 70_000_000_000, 80)
+
+
+def test_shipped_real_pairs_have_facts() -> None:
+    registry = load_registry()
+    for name in ("llama3.1-70b", "qwen2.5-72b", "gemma3-27b"):
+        pair = registry.pair(name)
+        assert pair.target.facts is not None and pair.drafter.facts is not None, name
+        assert pair.target.facts.size_gb > 10 * pair.drafter.facts.size_gb
+
+
+@pytest.mark.parametrize(("old", "new", "fragment"), [
+    ("target.layers = 80", 'target.layers = "80"', "'layers' must be a positive integer, got '80'"),
+    ("target.kv_heads = 8", "target.kv_heads = 0", "'kv_heads' must be a positive integer, got 0"),
+    ("target.size_gb = 40.12", "target.size_gb = -1", "'size_gb' must be a positive number, got -1"),
+    ("", "target.params_b = true", "'params_b' must be a positive number, got True"),
+    ("", "drafter.size_gb = 0.77", "need all of size_gb, layers, embd, kv_heads, head_dim; missing layers, embd"),
+    ("", "drafter.size = 0.77", "unknown key 'size'"),
+])
+def test_bad_facts(tmp_path: Path, old: str, new: str, fragment: str) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(FACTS_PAIR.replace(old, new) if old else FACTS_PAIR + new + "\n")
+    with pytest.raises(UserError) as info:
+        load_registry(path)
+    message = str(info.value)
+    assert str(path) in message and "pair 'x'" in message and fragment in message and "\n" not in message
+
+
+# --- placement ---
+
+
+def test_fits_in_ram() -> None:
+    plan = plan_on("ram=64G,disk=3GB/s")
+    assert (plan.target.placement, plan.target.n_gpu_layers, plan.target.op_offload) == ("ram", 0, False)
+    assert plan.drafter.placement == "ram" and plan.drafter.use_mmap
+    assert plan.ssd_bytes == 0
+    # one token reads every weight once from RAM: 40.12 GB at 20 GB/s
+    assert plan.one_token.bound == "RAM" and plan.one_token.seconds == pytest.approx(40.12 / 20, rel=0.01)
+
+
+def test_bigger_than_ram_streams_from_the_ssd() -> None:
+    plan = plan_on("ram=16G,disk=3GB/s")
+    assert plan.target.placement == "ssd" and plan.target.use_mmap
+    assert plan.ssd_bytes == plan.target.shape.streamed_bytes
+    assert not plan.drafter.use_mmap  # kept out of the page cache the target streams through
+    assert plan.one_token.bound == "disk" and plan.one_token.seconds == pytest.approx(40.12 / 3, rel=0.01)
+    # 256 tokens on 8 CPU cores: 2 x 70.6G x 256 / (8 x 60 GFLOP/s) = 75 s of arithmetic outweighs the 13 s read
+    assert LLAMA_70B.budget == "auto" and plan.tree.n_tokens == 256  # auto plans for the largest tree
+    assert plan.tree.bound == "CPU compute" and plan.tree.seconds == pytest.approx(75.3, rel=0.01)
+    # 17 tokens compute in 5 s, inside the read: the tree pass costs what one token costs
+    small = plan_on("ram=16G,disk=3GB/s", replace(LLAMA_70B, budget=16))
+    assert small.tree.bound == "disk" and small.tree.seconds == small.one_token.seconds
+
+
+def test_gpu_layers_fill_free_vram() -> None:
+    plan = plan_on(DESCRIBED)
+    target, drafter, shape = plan.target, plan.drafter, plan.target.shape
+    assert drafter.placement == "gpu" and drafter.n_gpu_layers == drafter.shape.n_layers + 1
+    assert target.placement == "ram" and 0 < target.n_gpu_layers < shape.n_layers
+    per_layer = shape.layer_bytes / shape.n_layers + target.kv_bytes / shape.n_layers
+    vram_left = 24 * GIB - GPU_RESERVE - drafter.vram_bytes
+    assert target.n_gpu_layers * per_layer <= vram_left < (target.n_gpu_layers + 1) * per_layer
+    assert target.vram_bytes + drafter.vram_bytes <= 24 * GIB - GPU_RESERVE
+    assert target.op_offload and target.n_ubatch >= plan.tree.n_tokens
+    # a 256-token pass computes the CPU-resident layers on the GPU: PCIe paces it, not the CPU
+    assert plan.tree.bound == "PCIe" and plan.one_token.bound == "RAM"
+    assert plan.placement() == {"target": target.options(), "drafter": drafter.options()}
+    assert set(target.options()) == set(PLACEMENT_KEYS)
+
+
+def test_more_vram_more_gpu_layers_until_all_fit() -> None:
+    layers = [plan_on(f"ram=32G,vram={v}G").target.n_gpu_layers for v in (8, 16, 24, 48)]
+    assert layers == sorted(layers) and layers[0] > 0
+    whole = plan_on("ram=32G,vram=80G").target
+    assert (whole.placement, whole.n_gpu_layers, whole.ram_bytes) == ("gpu", 81, 0)  # 80 layers + the output head
+
+
+def test_kv_cache_size() -> None:
+    target, drafter = shapes()
+    # 2 (K, V) x 80 layers x 8 heads x 128 dims x 8192 tokens x 2 bytes
+    assert kv_bytes(target, 8192, "bf16") == 2 * 80 * 8 * 128 * 8192 * 2 == int(2.5 * GIB)
+    assert kv_bytes(target, 8192, "q4_0") == int(2.5 * GIB * 18 / 64)
+    assert plan_on(DESCRIBED).drafter.kv_bytes == kv_bytes(drafter, 8192 + 256, "q4_0")
+
+
+def test_refuses_a_drafter_larger_than_memory() -> None:
+    with pytest.raises(UserError) as info:
+        plan_on("ram=2.5G")
+    message = str(info.value)
+    assert "drafter needs 0.79 GiB (weights 0.72 GiB + KV cache 0.07 GiB)" in message
+    assert "0.50 GiB of RAM is free past a 2.00 GiB headroom" in message
+
+
+def test_refuses_a_kv_cache_that_does_not_fit() -> None:
+    with pytest.raises(UserError) as info:
+        plan_on("ram=4G")
+    message = str(info.value)
+    assert "KV cache for 8192 tokens needs 2.50 GiB of RAM but 1.21 GiB is free" in message and "--ctx" in message
+    small_ctx = replace(LLAMA_70B, ctx=2048)
+    assert plan_on("ram=4G", small_ctx).target.placement == "ssd"
+
+
+# --- GGUF headers ---
+
+
+def _write_part(path: Path, first: bool, tensors: dict[str, np.ndarray]) -> None:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    if first:
+        writer.add_block_count(2)
+        writer.add_embedding_length(64)
+        writer.add_head_count(4)
+        writer.add_head_count_kv(2)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_shape_of_a_split_gguf(tmp_path: Path) -> None:
+    weight = np.zeros((64, 64), np.float32)  # 16 KiB
+    table = np.zeros((10, 64), np.float32)
+    _write_part(tmp_path / "m-00001-of-00002.gguf", True, {"token_embd.weight": table, "blk.0.attn_q.weight": weight})
+    _write_part(tmp_path / "m-00002-of-00002.gguf", False, {"blk.1.attn_q.weight": weight, "output.weight": table})
+    shape = Shape.from_gguf(tmp_path / "m-00001-of-00002.gguf")
+    assert (shape.n_layers, shape.n_embd, shape.n_kv_heads, shape.head_dim) == (2, 64, 2, 16)
+    assert shape.file_bytes == 2 * weight.nbytes + 2 * table.nbytes
+    assert shape.layer_bytes == 2 * weight.nbytes
+    assert shape.streamed_bytes == shape.file_bytes - table.nbytes  # token_embd is looked up, not streamed
+    assert shape.n_params == 2 * weight.size + table.size
+    (tmp_path / "m-00002-of-00002.gguf").unlink()
+    with pytest.raises(UserError, match=r"part 1 of 2; missing m-00002-of-00002\.gguf: download"):
+        Shape.from_gguf(tmp_path / "m-00001-of-00002.gguf")
+
+
+# --- the probe ---
+
+
+def test_disk_speed_is_measured_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(os.urandom(4 << 20))
+    cache = tmp_path / "machine.json"
+    speed = probe.disk_read_gbps(model, cache_file=cache, sample_bytes=4 << 20)
+    assert speed is not None and speed > 0
+    entry = json.loads(cache.read_text())[probe.machine_key(model)]
+    assert entry["disk_read_gbps"] == round(speed, 3)
+
+    def measure_again(*_args):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(probe, "_measure_disk", measure_again)
+    # the same drive: any file on it, or the folder, reads the cache
+    assert probe.disk_read_gbps(model, cache_file=cache, sample_bytes=4 << 20) == round(speed, 3)
+    assert probe.disk_read_gbps(tmp_path, cache_file=cache) == round(speed, 3)
+
+
+def test_disk_speed_of_a_small_file_uses_a_temporary_one(tmp_path: Path) -> None:
+    model = tmp_path / "small.gguf"
+    model.write_bytes(b"GGUF" + bytes(1000))
+    speed = probe.disk_read_gbps(model, cache_file=tmp_path / "cache" / "machine.json", sample_bytes=2 << 20)
+    assert speed is not None and speed > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "small.gguf"]  # the temporary file is gone
+
+
+def _fake_nvidia_smi(folder: Path, output: str) -> None:
+    tool = folder / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\nprintf '{output}'\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+
+
+def test_gpus_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert probe.probe_gpus() == []  # no tool: no GPU, quietly
+    _fake_nvidia_smi(tmp_path, "NVIDIA GeForce RTX 4090, 24564, 23000\\nBroken, [N/A], [N/A]\\n")
+    assert probe.probe_gpus() == [{"name": "NVIDIA GeForce RTX 4090", "vram_total_gb": 23.99, "vram_free_gb": 22.46}]
+
+
+# --- edge-spec plan ---
+
+
+def test_plan_json_on_a_described_machine() -> None:
+    result = runner.invoke(app, ["plan", "llama3.1-70b", "--machine", DESCRIBED, "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert (plan["pair"], plan["ctx"], plan["budget"]) == ("llama3.1-70b", 8192, "auto")
+    assert plan["machine"]["ram_free_gib"] == 32.0 and plan["machine"]["vram_free_gib"] == 24.0
+    target, drafter = plan["target"], plan["drafter"]
+    assert (target["file"], target["layers"], target["placement"]) == ("models.toml facts", 80, "ram")
+    assert 0 < target["n_gpu_layers"] < 80 and target["op_offload"] and target["n_ubatch"] >= 256
+    assert (drafter["placement"], drafter["n_gpu_layers"]) == ("gpu", 17)
+    assert plan["target_pass"]["tokens_n"] == 256
+    assert 0 < plan["target_pass"]["tokens_1_s"] <= plan["target_pass"]["tokens_n_s"]
+
+
+def test_plan_table_on_a_described_machine() -> None:
+    result = runner.invoke(app, ["plan", "llama3.1-70b", "--machine", "ram=16G,disk=3GB/s"])
+    assert result.exit_code == 0, result.output
+    assert "plan for llama3.1-70b: ctx 8192, budget auto (up to 255)" in result.stdout
+    assert "target pass: 1 token 13.37 s (disk), 256 tokens" in result.stdout
+
+
+def test_plan_errors_are_one_line(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["plan", "llama3.1-70b", "--machine", "ram=lots"])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "ram=lots is not a size" in result.stderr
+    models = tmp_path / "models.toml"
+    models.write_text('[pairs.x]\ntarget.hf = "nobody/nothing-GGUF:Q4_0"\ndrafter.from = "target"\n')
+    result = runner.invoke(app, ["--models", str(models), "plan", "x", "--machine", DESCRIBED])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+    assert "the target file is not here and" in result.stderr and "gives no facts about it" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_plan_reads_local_gguf_headers() -> None:
+    pair = load_registry().pair("smollm2-135m")
+    if not all((path := model_path(m)) is not None and path.is_file() for m in (pair.target, pair.drafter)):
+        pytest.skip("smollm2-135m is not fetched yet (the session fixtures of the other tests fetch it)")
+    result = runner.invoke(app, ["plan", "smollm2-135m", "--machine", "ram=8G", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["target"]["file"] == str(model_path(pair.target))
+    assert (plan["target"]["layers"], plan["target"]["placement"], plan["drafter"]["runtime"]) == (30, "ram", "onnx")
+    assert plan["target"]["kv_cache_gib"] == round(2 * 30 * 3 * 64 * 4096 * 2 / GIB, 3)  # 3 KV heads of 64, bf16
+
+
+def test_plan_loads_no_runtime() -> None:
+    code = ("import sys, cli.main; cli.main.app(['plan', 'llama3.1-70b', '--machine', 'ram=32G', '--json'], "
+            "standalone_mode=False); print('loaded', 'llama_cpp' in sys.modules, 'onnxruntime' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("loaded False False")

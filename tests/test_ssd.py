@@ -1,0 +1,70 @@
+"""--placement ssd on the real SmolLM2 target rewritten to F16 (offload/ssd.py): every pass reads the file from
+the disk, readahead fills the page cache from a thread, the logits do not change, and a target whose weights
+llama.cpp copies (repacked Q4_0) is refused in one line."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from cli.loading import _on_ssd, materialize
+from edge.errors import UserError
+from edge.registry import load_registry
+from edge.tree import TokenTree
+from offload.ssd import SsdStreamer, SsdTarget, read_bytes, resident_fraction
+from runtimes.llama_cpp import RunOptions, load_target
+
+
+@pytest.fixture(scope="module")
+def f16_file():
+    spec = load_registry().pair("smollm2-135m")
+    return materialize(replace(spec.target, quantize="f16"), lambda message: None)
+
+
+def chain(tokens: list[int]) -> TokenTree:
+    n = len(tokens)
+    return TokenTree(np.array(tokens, np.int32), np.arange(-1, n - 1, dtype=np.int32), np.arange(n, dtype=np.int32),
+                     np.zeros(n, np.float32))
+
+
+def test_every_pass_reads_the_weights_and_logits_stay_the_same(f16_file) -> None:
+    target = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16"))
+    try:
+        target.prefill([1, 2, 3, 4])
+        in_ram = target.verify(chain([5, 6, 7])).copy()
+        target.truncate(0)
+        ssd = _on_ssd(target, f16_file, readahead=False)  # checks that a pass reads the mapping (and empties the cache)
+        ssd.prefill([1, 2, 3, 4])
+        size = f16_file.stat().st_size
+        for _ in range(2):
+            before = read_bytes()
+            logits = ssd.verify(chain([5, 6, 7]))
+            ssd.truncate(4)
+            assert np.array_equal(logits, in_ram)
+            ssd.streamer.wait_evicted()  # eviction runs in a thread after each pass
+            assert resident_fraction(f16_file) < 0.05
+            if before is not None:
+                assert read_bytes() - before > 0.8 * size  # the pass read (nearly) the whole file from storage
+        ssd.streamer.close()
+        ahead = SsdStreamer(f16_file, readahead=True)
+        ahead.read_ahead_now()
+        assert resident_fraction(f16_file) > 0.95  # read ahead: the next pass finds its weights in RAM
+        assert np.array_equal(target.verify(chain([5, 6, 7])), in_ram)  # the inner target: no eviction after
+        ahead.close()
+    finally:
+        target.close()
+
+
+def test_repacked_target_is_refused(f16_file) -> None:
+    spec = load_registry().pair("smollm2-135m")
+    q4_0 = materialize(spec.drafter, lambda message: None)  # Q4_0: repacked into llama.cpp's own buffers on x86
+    target = load_target(q4_0, RunOptions(n_ctx=256, kv_type="bf16"))
+    try:
+        wrapped = _on_ssd(target, q4_0, readahead=False)
+    except UserError as error:
+        assert "--target-dtype f16" in str(error)
+    else:  # a CPU without repacked Q4_0 kernels maps the weights: then streaming them must work
+        assert isinstance(wrapped, SsdTarget)
+        wrapped.streamer.close()

@@ -1,0 +1,95 @@
+"""--budget auto (offload/tuning.py): counterfactual tokens per budget, the choice it makes from measured costs,
+the fall back to plain decoding and the way back; on the tiny numpy model, so every number is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge.generate import Decoder
+from edge.grow import GrowConfig
+from edge.sampling import SamplingConfig
+from edge.speculative import RoundResult
+from edge.tree import TokenTree
+from offload.tuning import FIRST_PROBE, AutoBudget, Costs, tokens_by_budget
+from tests.tiny import TinyModel
+
+
+def scored_tree(parents: list[int], scores: list[float]) -> TokenTree:
+    depth = np.zeros(len(parents), np.int32)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return TokenTree(np.arange(len(parents), dtype=np.int32), np.array(parents, np.int32), depth,
+                     np.array(scores, np.float32))
+
+
+def test_tokens_by_budget_follows_growth_ranking() -> None:
+    # root -> 1 (-0.1) -> 3 (-0.5) -> 5 (-2.0); root -> 2 (-0.3) -> 4 (-0.9)
+    tree = scored_tree([-1, 0, 0, 1, 2, 3], [0, -0.1, -0.3, -0.5, -0.9, -2.0])
+    path = [0, 1, 3, 5]  # the target accepted 1, 3, 5
+    # ranks: 1 -> 0, 2 -> 1, 3 -> 2, 4 -> 3, 5 -> 4
+    assert tokens_by_budget(tree, path, (1, 2, 4, 5, 8)) == {1: 2, 2: 2, 4: 3, 5: 4}
+    assert tokens_by_budget(tree, [0], (1, 4)) == {1: 1, 4: 1}  # nothing accepted: the target's own token
+
+
+def flat_costs(target_ms: float, drafter_ms: float) -> Costs:
+    """A target whose pass costs the same for any size (weights streamed), a drafter with a per-pass cost."""
+    return Costs({1: target_ms, 256: target_ms}, {1: drafter_ms, 32: drafter_ms})
+
+
+def test_costs_round_trip_and_interpolate() -> None:
+    costs = Costs({1: 10.0, 65: 74.0}, {1: 5.0, 8: 12.0}, 50.0, {1: 2.0, 65: 66.0})
+    assert Costs.from_json(costs.to_json()) == costs
+    assert costs.target_s(32.5) == pytest.approx(0.0415) and costs.target_s(127) == pytest.approx(0.136)
+    assert costs.verify_s(1, grow_s=0.02) == pytest.approx(0.002 + 0.03)  # the reading growth did not hide
+    assert costs.verify_s(1, grow_s=0.2) == pytest.approx(0.002)
+
+
+def test_streamed_target_speculates_and_compute_bound_target_does_not() -> None:
+    streamed = AutoBudget(flat_costs(target_ms=200, drafter_ms=2))
+    assert streamed.choose(256) is not None
+    compute_bound = AutoBudget(Costs({1: 5, 16: 40, 64: 150, 256: 600}, {1: 7, 8: 20, 32: 70}))
+    assert compute_bound.choose(256) is None  # even a chain of 1 costs more than it can yield here
+
+
+def round_result(config: GrowConfig | None, tokens: int, tree: TokenTree | None, path: list[int],
+                 grow_s: float, verify_s: float) -> RoundResult:
+    return RoundResult(list(range(tokens)), 1 if tree is None else len(tree), 0 if config is None else 3,
+                       grow_s, grow_s, verify_s, tree, path)
+
+
+def test_bad_acceptance_moves_the_choice_down_to_plain_then_probes_back() -> None:
+    policy = AutoBudget(Costs({1: 20, 256: 40}, {1: 4, 32: 6}))
+    config = policy.choose(256)
+    assert config is not None and config.budget >= 16  # the prior expects trees to pay here
+    chain = scored_tree(list(range(-1, config.budget)), [-float(i) for i in range(config.budget + 1)])
+    for _ in range(30):  # nothing is ever accepted
+        config = policy.choose(256)
+        if config is None:
+            break
+        policy.observe(config, round_result(config, 1, chain, [0], 0.02, 0.03))
+    assert config is None, "never fell back to plain decoding"
+    plain_rounds = 1  # the choice that ended the loop
+    while policy.choose(256) is None:
+        policy.observe(None, round_result(None, 1, None, [0], 0.0, 0.02))
+        plain_rounds += 1
+    assert plain_rounds == FIRST_PROBE - 1  # then a tree is tried again: the text may have changed
+    assert policy.probe_every == 2 * FIRST_PROBE
+
+
+@pytest.mark.parametrize("seed", [5, 8])
+def test_auto_is_lossless_and_uses_trees_when_the_target_is_slow(seed: int) -> None:
+    """Greedy output with the policy equals plain decoding, whatever budgets it picks along the way."""
+    prompt, n = [1, 2, 3], 80
+    plain = Decoder(TinyModel(n_vocab=9, seed=seed), None, None, SamplingConfig())
+    plain.load(prompt)
+    expected = [s.token for s in plain.generate(n) if s.token is not None and s.finish_reason is None]
+    target = TinyModel(n_vocab=9, seed=seed)
+    policy = AutoBudget(flat_costs(target_ms=100, drafter_ms=1))
+    decoder = Decoder(target, target.noisy(0.5), None, SamplingConfig(), policy=policy)
+    decoder.load(prompt)
+    steps = list(decoder.generate(n))
+    assert [s.token for s in steps if s.token is not None and s.finish_reason is None] == expected
+    assert min(policy.chosen) > 0 and len(set(policy.chosen)) >= 1
+    assert steps[-1].stats.target_passes < n / 2  # trees paid
+    assert target.cache == [*prompt, *expected][:-1]
