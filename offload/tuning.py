@@ -14,11 +14,14 @@ so the tree of budget b' < b is (nearly) the b' best nodes of this one, and the 
 that lies among them is what it would have accepted. Budgets above the largest tree seen are extrapolated
 (tokens grow about linearly in log budget), which is optimistic, so a larger budget gets tried when it
 could pay and is dropped when the measurement says it does not. While plain decoding wins, a tree round
-is tried now and then (less and less often) when an upper bound says it could still pay.
+is tried now and then (less and less often, and never for more than 1/PROBE_SHARE of the time spent
+decoding plainly) when twice the tokens per pass measured so far would make it pay.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -34,8 +37,10 @@ CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 255)
 # tokens-per-pass curves in docs/drafter.md (about 5.8-6.1 at budget 64, 8.8 at 255).
 PRIOR_SLOPE = 0.85
 SMOOTHING = 0.25  # weight of the newest round in the running averages
+REVIEW_PLAIN = 8  # once plain decoding wins, rounds before comparing again (each comparison costs ~0.1 ms)
 FIRST_PROBE = 16  # plain rounds before a tree is tried again; doubles after each try that does not pay
 MAX_PROBE = 1024
+PROBE_SHARE = 20  # a tree tried while plain decoding wins costs at most 1/20 of the plain time before it
 
 
 @dataclass(frozen=True)
@@ -80,15 +85,16 @@ def _str_keys(table: dict) -> dict[str, float]:
 
 
 def _interpolate(table: dict[int, float], x: float) -> float:
-    """Piecewise linear through the measured points, extended linearly past the last two."""
-    xs = np.array(sorted(table), float)
-    ys = np.array([table[int(k)] for k in xs], float)
-    if len(xs) == 1:
-        return float(ys[0])
-    if x > xs[-1]:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        return float(ys[-1] + slope * (x - xs[-1]))
-    return float(np.interp(x, xs, ys))
+    """Piecewise linear through the measured points, extended linearly past the last two (plain Python: it
+    runs a few dozen times per round, where numpy's call overhead would show next to a 7 ms plain pass)."""
+    points = sorted(table.items())
+    if len(points) == 1 or x <= points[0][0]:
+        return float(points[0][1])
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
 def measure_costs(target, drafter, prefix: list[int], max_tree: int) -> Costs:
@@ -182,31 +188,47 @@ class AutoBudget:
     verify_scale: float = 1.0  # measured / predicted verify time with a tree (SSD: readahead overlaps growth)
     plain_scale: float = 1.0  # the same for plain rounds
     plain_streak: int = 0
+    plain_for: int = 0  # plain rounds left before the next full comparison
     probe_every: int = FIRST_PROBE
     chosen: list[int] = field(default_factory=list)  # budget per round, 0 = plain (for reports and tests)
 
     def choose(self, max_nodes: int) -> GrowConfig | None:
+        if self.plain_for > 0:  # plain decoding won a moment ago: only plain rounds' timing has changed since
+            self.plain_for -= 1
+            best = self._probe([b for b in CANDIDATES if b <= min(self.max_budget, max_nodes - 1)], None)
+        else:
+            best = self._best(max_nodes)
+        self.chosen.append(best or 0)
+        return None if best is None else _config(best)
+
+    def _best(self, max_nodes: int) -> int | None:
         budgets = [b for b in CANDIDATES if b <= min(self.max_budget, max_nodes - 1)]
         rates = {b: self.expected_tokens(b) / self.round_s(b) for b in budgets}
         plain_rate = 1 / self.round_s(0)
         best = max(rates, key=rates.get) if rates else None
-        if best is not None and rates[best] <= plain_rate:
-            best = self._probe(budgets, plain_rate)
-        self.chosen.append(best or 0)
-        return None if best is None else GrowConfig.for_budget(best)
+        if best is None or rates[best] <= plain_rate:
+            self.plain_for = REVIEW_PLAIN
+            return self._probe(budgets, plain_rate)
+        self.probe_every = FIRST_PROBE  # trees pay (again)
+        return best
 
-    def _probe(self, budgets: list[int], plain_rate: float) -> int | None:
-        """Plain decoding pays: try a tree now and then, if one could pay with every draft token accepted."""
+    def _probe(self, budgets: list[int], plain_rate: float | None) -> int | None:
+        """Plain decoding pays: try a tree now and then (backing off), if it could pay with twice the tokens per
+        pass measured so far, and if the try costs at most 1/PROBE_SHARE of the plain decoding before it."""
         self.plain_streak += 1
         if self.plain_streak < self.probe_every:
             return None
-        bound = {b: (b + 1) / self.round_s(b) for b in budgets}
-        hopeful = [b for b in budgets if bound[b] > plain_rate]
+        plain_s = self.round_s(0)
+        hopeful = {b: rate for b in budgets if (rate := self._optimistic_rate(b)) > (plain_rate or 1 / plain_s)
+                   and self.plain_streak * plain_s >= PROBE_SHARE * self.round_s(b)}
         if not hopeful:
             return None
         self.plain_streak = 0
         self.probe_every = min(2 * self.probe_every, MAX_PROBE)
-        return max(hopeful, key=lambda b: self.expected_tokens(b) / self.round_s(b))
+        return max(hopeful, key=hopeful.get)
+
+    def _optimistic_rate(self, budget: int) -> float:
+        return min(budget + 1.0, 2 * self.expected_tokens(budget)) / self.round_s(budget)
 
     def observe(self, config: GrowConfig | None, result: RoundResult) -> None:
         if config is None:
@@ -214,7 +236,6 @@ class AutoBudget:
             self.plain_scale = _blend(self.plain_scale, result.verify_s / predicted)
             return
         self.plain_streak = 0
-        self.probe_every = FIRST_PROBE
         budget = config.budget
         self.passes[budget] = _blend(self.passes.get(budget), result.drafter_passes)
         self.grow_scale = _blend(self.grow_scale, result.grow_s / self._grow_s(config, result.drafter_passes))
@@ -238,7 +259,7 @@ class AutoBudget:
         """Predicted seconds of one round: growth plus the target pass (plain: the pass alone)."""
         if budget == 0:
             return self.plain_scale * self.costs.target_s(1)
-        config = GrowConfig.for_budget(budget)
+        config = _config(budget)
         steps = self.passes.get(budget, config.max_steps)
         rerun = self.expected_tokens(budget) - 1  # the previous round's accepted tokens run again
         grow = self.grow_scale * self._grow_s(config, steps)
@@ -249,6 +270,11 @@ class AutoBudget:
 
     def _grow_s(self, config: GrowConfig, steps: float) -> float:
         return max(steps, 1) * self.costs.drafter_s(config.beams)
+
+
+@functools.cache
+def _config(budget: int) -> GrowConfig:
+    return GrowConfig.for_budget(budget)
 
 
 def _blend(old: float | None, new: float) -> float:

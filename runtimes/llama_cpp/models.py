@@ -110,9 +110,6 @@ class LlamaTarget(_Runner):
         self._pending = tree.path_tokens(path[1:])
 
 
-CATCH_UP = 64  # pending tokens a drafter runs at once when rounds go on without it
-
-
 class LlamaDrafter(_Runner):
     """Expands tree nodes, one pass per call; each expanded node gets a seq holding its whole path.
 
@@ -142,6 +139,8 @@ class LlamaDrafter(_Runner):
 
     def _run_root(self, root: int) -> None:
         """Pending tokens and the root join seq 0 (committed) and seq 1 (the root's path) in one pass."""
+        if len(self._pending) + 1 > self.batch.capacity:  # after a long plain stretch (--budget auto)
+            self.prefill([])
         self._node_seq = {0: 1}
         self.ctx.seq_cp(0, 1)
         n = len(self._pending) + 1
@@ -167,8 +166,6 @@ class LlamaDrafter(_Runner):
         tokens = tree.path_tokens(path)
         if not self._node_seq:  # this round ran without the drafter: catch up at the next root
             self._pending += tokens
-            if len(self._pending) >= CATCH_UP:  # long plain stretches (--budget auto): catch up in batches
-                self.prefill([])
             return
         for seq in self._node_seq.values():  # every branch cell goes; the root stays in seq 0
             self.ctx.seq_rm(seq)

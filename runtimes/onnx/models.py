@@ -20,7 +20,7 @@ from quant.kv import QuantSpecKV
 from runtimes.onnx.arch import Arch
 from runtimes.onnx.session import DecoderSession
 
-CATCH_UP = 64  # pending tokens a drafter runs at once when rounds go on without it
+CATCH_UP = 64  # more pending tokens than this run as a prefill before the root pass
 
 PREFILL_CHUNK = 256
 MAX_TREE = 256
@@ -153,6 +153,8 @@ class OnnxDrafter(_OnnxModel):
         """Pending tokens and the root in one pass; the pending ones join the committed cache."""
         if self.shared and self.pending:
             raise RuntimeError("a shared-cache drafter cannot hold pending tokens")
+        if len(self.pending) > CATCH_UP:  # after a long plain stretch (--budget auto): in chunks first
+            self.prefill([])
         tokens = np.asarray([*self.pending, root], np.int64)
         n = len(tokens)
         positions = self.kv.n_tokens + np.arange(n)
@@ -189,8 +191,6 @@ class OnnxDrafter(_OnnxModel):
         if self.n_tree == 0:  # this round ran without the drafter: catch up at the next root
             if not self.shared:
                 self.pending += tokens
-                if len(self.pending) >= CATCH_UP:  # long plain stretches (--budget auto): catch up in batches
-                    self.prefill([])
             self._reset_tree()
             return
         if not self.shared:
