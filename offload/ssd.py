@@ -6,12 +6,11 @@ would for a model bigger than RAM: after each pass the target's weight pages are
 really read from storage (/proc/self/io) prove it.
 
 Overlap: while the drafter grows the next tree (speculative_round calls the target's `prefetch`), a thread
-reads the weights ahead with
-`madvise(MADV_POPULATE_READ)` on the target's own mapping, in the order the pass uses them (layer by layer,
-the head last). That both reads the pages and maps them, so the pass neither waits on the disk nor takes
-a page fault per page; no byte is copied into Python. Measured here (SmolLM2 F16, 271 MB): populating the
-whole mapping took 70-100 ms and a 1-token pass after it ran at RAM speed, while `posix_fadvise(WILLNEED)`
-in 8 MB steps took 2.8 s and `MADV_WILLNEED` left 94% of the pages on the disk.
+reads the weights ahead with `madvise(MADV_POPULATE_READ)` on the target's own mapping, in the order the
+pass uses them (layer by layer, the head last). That both reads the pages and maps them, so the pass neither
+waits on the disk nor takes a fault per page, and no byte is copied into Python; of the ways tried it read
+fastest with the least CPU (docs/performance.md). It does not run during plain decoding: racing the pass's
+own page faults, it made plain passes slower.
 """
 
 from __future__ import annotations
