@@ -12,7 +12,7 @@ from edge.errors import UserError
 from edge.generate import Decoder, Stats
 from edge.grow import GrowConfig
 from edge.sampling import SamplingConfig
-from offload.tuning import expand_ms, pass_ms
+from offload.tuning import expand_ms, json_table, pass_ms
 
 
 def benchmark_file(name: str) -> Path:
@@ -92,7 +92,7 @@ def run_bench(loaded, prompts: list[str], budgets: list[int | str], max_tokens: 
     pass_ms = target_pass_times(loaded, prompt_tokens[0], threads, report)
     drafter_info = []
     for drafter, label, vocab in _drafters(loaded, drafters, threads, report):
-        expand = _str_keys(expand_ms(drafter, prompt_tokens[0]))
+        expand = json_table(expand_ms(drafter, prompt_tokens[0]))
         drafter_info.append({"drafter": label, "vocab": vocab, "expand_ms": expand,
                              "kv_bytes_per_token": kv_bytes_per_token(drafter)})
         costs = None
@@ -121,21 +121,14 @@ def run_bench(loaded, prompts: list[str], budgets: list[int | str], max_tokens: 
     return {"pair": loaded.name, "machine": probe_machine(), "placement": loaded.placement,
             "target": _target_file(loaded), "prompts": len(prompts), "max_tokens": max_tokens,
             "temperature": sampling.temperature, "lossless_warning": loaded.lossless_warning,
-            "target_pass_ms": pass_ms, "auto_costs": _costs_json(costs), "drafters": drafter_info, "rows": rows}
+            "target_pass_ms": pass_ms, "auto_costs": None if costs is None else costs.to_json(),
+            "drafters": drafter_info, "rows": rows}
 
 
 def _costs(loaded, drafter, prefix: list[int]):
     from offload.tuning import measure_costs
 
     return measure_costs(loaded.target, drafter, prefix, loaded.target.max_tree)
-
-
-def _costs_json(costs) -> dict[str, Any] | None:
-    return None if costs is None else costs.to_json()
-
-
-def _str_keys(table: dict) -> dict[str, float]:
-    return {str(k): v for k, v in table.items()}
 
 
 def _target_file(loaded) -> str | None:
@@ -198,7 +191,7 @@ def _close(drafter) -> None:
 
 def target_pass_times(loaded, prefix: list[int], threads: int | None, report) -> dict[str, dict[str, float]]:
     """Pass times of the pair's target; a QuantSpec (onnx) target is timed beside llama.cpp on the same file."""
-    times = {_runtime(loaded.target): _str_keys(pass_ms(loaded.target, prefix))}
+    times = {_runtime(loaded.target): json_table(pass_ms(loaded.target, prefix))}
     if loaded.spec is not None and loaded.spec.target.runtime == "onnx":
         from cli.loading import materialize
         from runtimes.llama_cpp import RunOptions, load_target
@@ -207,7 +200,7 @@ def target_pass_times(loaded, prefix: list[int], threads: int | None, report) ->
         options = RunOptions(n_ctx=loaded.spec.ctx, kv_type=loaded.spec.target.kv_type, n_threads=threads)
         other = load_target(materialize(loaded.spec.target, report), options)
         try:
-            times["llama_cpp"] = _str_keys(pass_ms(other, prefix))
+            times["llama_cpp"] = json_table(pass_ms(other, prefix))
         finally:
             other.close()
     return times

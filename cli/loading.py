@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from edge.chat_template import ChatTemplate
 from edge.errors import UserError
 from edge.registry import ModelSpec, PairSpec, Registry, Source
-from edge.sources import atomic_path, cache_dir, fetch, prepared_path, source_path
+from edge.sources import atomic_path, cache_dir, fetch, prepared_path, read_json, source_path, write_json
 
 if TYPE_CHECKING:
     from runtimes.llama_cpp import LlamaDrafter, LlamaTarget
@@ -45,14 +45,14 @@ class LoadedPair:
 
         if self.costs is None:
             key, cache = self._costs_key(), cache_dir() / "pass-times.json"
-            known = _read_json(cache)
+            known = read_json(cache)
             if key is not None and key in known:
                 self.costs = Costs.from_json(known[key])
             else:
                 prefix = self.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
                 self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree)
                 if key is not None:
-                    _write_json(cache, {**known, key: self.costs.to_json()})
+                    write_json(cache, {**known, key: self.costs.to_json()})
         return AutoBudget(self.costs)
 
     def _costs_key(self) -> str | None:
@@ -66,23 +66,6 @@ class LoadedPair:
         readahead = getattr(getattr(self.target, "streamer", None), "readahead", None)
         return (f"{machine_key(path)}|{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{self.placement}|"
                 f"readahead {readahead}")
-
-
-def _read_json(path: Path) -> dict:
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_json(path: Path, data: dict) -> None:
-    import json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1))
 
 
 # Timing passes for --budget auto needs some context; what it says does not matter.

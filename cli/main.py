@@ -373,7 +373,7 @@ def bench(
     method_list = parse_methods(methods)
     prompt_list = read_prompts(prompts)
     sampling = sampling_config(temperature, 0, 1.0, 0.0, 1.0, seed)
-    loaded = load(ctx, pair, None, None, ctx_size, None, threads, 0, provider, placement, mlock, readahead,
+    loaded = load(ctx, pair, None, None, ctx_size, None, threads, None, provider, placement, mlock, readahead,
                   target_dtype)
     result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list, threads,
                        tuple(method_list))

@@ -55,6 +55,21 @@ def atomic_path(dest: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object cached on disk; {} when the file is missing or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write a JSON object atomically (a reader never sees half a file)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))
+
+
 def source_path(source: Source) -> Path | None:
     """Where the source's file is or will be, without touching the network (None: not in the HF cache)."""
     if source.path is not None:

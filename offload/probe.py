@@ -5,7 +5,6 @@ when disk_read_gbps() is asked."""
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import platform
@@ -75,7 +74,9 @@ def disk_read_gbps(path: Path, cache_file: Path | None = None, sample_bytes: int
 
         cache_file = cache_dir() / "machine.json"
     key = machine_key(path)
-    cached = _read_json(cache_file)
+    from edge.sources import read_json, write_json
+
+    cached = read_json(cache_file)
     entry = cached.get(key)
     if not refresh and isinstance(entry, dict) and "disk_read_gbps" in entry and entry.get("method") == DISK_METHOD:
         return float(cached[key]["disk_read_gbps"])
@@ -85,7 +86,7 @@ def disk_read_gbps(path: Path, cache_file: Path | None = None, sample_bytes: int
         return None
     cached[key] = {"disk_read_gbps": round(gbps, 3), "sample_bytes": sample_bytes, "measured": time.time(),
                    "method": DISK_METHOD}
-    _write_json(cache_file, cached)
+    write_json(cache_file, cached)
     return gbps
 
 
@@ -119,8 +120,8 @@ def _timed_read(path: Path, n_bytes: int) -> float:
     """GB/s reading the first n_bytes of `path` from the drive, not from the page cache.
 
     The way llama.cpp's mmap'd weights are read (and offload/ssd.py reads them ahead): pages of a mapping
-    populated with MADV_POPULATE_READ after the file left the page cache. Here that ran at ~3.5 GB/s where
-    1 MiB O_DIRECT reads one at a time gave 0.75; O_DIRECT remains where madvise cannot do it.
+    populated with MADV_POPULATE_READ after the file left the page cache (1 MiB O_DIRECT reads one at a time
+    reported well under what the streamer then reads at); O_DIRECT remains where madvise cannot do it.
     """
     try:
         return _populate_read(path, n_bytes)
@@ -177,21 +178,6 @@ def _read_file(path: Path, n_bytes: int, flags: int, drop_cache: bool = False) -
     if done == 0:
         raise OSError(f"{path} is empty")
     return done / max(elapsed, 1e-9) / 1e9
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 def _cpu_name() -> str:

@@ -121,13 +121,13 @@ class SsdStreamer:
         self.readahead = readahead
         self._libc = _libc()
         self._fd = os.open(self.path, os.O_RDONLY)
-        self._order = pass_order(self.path) if readahead else []
+        self._maps = mapped_ranges(self.path)  # the target is loaded: its mapping stays put from here on
+        self._ranges = self._address_ranges(pass_order(self.path)) if readahead else []
         self._stop = threading.Event()
         self._go = threading.Event()
         self._evicted = threading.Event()
         self._evicted.set()
         self._thread: threading.Thread | None = None
-        self.evictions = 0
 
     def evict(self) -> None:
         """Drop the target's weight pages from RAM, so the next pass reads them from the disk."""
@@ -135,10 +135,9 @@ class SsdStreamer:
         self._drop_pages()
 
     def _drop_pages(self) -> None:
-        for start, end, _ in mapped_ranges(self.path):
+        for start, end, _ in self._maps:
             self._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        self.evictions += 1
 
     def after_pass(self) -> None:
         """From a thread: evict the weights now, then read them ahead once `prefetch()` says a tree is being
@@ -169,23 +168,25 @@ class SsdStreamer:
     def read_ahead_now(self) -> None:
         """Evict, then read the whole file ahead before returning (a pass after it finds every weight in RAM)."""
         self.evict()
-        self._stop.clear()
-        self._read_ahead()
+        self._read_all()
 
     def time_read_ahead(self) -> float:
         """Seconds to read the whole file ahead from the disk (evicted first and after), measured now."""
         import time
 
         self.evict()
-        self._stop.clear()
         start = time.perf_counter()
-        self._read_ahead()
+        self._read_all()
         elapsed = time.perf_counter() - start
         self.evict()
         return elapsed
 
+    def _read_all(self) -> None:
+        self._stop.clear()
+        self._read_ahead()
+
     def _read_ahead(self) -> None:
-        for start, end in self._address_ranges():
+        for start, end in self._ranges:
             for address in range(start, end, READAHEAD_CHUNK):
                 if self._stop.is_set():
                     return
@@ -194,14 +195,13 @@ class SsdStreamer:
                     self.readahead = False  # an older kernel: the pass reads the disk itself
                     return
 
-    def _address_ranges(self) -> list[tuple[int, int]]:
+    def _address_ranges(self, order: list[TensorRange]) -> list[tuple[int, int]]:
         """The tensors' page-aligned address ranges in the target's mapping, in pass order."""
         import mmap
 
-        maps = mapped_ranges(self.path)
         ranges = []
-        for tensor in self._order:
-            for start, end, file_offset in maps:
+        for tensor in order:
+            for start, end, file_offset in self._maps:
                 first = start + tensor.offset - file_offset
                 if start <= first < end:
                     first -= first % mmap.PAGESIZE

@@ -60,8 +60,8 @@ class Costs:
         return _interpolate(self.warm_ms, tokens) / 1000 + max(self.read_ahead_ms / 1000 - grow_s, 0.0)
 
     def to_json(self) -> dict:
-        warm = None if self.warm_ms is None else _str_keys(self.warm_ms)
-        return {"target_ms": _str_keys(self.target_ms), "drafter_ms": _str_keys(self.drafter_ms),
+        warm = None if self.warm_ms is None else json_table(self.warm_ms)
+        return {"target_ms": json_table(self.target_ms), "drafter_ms": json_table(self.drafter_ms),
                 "read_ahead_ms": self.read_ahead_ms, "warm_ms": warm}
 
     @classmethod
@@ -80,7 +80,8 @@ class Costs:
         return _interpolate(self.drafter_ms, nodes) / 1000
 
 
-def _str_keys(table: dict) -> dict[str, float]:
+def json_table(table: dict) -> dict[str, float]:
+    """A measured table with string keys, as JSON has them."""
     return {str(k): v for k, v in table.items()}
 
 

@@ -103,6 +103,6 @@ def test_auto_is_lossless_and_uses_trees_when_the_target_is_slow(seed: int) -> N
     decoder.load(prompt)
     steps = list(decoder.generate(n))
     assert [s.token for s in steps if s.token is not None and s.finish_reason is None] == expected
-    assert min(policy.chosen) > 0 and len(set(policy.chosen)) >= 1
+    assert min(policy.chosen) > 0  # a slow target: every round grew a tree
     assert steps[-1].stats.target_passes < n / 2  # trees paid
     assert target.cache == [*prompt, *expected][:-1]

@@ -40,8 +40,8 @@ class DecoderSession:
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
-        # Workers spin within a run (op after op, ~6% faster tree growth here) but stop when it ends, so they do
-        # not steal the cores from llama.cpp's target pass between drafter runs.
+        # Workers spin within a run (no wake-up per op; docs/drafter.md has the growth times) but stop when it
+        # ends, so they do not steal the cores from llama.cpp's target pass between drafter runs.
         options.add_session_config_entry("session.intra_op.allow_spinning", "1")
         options.add_session_config_entry("session.force_spinning_stop", "1")
         try:

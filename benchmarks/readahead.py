@@ -1,0 +1,67 @@
+"""How to read a streamed target's weights ahead (docs/performance.md): each way, right after an eviction.
+
+    python benchmarks/readahead.py PREPARED.gguf     e.g. a target rewritten by `--target-dtype f16`
+
+Prints, per way and repeat: the call's wall time and CPU time, the share of the file then in the page cache,
+and the time of a 1-token llama.cpp pass after it; and the time one eviction takes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from edge.tree import TokenTree
+from offload.ssd import SsdStreamer, resident_fraction
+from runtimes.llama_cpp import RunOptions, load_target
+
+CHUNK_READAHEAD = 2 << 20
+CHUNK_PREAD = 32 << 20
+
+
+def main(path: Path, repeats: int = 2) -> None:
+    target = load_target(path, RunOptions(n_ctx=256))
+    streamer = SsdStreamer(path, readahead=True)
+    libc = ctypes.CDLL(None)
+    libc.readahead.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_size_t]
+    fd, size = os.open(path, os.O_RDONLY), path.stat().st_size
+    buffer = bytearray(CHUNK_PREAD)
+    ways = {
+        "none": lambda: None,
+        "posix_fadvise(WILLNEED), whole file": lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED),
+        "readahead(2), 2 MB steps": lambda: [libc.readahead(fd, o, CHUNK_READAHEAD)
+                                             for o in range(0, size, CHUNK_READAHEAD)],
+        "pread, 32 MB steps": lambda: [os.preadv(fd, [buffer], o) for o in range(0, size, CHUNK_PREAD)],
+        "MADV_POPULATE_READ, 16 MB steps (edge-spec)": streamer._read_all,
+    }
+    print(f"{path.name}: {size / 1e6:.0f} MB")
+    for name, read in ways.items():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            streamer.evict()
+            evict_ms = 1000 * (time.perf_counter() - start)
+            before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            read()
+            call_ms = 1000 * (time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_ms = 1000 * (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+            time.sleep(max(0.0, 0.3 - call_ms / 1000))  # asynchronous ways get the time a tree's growth would give
+            resident = resident_fraction(path)
+            start = time.perf_counter()
+            target.verify(TokenTree.root(1))
+            pass_ms = 1000 * (time.perf_counter() - start)
+            target.truncate(0)
+            print(f"{name:45s} call {call_ms:6.0f} ms  cpu {cpu_ms:5.0f} ms  resident {resident:4.0%}  "
+                  f"1-token pass {pass_ms:5.0f} ms  (eviction {evict_ms:3.0f} ms)")
+    streamer.close()
+    target.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
