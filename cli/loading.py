@@ -26,6 +26,7 @@ class LoadedPair:
     spec: PairSpec | None = None
     placement: str = "ram"  # where the target's weights stream from: "ram", or "ssd" (evicted after each pass)
     costs: object | None = None  # measured pass times for --budget auto (offload.tuning.Costs), once per load
+    drafter_threads: int | None = None  # None: all cores
 
     def decoder(self, sampling, no_spec: bool = False, budget: int | str | None = None):
         """A Decoder for this pair: plain with no_spec, a fixed budget, or --budget auto's policy."""
@@ -65,9 +66,10 @@ class LoadedPair:
         drafter = f"{type(self.drafter).__name__}:{getattr(self.drafter, 'vocab', None)}"
         readahead = getattr(getattr(self.target, "streamer", None), "readahead", None)
         return (f"{machine_key(path)}|{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{self.placement}|"
-                f"readahead {readahead}")
+                f"readahead {readahead}|drafter threads {self.drafter_threads}|{COSTS_VERSION}")
 
 
+COSTS_VERSION = "costs 2"  # bumped when what the cached pass times measure changes (tree shapes, eviction)
 # Timing passes for --budget auto needs some context; what it says does not matter.
 CALIBRATION_TEXT = "The committee met on Tuesday to review the budget, and after a long discussion it agreed to"
 TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
@@ -133,6 +135,7 @@ def load_pair(spec: PairSpec, report, threads: int | None = None, gpu_layers: in
         raise UserError("--placement ssd streams a llama.cpp target from its file: not with an onnx target or --mlock")
     target_file = materialize(spec.target, report)
     info = check_gguf(target_file)
+    draft_threads = drafter_threads(threads, placement, readahead)
     if spec.target.runtime == "onnx":
         target, drafter = _load_quantspec(spec, target_file, threads, report)
         warning = None
@@ -140,13 +143,25 @@ def load_pair(spec: PairSpec, report, threads: int | None = None, gpu_layers: in
         options = RunOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, n_threads=threads, n_gpu_layers=gpu_layers,
                              use_mlock=mlock)
         target = load_target(target_file, options)
-        drafter = open_drafter(spec, spec.drafter, target, threads, gpu_layers, report)
+        drafter = open_drafter(spec, spec.drafter, target, draft_threads, gpu_layers, report)
         warning = lossless_guarantee(info, spec.target.kv_type)
         if placement == "ssd":
             target = _on_ssd(target, target_file, readahead)
     template = _template(info.chat_template, target)
     budget = spec.budget if budget is None else budget
-    return LoadedPair(spec.name, target, drafter, template, budget, warning, spec, placement)
+    return LoadedPair(spec.name, target, drafter, template, budget, warning, spec, placement,
+                      drafter_threads=draft_threads)
+
+
+def drafter_threads(threads: int | None, placement: str, readahead: bool) -> int | None:
+    """The drafter's CPU threads: with the target streamed from the SSD and read ahead while the tree grows, one
+    core is left to the readahead (on 2 cores, a drafter on both grew its trees no faster and delayed the reading
+    into the target's pass; docs/performance.md)."""
+    if threads is not None or placement != "ssd" or not readahead:
+        return threads
+    from runtimes.llama_cpp._native import default_threads
+
+    return max(1, default_threads() - 1)
 
 
 def _on_ssd(target, path: Path, readahead: bool):

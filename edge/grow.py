@@ -40,16 +40,20 @@ class GrowConfig:
 
     @classmethod
     def for_budget(cls, budget: int) -> GrowConfig:
-        """Defaults that scale with the budget; budget <= 4 is a plain chain (beams = width = 1)."""
+        """Defaults that scale with the budget; budget <= 4 is a plain chain (beams = width = 1).
+
+        Narrow and deep: on a CPU a drafter pass costs nearly as much for 2 nodes as for 1, and tokens per pass
+        follow the tree's depth far more than its width, so few beams over more passes give the same tokens per
+        pass for much less drafting (docs/performance.md, "Tree shapes")."""
         if budget < 1:
             raise UserError(f"--budget must be at least 1 (got {budget}); use --no-spec for plain decoding")
         if budget > MAX_LEAVES:
             raise UserError(f"--budget can be at most {MAX_LEAVES} (one target pass holds {MAX_LEAVES + 1} nodes)")
         if budget <= 4:
             return cls(budget=budget, beams=1, width=1, max_depth=budget, max_steps=budget)
-        beams = int(np.clip(budget // 8, 2, 32))
-        width = int(np.clip(budget // 8, 2, 8))
-        steps = int(np.clip(4 + np.log2(budget), 6, 12))
+        beams = int(np.clip(round(budget**0.5 / 2), 2, 16))
+        width = 4
+        steps = int(np.clip(round(2 * budget**0.5) - 2, 4, 24))
         return cls(budget=budget, beams=beams, width=width, max_depth=2 * steps, max_steps=steps)
 
 

@@ -61,7 +61,7 @@ def round_result(config: GrowConfig | None, tokens: int, tree: TokenTree | None,
 def test_bad_acceptance_moves_the_choice_down_to_plain_then_probes_back() -> None:
     policy = AutoBudget(Costs({1: 20, 256: 40}, {1: 4, 32: 6}))
     config = policy.choose(256)
-    assert config is not None and config.budget >= 16  # the prior expects trees to pay here
+    assert config is not None and config.budget >= 8  # the prior expects trees to pay here
     chain = scored_tree(list(range(-1, config.budget)), [-float(i) for i in range(config.budget + 1)])
     for _ in range(30):  # nothing is ever accepted
         config = policy.choose(256)
