@@ -78,29 +78,25 @@ def parse_drafters(text: str | None) -> list[tuple[str, int | None]] | None:
 def run_bench(loaded, prompts: list[str], budgets: list[int | str], max_tokens: int, sampling: SamplingConfig,
               raw: bool, report, drafters: list[tuple[str, int | None]] | None = None,
               threads: int | None = None, methods: tuple[str, ...] = ("plain", "tree")) -> dict[str, Any]:
-    """Plain decoding first (the reference every row is checked against), then each method x budget."""
+    """Plain decoding (the reference every row is checked against) and each method x budget, prompt by prompt: each
+    prompt runs through every row in turn, so a slow spell of a shared machine falls on all rows alike."""
     from cli.main import prompt_for
     from offload.probe import probe_machine
 
     raw = raw or loaded.template is None
     prompt_tokens = [prompt_for(loaded, prompt, raw) for prompt in prompts]
-    report(f"plain: {len(prompts)} prompts")
-    reference, stats, read = _decode_all(Decoder(loaded.target, None, None, sampling), prompt_tokens, max_tokens,
-                                         sampling)
-    plain = _row("plain", None, stats, True, read)
-    rows = [plain]
     pass_ms = target_pass_times(loaded, prompt_tokens[0], threads, report)
-    drafter_info = []
+    rows, drafter_info, reference, costs = [], [], None, None
     for drafter, label, vocab in _drafters(loaded, drafters, threads, report):
         expand = json_table(expand_ms(drafter, prompt_tokens[0]))
         drafter_info.append({"drafter": label, "vocab": vocab, "expand_ms": expand,
                              "kv_bytes_per_token": kv_bytes_per_token(drafter)})
+        runs = [] if reference is not None else [("plain", None, Decoder(loaded.target, None, None, sampling))]
         costs = None
         for method in (m for m in methods if m != "plain"):
             for budget in budgets:
                 if budget == "auto" and method == "chain":
                     continue  # auto chooses tree shapes
-                report(f"{label} {method} budget {budget}: {len(prompts)} prompts")
                 policy = None
                 if budget == "auto":
                     costs = costs or _costs(loaded, drafter, prompt_tokens[0])
@@ -110,14 +106,21 @@ def run_bench(loaded, prompts: list[str], budgets: list[int | str], max_tokens: 
                     grow = None
                 else:
                     grow = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
-                decoder = Decoder(loaded.target, drafter, grow, sampling, policy=policy)
-                outputs, stats, read = _decode_all(decoder, prompt_tokens, max_tokens, sampling)
-                row = _row(method, budget, stats, outputs == reference, read)
-                row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0
-                rows.append({"drafter": label, "vocab": vocab, **row})
+                runs.append((method, budget, Decoder(loaded.target, drafter, grow, sampling, policy=policy)))
+        report(f"{label}: {', '.join(f'{m} {b}' if b is not None else m for m, b, _ in runs)}; "
+               f"{len(prompts)} prompts, each through every row in turn")
+        results = _decode_interleaved([decoder for _, _, decoder in runs], prompt_tokens, max_tokens, sampling)
+        for (method, budget, _), (outputs, stats, read) in zip(runs, results):
+            if method == "plain":
+                reference = outputs
+                rows.insert(0, _row("plain", None, stats, True, read))
+            else:
+                rows.append({"drafter": label, "vocab": vocab, **_row(method, budget, stats, outputs == reference, read)})
         if drafter is not loaded.drafter:
             _close(drafter)
-    plain["speedup"] = 1.0
+    plain = rows[0]
+    for row in rows:
+        row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0
     return {"pair": loaded.name, "machine": probe_machine(), "placement": loaded.placement,
             "target": _target_file(loaded), "prompts": len(prompts), "max_tokens": max_tokens,
             "temperature": sampling.temperature, "lossless_warning": loaded.lossless_warning,
@@ -138,21 +141,27 @@ def _target_file(loaded) -> str | None:
     return path.name if path is not None else None
 
 
-def _decode_all(decoder: Decoder, prompt_tokens, max_tokens, sampling) -> tuple[list[list[int]], Stats, int | None]:
-    """Every prompt through one decoder; also the bytes the process read from storage meanwhile."""
+def _decode_interleaved(decoders: list[Decoder], prompt_tokens, max_tokens, sampling
+                        ) -> list[tuple[list[list[int]], Stats, int | None]]:
+    """Every prompt through every decoder in turn; per decoder its outputs, its stats and the bytes the process
+    read from storage while it ran (prefill included)."""
     from offload.ssd import read_bytes
 
-    total, outputs = Stats(), []
-    before = read_bytes()
+    outputs: list[list[list[int]]] = [[] for _ in decoders]
+    totals = [Stats() for _ in decoders]
+    reads: list[int | None] = [0 for _ in decoders]
     for tokens in prompt_tokens:
-        decoder.set_sampling(sampling)  # the same seed for every method: sampled runs are comparable
-        decoder.load(tokens)
-        steps = list(decoder.generate(max_tokens))
-        outputs.append([s.token for s in steps if s.token is not None and s.finish_reason is None])
-        total.add(steps[-1].stats)
-    after = read_bytes()
-    decoder.reset()
-    return outputs, total, None if before is None or after is None else after - before
+        for i, decoder in enumerate(decoders):
+            decoder.set_sampling(sampling)  # the same seed for every method: sampled runs are comparable
+            before = read_bytes()
+            decoder.load(tokens)
+            steps = list(decoder.generate(max_tokens))
+            after = read_bytes()
+            decoder.reset()  # the next row starts from an empty cache (they share the target and drafter)
+            outputs[i].append([s.token for s in steps if s.token is not None and s.finish_reason is None])
+            totals[i].add(steps[-1].stats)
+            reads[i] = None if reads[i] is None or before is None or after is None else reads[i] + after - before
+    return list(zip(outputs, totals, reads))
 
 
 def _drafters(loaded, choices, threads, report):
