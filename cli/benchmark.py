@@ -110,12 +110,13 @@ def run_bench(loaded, prompts: list[str], budgets: list[int | str], max_tokens: 
         report(f"{label}: {', '.join(f'{m} {b}' if b is not None else m for m, b, _ in runs)}; "
                f"{len(prompts)} prompts, each through every row in turn")
         results = _decode_interleaved([decoder for _, _, decoder in runs], prompt_tokens, max_tokens, sampling)
-        for (method, budget, _), (outputs, stats, read) in zip(runs, results):
+        for (method, budget, _), (outputs, stats, read) in zip(runs, results, strict=True):
             if method == "plain":
                 reference = outputs
                 rows.insert(0, _row("plain", None, stats, True, read))
             else:
-                rows.append({"drafter": label, "vocab": vocab, **_row(method, budget, stats, outputs == reference, read)})
+                row = _row(method, budget, stats, outputs == reference, read)
+                rows.append({"drafter": label, "vocab": vocab, **row})
         if drafter is not loaded.drafter:
             _close(drafter)
     plain = rows[0]
@@ -161,7 +162,7 @@ def _decode_interleaved(decoders: list[Decoder], prompt_tokens, max_tokens, samp
             outputs[i].append([s.token for s in steps if s.token is not None and s.finish_reason is None])
             totals[i].add(steps[-1].stats)
             reads[i] = None if reads[i] is None or before is None or after is None else reads[i] + after - before
-    return list(zip(outputs, totals, reads))
+    return list(zip(outputs, totals, reads, strict=True))
 
 
 def _drafters(loaded, choices, threads, report):
