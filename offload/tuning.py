@@ -23,7 +23,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +39,7 @@ CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 255)
 # tokens-per-pass curves in docs/drafter.md (about 5.8-6.1 at budget 64, 8.8 at 255).
 PRIOR_SLOPE = 0.85
 SMOOTHING = 0.25  # weight of the newest round in the running averages
+PLAIN_WINDOW = 15  # plain rounds' timing: the median of this many (one slow pass must not make trees look good)
 REVIEW_PLAIN = 8  # once plain decoding wins, rounds before comparing again (each comparison costs ~0.1 ms)
 FIRST_PROBE = 16  # plain rounds before a tree is tried again; doubles after each try that does not pay
 MAX_PROBE = 1024
@@ -187,7 +190,8 @@ class AutoBudget:
     passes: dict[int, float] = field(default_factory=dict)  # budget -> running drafter passes per round
     grow_scale: float = 1.0  # measured / predicted growth time
     verify_scale: float = 1.0  # measured / predicted verify time with a tree (SSD: readahead overlaps growth)
-    plain_scale: float = 1.0  # the same for plain rounds
+    plain_scale: float = 1.0  # the same for plain rounds (median of the last PLAIN_WINDOW)
+    plain_ratios: deque = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW))
     plain_streak: int = 0
     plain_for: int = 0  # plain rounds left before the next full comparison
     probe_every: int = FIRST_PROBE
@@ -215,13 +219,16 @@ class AutoBudget:
 
     def _probe(self, budgets: list[int], plain_rate: float | None) -> int | None:
         """Plain decoding pays: try a tree now and then (backing off), if it could pay with twice the tokens per
-        pass measured so far, and if the try costs at most 1/PROBE_SHARE of the plain decoding before it."""
+        pass measured so far, and if the try costs at most 1/PROBE_SHARE of the plain decoding before it. The try
+        includes the drafter catching up on the tokens decoded plainly meanwhile (one batched pass, but on a CPU
+        with a small target in RAM it alone costs more than that share: there a tree is never tried again)."""
         self.plain_streak += 1
         if self.plain_streak < self.probe_every:
             return None
         plain_s = self.round_s(0)
+        catch_up = self.costs.drafter_s(self.plain_streak)
         hopeful = {b: rate for b in budgets if (rate := self._optimistic_rate(b)) > (plain_rate or 1 / plain_s)
-                   and self.plain_streak * plain_s >= PROBE_SHARE * self.round_s(b)}
+                   and self.plain_streak * plain_s >= PROBE_SHARE * (self.round_s(b) + catch_up)}
         if not hopeful:
             return None
         self.plain_streak = 0
@@ -234,7 +241,8 @@ class AutoBudget:
     def observe(self, config: GrowConfig | None, result: RoundResult) -> None:
         if config is None:
             predicted = self.costs.target_s(len(result.tokens))
-            self.plain_scale = _blend(self.plain_scale, result.verify_s / predicted)
+            self.plain_ratios.append(result.verify_s / predicted)
+            self.plain_scale = statistics.median(self.plain_ratios)
             return
         self.plain_streak = 0
         budget = config.budget

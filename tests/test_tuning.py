@@ -52,6 +52,23 @@ def test_streamed_target_speculates_and_compute_bound_target_does_not() -> None:
     assert compute_bound.choose(256) is None  # even a chain of 1 costs more than it can yield here
 
 
+def test_no_tries_when_the_drafter_catching_up_costs_more_than_their_share() -> None:
+    """SmolLM2's pass times in RAM on a 2-core CPU: the drafter's pass costs about as much as the target's, so
+    running the plainly decoded tokens through it before a tree would cost more than 1/PROBE_SHARE of them."""
+    policy = AutoBudget(Costs({1: 8, 16: 70, 64: 270, 256: 1000}, {1: 7.7, 8: 19.4, 32: 67}))
+    for _ in range(3000):
+        assert policy.choose(256) is None
+        policy.observe(None, round_result(None, 1, None, [0], 0.0, 0.008))
+
+
+def test_one_slow_plain_pass_does_not_switch_to_trees() -> None:
+    """A shared machine stalls now and then: a plain pass 5x slower than usual leaves plain decoding chosen."""
+    policy = AutoBudget(Costs({1: 8, 16: 70, 64: 270, 256: 1000}, {1: 3, 8: 10, 32: 40}))
+    for i in range(200):
+        assert policy.choose(256) is None, f"a tree at round {i}"
+        policy.observe(None, round_result(None, 1, None, [0], 0.0, 0.040 if i % 50 == 10 else 0.008))
+
+
 def round_result(config: GrowConfig | None, tokens: int, tree: TokenTree | None, path: list[int],
                  grow_s: float, verify_s: float) -> RoundResult:
     return RoundResult(list(range(tokens)), 1 if tree is None else len(tree), 0 if config is None else 3,
