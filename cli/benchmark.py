@@ -172,7 +172,7 @@ def _drafters(loaded, choices, threads, report):
         return
     from dataclasses import replace
 
-    from cli.loading import drafter_threads, open_drafter
+    from cli.loading import open_drafter
 
     if loaded.spec is None or loaded.spec.target.runtime == "onnx":
         raise UserError("--drafters needs a pair with a llama.cpp target (QuantSpec pairs have one drafter)")
@@ -181,10 +181,7 @@ def _drafters(loaded, choices, threads, report):
         loaded.drafter = None
     for runtime, vocab in choices:
         model = replace(loaded.spec.drafter, runtime=runtime, vocab=vocab)
-        streamer = getattr(loaded.target, "streamer", None)
-        readahead = streamer is not None and streamer.readahead
-        drafter = open_drafter(loaded.spec, model, loaded.target, drafter_threads(threads, loaded.placement, readahead),
-                               0, report)
+        drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, report)
         label = runtime if vocab is None else f"{runtime}:{vocab}"
         yield drafter, label, vocab or loaded.target.n_vocab
 

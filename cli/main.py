@@ -80,7 +80,9 @@ TopPOpt = Annotated[float, typer.Option()]
 MinPOpt = Annotated[float, typer.Option()]
 RepeatOpt = Annotated[float, typer.Option(help="1 = off")]
 SeedOpt = Annotated[int | None, typer.Option(show_default=False)]
-ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: all cores)", show_default=False)]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    help="CPU threads (default: all cores; the drafter one fewer while an SSD target is read ahead)",
+    show_default=False)]
 ProviderOpt = Annotated[str | None, typer.Option(
     help="onnxruntime execution provider for ONNX models: cpu, cuda, directml, openvino, qnn (default: models.toml)",
     show_default=False)]

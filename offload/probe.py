@@ -112,7 +112,6 @@ def _measure_disk(path: Path, sample_bytes: int) -> float:
         Path(name).unlink(missing_ok=True)
 
 
-MADV_POPULATE_READ = 22  # Linux >= 5.14
 DISK_METHOD = "mmap-populate"  # how the cached figure was measured; entries measured otherwise are redone
 
 
@@ -138,11 +137,9 @@ def _timed_read(path: Path, n_bytes: int) -> float:
 def _populate_read(path: Path, n_bytes: int) -> float:
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mmap.restype = ctypes.c_void_p
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    from offload.ssd import MADV_POPULATE_READ, load_libc
+
+    libc = load_libc()
     n_bytes = min(n_bytes, path.stat().st_size)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -152,11 +149,11 @@ def _populate_read(path: Path, n_bytes: int) -> float:
             raise OSError(ctypes.get_errno(), "mmap failed")
         try:
             start = time.perf_counter()
-            if libc.madvise(address, n_bytes, MADV_POPULATE_READ) != 0:
+            if libc.madvise(ctypes.c_void_p(address), n_bytes, MADV_POPULATE_READ) != 0:
                 raise OSError(ctypes.get_errno(), "MADV_POPULATE_READ failed")
             elapsed = time.perf_counter() - start
         finally:
-            libc.munmap(address, n_bytes)
+            libc.munmap(ctypes.c_void_p(address), n_bytes)
     finally:
         os.close(fd)
     return n_bytes / max(elapsed, 1e-9) / 1e9

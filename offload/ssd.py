@@ -64,7 +64,7 @@ def resident_fraction(path: Path) -> float:
     size = Path(path).stat().st_size
     if size == 0:
         return 0.0
-    libc = _libc()
+    libc = load_libc()
     pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -82,7 +82,8 @@ def resident_fraction(path: Path) -> float:
         os.close(fd)
 
 
-def _libc():
+def load_libc():
+    """libc with the argument types of the memory calls used here (mmap, munmap, madvise, mincore)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
@@ -120,7 +121,7 @@ class SsdStreamer:
     def __init__(self, path: Path, readahead: bool = True):
         self.path = Path(path)
         self.readahead = readahead
-        self._libc = _libc()
+        self._libc = load_libc()
         self._fd = os.open(self.path, os.O_RDONLY)
         self._maps = mapped_ranges(self.path)  # the target is loaded: its mapping stays put from here on
         self._ranges = self._address_ranges(pass_order(self.path)) if readahead else []

@@ -39,7 +39,7 @@ CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 255)
 # tokens-per-pass curves in docs/drafter.md (about 5.8-6.1 at budget 64, 8.8 at 255).
 PRIOR_SLOPE = 0.85
 SMOOTHING = 0.25  # weight of the newest round in the running averages
-PLAIN_WINDOW = 15  # plain rounds' timing: the median of this many (one slow pass must not make trees look good)
+PLAIN_WINDOW = 15  # plain rounds' timing: the median of this many
 REVIEW_PLAIN = 8  # once plain decoding wins, rounds before comparing again (each comparison costs ~0.1 ms)
 FIRST_PROBE = 16  # plain rounds before a tree is tried again; doubles after each try that does not pay
 MAX_PROBE = 1024
@@ -190,8 +190,7 @@ class AutoBudget:
     passes: dict[int, float] = field(default_factory=dict)  # budget -> running drafter passes per round
     grow_scale: float = 1.0  # measured / predicted growth time
     verify_scale: float = 1.0  # measured / predicted verify time with a tree (SSD: readahead overlaps growth)
-    plain_scale: float = 1.0  # the same for plain rounds (median of the last PLAIN_WINDOW)
-    plain_ratios: deque = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW))
+    plain_ratios: deque = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW))  # the same for plain rounds
     plain_streak: int = 0
     plain_for: int = 0  # plain rounds left before the next full comparison
     probe_every: int = FIRST_PROBE
@@ -242,7 +241,6 @@ class AutoBudget:
         if config is None:
             predicted = self.costs.target_s(len(result.tokens))
             self.plain_ratios.append(result.verify_s / predicted)
-            self.plain_scale = statistics.median(self.plain_ratios)
             return
         self.plain_streak = 0
         budget = config.budget
@@ -267,12 +265,17 @@ class AutoBudget:
     def round_s(self, budget: int) -> float:
         """Predicted seconds of one round: growth plus the target pass (plain: the pass alone)."""
         if budget == 0:
-            return self.plain_scale * self.costs.target_s(1)
+            return self.plain_scale() * self.costs.target_s(1)
         config = _config(budget)
         steps = self.passes.get(budget, config.max_steps)
         rerun = self.expected_tokens(budget) - 1  # the previous round's accepted tokens run again
         grow = self.grow_scale * self._grow_s(config, steps)
         return grow + self.verify_scale * self._verify_s(budget + 1 + rerun, grow)
+
+    def plain_scale(self) -> float:
+        """Measured / predicted plain pass time: the median of the last PLAIN_WINDOW plain rounds (one stalled
+        pass on a shared machine must not make trees look good)."""
+        return statistics.median(self.plain_ratios) if self.plain_ratios else 1.0
 
     def _verify_s(self, tokens: float, grow_s: float) -> float:
         return self.costs.verify_s(tokens, grow_s)

@@ -53,12 +53,15 @@ def test_streamed_target_speculates_and_compute_bound_target_does_not() -> None:
 
 
 def test_no_tries_when_the_drafter_catching_up_costs_more_than_their_share() -> None:
-    """SmolLM2's pass times in RAM on a 2-core CPU: the drafter's pass costs about as much as the target's, so
-    running the plainly decoded tokens through it before a tree would cost more than 1/PROBE_SHARE of them."""
-    policy = AutoBudget(Costs({1: 8, 16: 70, 64: 270, 256: 1000}, {1: 7.7, 8: 19.4, 32: 67}))
+    """Plain decoding wins, and a 1-node tree would pay with twice the prior's tokens per pass, cheaply enough
+    after ~40 plain rounds; but the drafter first runs every plainly decoded token (3.75 ms each), which costs
+    more than 1/PROBE_SHARE of the 20 ms plain passes: no tree is ever tried."""
+    costs = Costs({1: 20, 16: 60, 256: 400}, {1: 15, 8: 40, 32: 130})
+    policy = AutoBudget(costs)
+    assert policy._optimistic_rate(1) > 1 / policy.round_s(0)  # only the catching up stands in the way
     for _ in range(3000):
         assert policy.choose(256) is None
-        policy.observe(None, round_result(None, 1, None, [0], 0.0, 0.008))
+        policy.observe(None, round_result(None, 1, None, [0], 0.0, 0.020))
 
 
 def test_one_slow_plain_pass_does_not_switch_to_trees() -> None:
