@@ -18,10 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edge.tree import TokenTree
-from offload.ssd import SsdStreamer, resident_fraction
+from offload.ssd import MADV_POPULATE_READ, READAHEAD_CHUNK, SsdStreamer, resident_fraction
 from runtimes.llama_cpp import RunOptions, load_target
 
 CHUNK_READAHEAD = 2 << 20
+MADV_NORMAL, MADV_SEQUENTIAL, MADV_WILLNEED = 0, 2, 3
 CHUNK_PREAD = 32 << 20
 
 
@@ -39,6 +40,8 @@ def main(path: Path, repeats: int = 2) -> None:
                                              for o in range(0, size, CHUNK_READAHEAD)],
         "pread, 32 MB steps": lambda: [os.preadv(fd, [buffer], o) for o in range(0, size, CHUNK_PREAD)],
         "MADV_POPULATE_READ, 16 MB steps (edge-spec)": streamer._read_all,
+        "same, MADV_WILLNEED 4 steps ahead": lambda: _populate_with_willneed(streamer, ahead=4),
+        "same, mapping MADV_SEQUENTIAL": lambda: _populate_sequential(streamer),
     }
     print(f"{path.name}: {size / 1e6:.0f} MB")
     for name, read in ways.items():
@@ -61,6 +64,32 @@ def main(path: Path, repeats: int = 2) -> None:
                   f"1-token pass {pass_ms:5.0f} ms  (eviction {evict_ms:3.0f} ms)")
     streamer.close()
     target.close()
+
+
+def _steps(streamer: SsdStreamer) -> list[tuple[int, int]]:
+    return [(address, min(READAHEAD_CHUNK, end - address))
+            for start, end in streamer._ranges for address in range(start, end, READAHEAD_CHUNK)]
+
+
+def _populate_with_willneed(streamer: SsdStreamer, ahead: int) -> None:
+    """Each step populated while madvise(MADV_WILLNEED) has queued the reading of the next `ahead`."""
+    steps = _steps(streamer)
+    for address, length in steps[:ahead]:
+        streamer._libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_WILLNEED)
+    for index, (address, length) in enumerate(steps):
+        if index + ahead < len(steps):
+            later, later_length = steps[index + ahead]
+            streamer._libc.madvise(ctypes.c_void_p(later), ctypes.c_size_t(later_length), MADV_WILLNEED)
+        streamer._libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_READ)
+
+
+def _populate_sequential(streamer: SsdStreamer) -> None:
+    """The mapping marked sequential (the kernel then reads further ahead on faults) while it is populated."""
+    for start, end, _ in streamer._maps:
+        streamer._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_SEQUENTIAL)
+    streamer._read_all()
+    for start, end, _ in streamer._maps:
+        streamer._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_NORMAL)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import ctypes
 import os
 import re
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +132,9 @@ class SsdStreamer:
         self._evicted = threading.Event()
         self._evicted.set()
         self._thread: threading.Thread | None = None
+        # perf_counter() stamps of the last few passes' eviction and readahead ("evicted", "evicted_end",
+        # "prefetch", "read", "read_end"), newest last; benchmarks/ssd_timeline.py shows where a round's time goes
+        self.timeline: deque[dict[str, float]] = deque(maxlen=4)
 
     def evict(self) -> None:
         """Drop the target's weight pages from RAM, so the next pass reads them from the disk."""
@@ -148,20 +153,28 @@ class SsdStreamer:
         self._stop.clear()
         self._go.clear()
         self._evicted.clear()
-        self._thread = threading.Thread(target=self._evict_then_read, name="edge-spec-readahead", daemon=True)
+        self.timeline.append({"evicted": time.perf_counter()})
+        self._thread = threading.Thread(target=self._evict_then_read, args=(self.timeline[-1],),
+                                        name="edge-spec-readahead", daemon=True)
         self._thread.start()
 
     def prefetch(self) -> None:
         """The drafter starts growing the next tree: start reading the weights for its pass."""
         if self.readahead:
+            if self.timeline:
+                self.timeline[-1]["prefetch"] = time.perf_counter()
             self._go.set()
 
-    def _evict_then_read(self) -> None:
+    def _evict_then_read(self, stamps: dict[str, float]) -> None:
         self._drop_pages()
+        stamps["evicted_end"] = time.perf_counter()
         self._evicted.set()
         self._go.wait()
         if not self._stop.is_set():
+            stamps["read"] = time.perf_counter()
             self._read_ahead()
+            if not self._stop.is_set():
+                stamps["read_end"] = time.perf_counter()
 
     def wait_evicted(self) -> None:
         """Block until the last eviction is done: a pass must never start on the previous pass's pages."""
@@ -174,8 +187,6 @@ class SsdStreamer:
 
     def time_read_ahead(self) -> float:
         """Seconds to read the whole file ahead from the disk (evicted first and after), measured now."""
-        import time
-
         self.evict()
         start = time.perf_counter()
         self._read_all()

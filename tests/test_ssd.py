@@ -45,6 +45,8 @@ def test_every_pass_reads_the_weights_and_logits_stay_the_same(f16_file) -> None
             assert np.array_equal(logits, in_ram)
             ssd.streamer.wait_evicted()  # eviction runs in a thread after each pass
             assert resident_fraction(f16_file) < 0.05
+            stamps = ssd.streamer.timeline[-1]  # for benchmarks/ssd_timeline.py
+            assert stamps["evicted"] <= stamps["evicted_end"] and "read" not in stamps  # no readahead asked for
             if before is not None:
                 assert read_bytes() - before > 0.8 * size  # the pass read (nearly) the whole file from storage
         ssd.streamer.close()

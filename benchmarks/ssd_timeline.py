@@ -1,0 +1,106 @@
+"""Where a round's time goes with the target streamed from the SSD (docs/performance.md).
+
+    python benchmarks/ssd_timeline.py --pair gemma3-270m --prompts benchmarks/text-prompts.txt --drafter-vocab 32768
+    python benchmarks/ssd_timeline.py --pair smollm2-135m --prompts benchmarks/chat-prompts.txt
+
+Decodes each prompt with a fixed tree budget (0: plain decoding) from a 16-bit target under `--placement ssd`, and
+prints per round, in ms from the round's start: the eviction after the previous pass (it overlaps the round's
+start), the readahead, the growth, the target pass, and how long the pass ran on after the last byte was read;
+then the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cli.loading import load_pair, open_drafter, resolve_pair
+from cli.main import prompt_for
+from edge.generate import Decoder
+from edge.grow import GrowConfig
+from edge.registry import load_registry
+from edge.sampling import SamplingConfig
+
+COLUMNS = ("evict", "read_from", "read_to", "grow", "pass_to", "pass_after_read", "round")
+
+
+class _Recorder:
+    """A fixed-budget BudgetPolicy that keeps each round's timings."""
+
+    def __init__(self, config: GrowConfig | None, streamer):
+        self.config, self.streamer, self.rows = config, streamer, []
+        self._start = None
+
+    def choose(self, max_nodes: int) -> GrowConfig | None:
+        self._start = time.perf_counter()
+        return self.config
+
+    def observe(self, config, result) -> None:
+        end = time.perf_counter()
+        # this round's stamps: the eviction after the previous pass (the entry before the one this pass started)
+        stamps = self.streamer.timeline[-2] if len(self.streamer.timeline) > 1 else {}
+        start = stamps.get("prefetch", self._start)
+        pass_end = start + result.grow_s + result.verify_s
+
+        def rel(key):
+            return 1000 * (stamps[key] - start) if key in stamps else float("nan")
+
+        self.rows.append({
+            "evict": 1000 * (stamps["evicted_end"] - stamps["evicted"]) if "evicted_end" in stamps else float("nan"),
+            "read_from": rel("read"), "read_to": rel("read_end"),
+            "grow": 1000 * result.grow_s, "pass_to": 1000 * (pass_end - start),
+            "pass_after_read": 1000 * (pass_end - stamps["read_end"]) if "read_end" in stamps else float("nan"),
+            "round": 1000 * (end - self._start),
+        })
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", required=True)
+    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--budget", type=int, default=16, help="tree budget; 0 decodes plainly")
+    parser.add_argument("--drafter-vocab", type=int, default=None, help="an onnx drafter with this trimmed head")
+    parser.add_argument("--target-dtype", default="f16")
+    parser.add_argument("-n", type=int, default=32, help="tokens per prompt")
+    parser.add_argument("--show", type=int, default=6, help="rounds printed one by one")
+    args = parser.parse_args()
+
+    spec = resolve_pair(load_registry(), args.pair, None, None, None)
+    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), placement="ssd",
+                       target_dtype=args.target_dtype)
+    drafter = loaded.drafter
+    if args.drafter_vocab:
+        getattr(drafter, "close", lambda: None)()  # one drafter at a time
+        model = replace(spec.drafter, runtime="onnx", vocab=args.drafter_vocab)
+        drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, print)
+    recorder = _Recorder(GrowConfig.for_budget(args.budget) if args.budget else None, loaded.target.streamer)
+    decoder = Decoder(loaded.target, drafter, None, SamplingConfig(), policy=recorder)
+    texts = [line for line in args.prompts.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    for text in texts:
+        decoder.reset()
+        decoder.load(prompt_for(loaded, text, loaded.template is None))
+        for _ in decoder.generate(args.n):
+            pass
+        recorder.rows.pop(0)  # a prompt's first round follows the prefill, not a round
+    rows = recorder.rows
+    print(f"{args.pair}, budget {args.budget or 'plain'}, {len(texts)} prompts x {args.n} tokens, {len(rows)} rounds "
+          "(ms from the round's start)")
+    print(" ".join(f"{c:>15s}" for c in COLUMNS))
+    for row in rows[: args.show]:
+        print(" ".join(f"{row[c]:15.1f}" for c in COLUMNS))
+    print(" ".join(f"{_median([row[c] for row in rows]):15.1f}" for c in COLUMNS), " <- medians")
+
+
+def _median(values: list[float]) -> float:
+    known = [v for v in values if v == v]  # nan: not measured in that round
+    return statistics.median(known) if known else float("nan")
+
+
+if __name__ == "__main__":
+    main()
