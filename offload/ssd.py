@@ -8,10 +8,11 @@ token). The bytes the process really read from storage (/proc/self/io) prove it.
 
 Overlap: while the drafter grows the next tree (speculative_round calls the target's `prefetch`), a thread
 reads the weights ahead with `madvise(MADV_POPULATE_READ)` on the target's own mapping, in the order the
-pass uses them (layer by layer, the head last). That both reads the pages and maps them, so the pass neither
-waits on the disk nor takes a fault per page, and no byte is copied into Python; of the ways tried it read
-fastest with the least CPU (docs/performance.md). It does not run during plain decoding: racing the pass's
-own page faults, it made plain passes slower.
+pass uses them (layer by layer; the embedding table as `readahead_order` says). That both reads the pages and
+maps them, so the pass neither waits on the disk nor takes a fault per page, and no byte is copied into
+Python; of the ways tried it read fastest with the least CPU (docs/performance.md). It does not run during
+plain decoding: racing the pass's own page faults, it made plain passes slower. As a pass starts, the
+embedding rows of its tokens are asked for all at once (`fetch_rows`), not one page fault after another.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 MADV_DONTNEED = 4  # unmap the pages from this process (a read-only file mapping: nothing is lost)
 MADV_POPULATE_READ = 22  # Linux >= 5.14: fault the pages in (reading them), as a read of each would
 READAHEAD_CHUNK = 16 << 20  # bytes per populate call: small enough to stop soon when cancelled
+HEAD_FIRST_SHARE = 0.25  # a tied embedding table up to this share of the weights is read ahead first
 
 
 def read_bytes() -> int | None:
@@ -100,6 +102,7 @@ class TensorRange:
     name: str
     offset: int  # bytes from the start of the file
     size: int
+    rows: int = 1  # the tensor's rows (every dimension but the first, GGUF's ne[0]); each takes size // rows bytes
 
 
 def pass_order(path: Path) -> list[TensorRange]:
@@ -107,7 +110,8 @@ def pass_order(path: Path) -> list[TensorRange]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    ranges = [TensorRange(t.name, int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
+    ranges = [TensorRange(t.name, int(t.data_offset), int(t.n_bytes), int(np.prod(t.shape[1:], dtype=np.int64)))
+              for t in reader.tensors]
     del reader
 
     def key(r: TensorRange) -> tuple[int, int]:
@@ -115,6 +119,27 @@ def pass_order(path: Path) -> list[TensorRange]:
         return (int(match.group(1)), r.offset) if match else (1 << 30, r.offset)
 
     return sorted(ranges, key=key)
+
+
+def readahead_order(order: list[TensorRange]) -> list[TensorRange]:
+    """What the readahead reads for a pass, in order (`order`: pass_order's). A pass gathers its tokens' rows of
+    the embedding table first; only a tied table (no output.weight) is read whole again, as the head, at its end:
+    - untied: the table is left out (the pass reads just its rows; SsdStreamer.fetch_rows queues them);
+    - tied and at most HEAD_FIRST_SHARE of the weights: read first, so the rows are in RAM when the pass starts
+      and the head's short compute waits only for the last layer (SmolLM2-135M, 21%: rounds of 152-156 ms
+      instead of 172-192 in `benchmarks/ssd_timeline.py`, alternating runs);
+    - tied and larger: read last, so that the head's long compute overlaps its own reading (Gemma-3-270M, 62%:
+      242-248 ms instead of 263-272 with the table first: the pass ran 58-67 ms on after its last byte).
+    """
+    table = next((t for t in order if t.name == "token_embd.weight"), None)
+    if table is None:
+        return order
+    rest = [t for t in order if t is not table]
+    if any(t.name == "output.weight" for t in order):
+        return rest
+    if table.size <= HEAD_FIRST_SHARE * sum(t.size for t in order):
+        return [table, *rest]
+    return order
 
 
 class SsdStreamer:
@@ -126,7 +151,11 @@ class SsdStreamer:
         self._libc = load_libc()
         self._fd = os.open(self.path, os.O_RDONLY)
         self._maps = mapped_ranges(self.path)  # the target is loaded: its mapping stays put from here on
-        self._ranges = self._address_ranges(pass_order(self.path)) if readahead else []
+        order = pass_order(self.path) if readahead else []
+        self._ranges = self._address_ranges(readahead_order(order))
+        embedding = next((t for t in order if t.name == "token_embd.weight"), None)
+        self._embedding = None if embedding is None else (embedding.offset, embedding.size // embedding.rows,
+                                                          embedding.rows)
         self._stop = threading.Event()
         self._go = threading.Event()
         self._evicted = threading.Event()
@@ -164,6 +193,18 @@ class SsdStreamer:
             if self.timeline:
                 self.timeline[-1]["prefetch"] = time.perf_counter()
             self._go.set()
+
+    def fetch_rows(self, tokens) -> None:
+        """A pass over `tokens` starts by gathering their embedding rows. Where the readahead has not read
+        them (a large tied table is read last, an untied one not at all), each row would be one page fault after
+        the other (with a read of the pages around it): ~25 ms more for 16 scattered tokens on SmolLM2 with the
+        rest of the file in RAM. posix_fadvise(WILLNEED) per row queues just their reads, all at once."""
+        if not self.readahead or self._embedding is None:
+            return
+        offset, row_bytes, rows = self._embedding
+        for token in np.unique(np.asarray(tokens, np.int64)):
+            if 0 <= token < rows:
+                os.posix_fadvise(self._fd, offset + int(token) * row_bytes, row_bytes, os.POSIX_FADV_WILLNEED)
 
     def _evict_then_read(self, stamps: dict[str, float]) -> None:
         self._drop_pages()
@@ -252,11 +293,13 @@ class SsdTarget:
 
     def prefill(self, tokens) -> None:
         self.streamer.wait_evicted()
+        self.streamer.fetch_rows(tokens)
         self.inner.prefill(tokens)
         self._after_pass()
 
     def verify(self, tree) -> np.ndarray:
         self.streamer.wait_evicted()
+        self.streamer.fetch_rows(tree.tokens)
         logits = self.inner.verify(tree)
         self._after_pass()
         return logits

@@ -4,6 +4,7 @@ llama.cpp copies (repacked Q4_0) is refused in one line."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -13,7 +14,7 @@ from cli.loading import _on_ssd, materialize
 from edge.errors import UserError
 from edge.registry import load_registry
 from edge.tree import TokenTree
-from offload.ssd import SsdStreamer, SsdTarget, read_bytes, resident_fraction
+from offload.ssd import SsdStreamer, SsdTarget, TensorRange, read_bytes, readahead_order, resident_fraction
 from runtimes.llama_cpp import RunOptions, load_target
 
 
@@ -70,3 +71,27 @@ def test_repacked_target_is_refused(f16_file) -> None:
     else:  # a CPU without repacked Q4_0 kernels maps the weights: then streaming them must work
         assert isinstance(wrapped, SsdTarget)
         wrapped.streamer.close()
+
+
+def test_readahead_reads_a_small_tied_table_first_a_large_one_last_and_an_untied_one_not_at_all() -> None:
+    layers = [TensorRange(f"blk.{i}.ffn_up.weight", 1000 * (i + 1), 1000, 10) for i in range(4)]
+    small, large = TensorRange("token_embd.weight", 0, 500, 50), TensorRange("token_embd.weight", 0, 9000, 50)
+    norm, head = TensorRange("output_norm.weight", 9000, 10), TensorRange("output.weight", 9010, 500, 50)
+    assert readahead_order([*layers, small, norm]) == [small, *layers, norm]
+    assert readahead_order([*layers, large, norm]) == [*layers, large, norm]
+    assert readahead_order([*layers, small, norm, head]) == [*layers, norm, head]  # the pass reads only its rows
+    assert readahead_order(layers) == layers
+
+
+def test_fetch_rows_reads_just_the_rows_of_the_tokens(f16_file) -> None:
+    target = load_target(f16_file, RunOptions(n_ctx=64))
+    streamer = SsdStreamer(f16_file, readahead=True)
+    try:
+        streamer.evict()
+        streamer.fetch_rows([5, 40000, 40000, 10**9])  # duplicates and ids past the table are skipped
+        time.sleep(0.2)  # the reads were only queued
+        resident = resident_fraction(f16_file)
+        assert 0 < resident < 0.01  # a page or two per row (and a read-around at most), not the table
+    finally:
+        streamer.close()
+        target.close()
