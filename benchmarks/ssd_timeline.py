@@ -26,6 +26,7 @@ from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.registry import load_registry
 from edge.sampling import SamplingConfig
+from offload.ssd import embedding_table, pass_order
 
 COLUMNS = ("evict", "read_from", "read_to", "grow", "pass_to", "pass_after_read", "round")
 
@@ -69,6 +70,8 @@ def main() -> None:
     parser.add_argument("--target-dtype", default="f16")
     parser.add_argument("-n", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--show", type=int, default=6, help="rounds printed one by one")
+    parser.add_argument("--table", choices=("auto", "first", "last"), default="auto",
+                        help="where the readahead reads a tied embedding table (auto: offload.ssd.readahead_order)")
     args = parser.parse_args()
 
     spec = resolve_pair(load_registry(), args.pair, None, None, None)
@@ -79,6 +82,8 @@ def main() -> None:
         getattr(drafter, "close", lambda: None)()  # one drafter at a time
         model = replace(spec.drafter, runtime="onnx", vocab=args.drafter_vocab)
         drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, print)
+    if args.table != "auto":
+        _place_table(loaded.target.streamer, first=args.table == "first")
     recorder = _Recorder(GrowConfig.for_budget(args.budget) if args.budget else None, loaded.target.streamer)
     decoder = Decoder(loaded.target, drafter, None, SamplingConfig(), policy=recorder)
     texts = [line for line in args.prompts.read_text().splitlines() if line.strip() and not line.startswith("#")]
@@ -95,6 +100,16 @@ def main() -> None:
     for row in rows[: args.show]:
         print(" ".join(f"{row[c]:15.1f}" for c in COLUMNS))
     print(" ".join(f"{_median([row[c] for row in rows]):15.1f}" for c in COLUMNS), " <- medians")
+
+
+def _place_table(streamer, first: bool) -> None:
+    """Reads a tied embedding table first or last, instead of where readahead_order puts it."""
+    order = pass_order(streamer.path)
+    table = embedding_table(order)
+    if table is None or any(t.name == "output.weight" for t in order):
+        raise SystemExit("--table: the target has no tied embedding table")
+    rest = [t for t in order if t is not table]
+    streamer._ranges = streamer._address_ranges([table, *rest] if first else [*rest, table])
 
 
 def _median(values: list[float]) -> float:

@@ -121,17 +121,20 @@ def pass_order(path: Path) -> list[TensorRange]:
     return sorted(ranges, key=key)
 
 
+def embedding_table(order: list[TensorRange]) -> TensorRange | None:
+    return next((t for t in order if t.name == "token_embd.weight"), None)
+
+
 def readahead_order(order: list[TensorRange]) -> list[TensorRange]:
     """What the readahead reads for a pass, in order (`order`: pass_order's). A pass gathers its tokens' rows of
     the embedding table first; only a tied table (no output.weight) is read whole again, as the head, at its end:
     - untied: the table is left out (the pass reads just its rows; SsdStreamer.fetch_rows queues them);
     - tied and at most HEAD_FIRST_SHARE of the weights: read first, so the rows are in RAM when the pass starts
-      and the head's short compute waits only for the last layer (SmolLM2-135M, 21%: rounds of 152-156 ms
-      instead of 172-192 in `benchmarks/ssd_timeline.py`, alternating runs);
-    - tied and larger: read last, so that the head's long compute overlaps its own reading (Gemma-3-270M, 62%:
-      242-248 ms instead of 263-272 with the table first: the pass ran 58-67 ms on after its last byte).
+      and the head's short compute waits only for the last layer (SmolLM2-135M, 21%);
+    - tied and larger: read last, so that the head's long compute overlaps its own reading (Gemma-3-270M, 62%).
+    `benchmarks/ssd_timeline.py --table first|last` measures either order (docs/performance.md).
     """
-    table = next((t for t in order if t.name == "token_embd.weight"), None)
+    table = embedding_table(order)
     if table is None:
         return order
     rest = [t for t in order if t is not table]
@@ -153,7 +156,7 @@ class SsdStreamer:
         self._maps = mapped_ranges(self.path)  # the target is loaded: its mapping stays put from here on
         order = pass_order(self.path) if readahead else []
         self._ranges = self._address_ranges(readahead_order(order))
-        embedding = next((t for t in order if t.name == "token_embd.weight"), None)
+        embedding = embedding_table(order)
         self._embedding = None if embedding is None else (embedding.offset, embedding.size // embedding.rows,
                                                           embedding.rows)
         self._stop = threading.Event()
@@ -197,8 +200,8 @@ class SsdStreamer:
     def fetch_rows(self, tokens) -> None:
         """A pass over `tokens` starts by gathering their embedding rows. Where the readahead has not read
         them (a large tied table is read last, an untied one not at all), each row would be one page fault after
-        the other (with a read of the pages around it): ~25 ms more for 16 scattered tokens on SmolLM2 with the
-        rest of the file in RAM. posix_fadvise(WILLNEED) per row queues just their reads, all at once."""
+        the other (with a read of the pages around it). posix_fadvise(WILLNEED) per row queues just their reads,
+        all at once."""
         if not self.readahead or self._embedding is None:
             return
         offset, row_bytes, rows = self._embedding
