@@ -6,7 +6,7 @@
 Decodes each prompt with a fixed tree budget (0: plain decoding) from a 16-bit target under `--placement ssd`, and
 prints per round, in ms from the round's start: the eviction after the previous pass (it overlaps the round's
 start), the readahead, the growth, the target pass, and how long the pass ran on after the last byte was read;
-then the medians.
+then the medians, and the tokens per pass and tokens per second of all the rounds.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class _Recorder:
             "read_from": rel("read"), "read_to": rel("read_end"),
             "grow": 1000 * result.grow_s, "pass_to": 1000 * (pass_end - start),
             "pass_after_read": 1000 * (pass_end - stamps["read_end"]) if "read_end" in stamps else float("nan"),
-            "round": 1000 * (end - self._start),
+            "round": 1000 * (end - self._start), "tokens": len(result.tokens),
         })
 
 
@@ -69,6 +69,10 @@ def main() -> None:
     parser.add_argument("--drafter-vocab", type=int, default=None, help="an onnx drafter with this trimmed head")
     parser.add_argument("--target-dtype", default="f16")
     parser.add_argument("-n", type=int, default=32, help="tokens per prompt")
+    parser.add_argument("--beams", type=int, default=None, help="nodes per drafter pass (default: the budget's)")
+    parser.add_argument("--steps", type=int, default=None, help="drafter passes per round (default: the budget's)")
+    parser.add_argument("--grow-after-eviction", action="store_true",
+                        help="the drafter starts growing only once the eviction is done (docs/performance.md)")
     parser.add_argument("--show", type=int, default=6, help="rounds printed one by one")
     parser.add_argument("--table", choices=("auto", "first", "last"), default="auto",
                         help="where the readahead reads a tied embedding table (auto: offload.ssd.readahead_order)")
@@ -84,7 +88,14 @@ def main() -> None:
         drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, print)
     if args.table != "auto":
         _place_table(loaded.target.streamer, first=args.table == "first")
-    recorder = _Recorder(GrowConfig.for_budget(args.budget) if args.budget else None, loaded.target.streamer)
+    config = GrowConfig.for_budget(args.budget) if args.budget else None
+    if config is not None and args.beams:
+        config = replace(config, beams=args.beams)
+    if config is not None and args.steps:
+        config = replace(config, max_steps=args.steps, max_depth=max(config.max_depth, 2 * args.steps))
+    if args.grow_after_eviction:
+        _grow_after_eviction(loaded.target)
+    recorder = _Recorder(config, loaded.target.streamer)
     decoder = Decoder(loaded.target, drafter, None, SamplingConfig(), policy=recorder)
     texts = [line for line in args.prompts.read_text().splitlines() if line.strip() and not line.startswith("#")]
     for text in texts:
@@ -94,12 +105,16 @@ def main() -> None:
             pass
         recorder.rows.pop(0)  # a prompt's first round follows the prefill, not a round
     rows = recorder.rows
-    print(f"{args.pair}, budget {args.budget or 'plain'}, {len(texts)} prompts x {args.n} tokens, {len(rows)} rounds "
-          "(ms from the round's start)")
+    shape = f" ({config.beams} beams x {config.width} children, {config.max_steps} passes)" if config else ""
+    print(f"{args.pair}, budget {args.budget or 'plain'}{shape}, {len(texts)} prompts x {args.n} tokens, "
+          f"{len(rows)} rounds (ms from the round's start)")
     print(" ".join(f"{c:>15s}" for c in COLUMNS))
     for row in rows[: args.show]:
         print(" ".join(f"{row[c]:15.1f}" for c in COLUMNS))
     print(" ".join(f"{_median([row[c] for row in rows]):15.1f}" for c in COLUMNS), " <- medians")
+    tokens, seconds = sum(row["tokens"] for row in rows), sum(row["round"] for row in rows) / 1000
+    print(f"tokens per pass {tokens / len(rows):.2f}, mean round {1000 * seconds / len(rows):.1f} ms, "
+          f"{tokens / seconds:.1f} tokens/s")
 
 
 def _place_table(streamer, first: bool) -> None:
@@ -110,6 +125,17 @@ def _place_table(streamer, first: bool) -> None:
         raise SystemExit("--table: the target has no tied embedding table")
     rest = [t for t in order if t is not table]
     streamer._ranges = streamer._address_ranges([table, *rest] if first else [*rest, table])
+
+
+def _grow_after_eviction(target) -> None:
+    """The round's prefetch (as growth starts) first waits for the previous pass's eviction to end."""
+    prefetch = target.prefetch
+
+    def wait_then_prefetch() -> None:
+        target.streamer.wait_evicted()
+        prefetch()
+
+    target.prefetch = wait_then_prefetch
 
 
 def _median(values: list[float]) -> float:

@@ -69,7 +69,7 @@ class LoadedPair:
                 f"readahead {readahead}|drafter threads {self.drafter_threads}|{COSTS_VERSION}")
 
 
-COSTS_VERSION = "costs 2"  # bumped when what the cached pass times measure changes (tree shapes, eviction)
+COSTS_VERSION = "costs 3"  # bumped when what the cached pass times measure changes (tree shapes, eviction)
 # Timing passes for --budget auto needs some context; what it says does not matter.
 CALIBRATION_TEXT = "The committee met on Tuesday to review the budget, and after a long discussion it agreed to"
 TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")

@@ -5,8 +5,10 @@ Sequoia's idea (hardware-aware trees) done online. For each candidate budget b:
     rate(b)     = tokens(b) / (grow(b) + verify(b))        rate(plain) = 1 / verify(plain)
     tokens(b)   expected tokens per target pass: measured on the trees that ran (below), a prior until then
     grow(b)     drafter passes x the drafter's measured pass time t_d(beams), scaled by what rounds took
-    verify(b)   the target's measured pass time t(n) for n = b + 1 + the tokens it re-runs, less the part of the
-                weights' reading that growth hid (SSD with readahead), scaled likewise
+    verify(b)   the target's measured pass time t(n) for n = b + 1 + the tokens it re-runs; from the SSD with
+                readahead, the pass follows the reading that growth started: it ends when its compute on read
+                weights is done, and no sooner than the reading left after growth plus the compute after the last
+                byte (Costs.verify_s); scaled likewise
 
 and the round runs the best of them, plain decoding included. Every round that runs a tree of b nodes also
 says what any smaller budget would have yielded, for free: best-first growth keeps the best-scoring nodes,
@@ -54,27 +56,37 @@ class Costs:
     drafter_ms: dict[int, float]
     read_ahead_ms: float = 0.0  # SSD with readahead: reading the weights, which drafting can hide
     warm_ms: dict[int, float] | None = None  # SSD with readahead: passes once the weights are read ahead
+    overlap_ms: dict[int, float] | None = None  # SSD with readahead: passes started with the reading
 
     def verify_s(self, tokens: float, grow_s: float) -> float:
-        """A pass over `tokens` after `grow_s` of drafting: with readahead, only the reading growth left undone
-        adds to the pass over read-ahead weights; otherwise the pass as measured back to back."""
+        """A pass over `tokens` after `grow_s` of drafting. Without readahead: the pass as measured back to back.
+        With it, the pass follows the reading's front: it ends once its compute is done (warm), and no sooner than
+        the reading that growth left undone plus the compute that follows the last byte (the tail: what a pass
+        started together with the reading takes beyond the reading)."""
         if self.warm_ms is None:
             return self.target_s(tokens)
-        return _interpolate(self.warm_ms, tokens) / 1000 + max(self.read_ahead_ms / 1000 - grow_s, 0.0)
+        warm = _interpolate(self.warm_ms, tokens) / 1000
+        left = max(self.read_ahead_ms / 1000 - grow_s, 0.0)
+        if self.overlap_ms is None:  # costs cached before the tail was measured: no overlap at all
+            return warm + left
+        tail = min(max(_interpolate(self.overlap_ms, tokens) - self.read_ahead_ms, 0.0) / 1000, warm)
+        return max(warm, left + tail)
 
     def to_json(self) -> dict:
-        warm = None if self.warm_ms is None else json_table(self.warm_ms)
+        def optional(table):
+            return None if table is None else json_table(table)
+
         return {"target_ms": json_table(self.target_ms), "drafter_ms": json_table(self.drafter_ms),
-                "read_ahead_ms": self.read_ahead_ms, "warm_ms": warm}
+                "read_ahead_ms": self.read_ahead_ms, "warm_ms": optional(self.warm_ms),
+                "overlap_ms": optional(self.overlap_ms)}
 
     @classmethod
     def from_json(cls, data: dict) -> Costs:
-        def table(d: dict) -> dict[int, float]:
-            return {int(k): float(v) for k, v in d.items()}
+        def table(d: dict | None) -> dict[int, float] | None:
+            return None if d is None else {int(k): float(v) for k, v in d.items()}
 
-        warm = data.get("warm_ms")
         return cls(table(data["target_ms"]), table(data["drafter_ms"]), float(data.get("read_ahead_ms", 0.0)),
-                   None if warm is None else table(warm))
+                   table(data.get("warm_ms")), table(data.get("overlap_ms")))
 
     def target_s(self, n: float) -> float:
         return _interpolate(self.target_ms, n) / 1000
@@ -111,7 +123,8 @@ def measure_costs(target, drafter, prefix: list[int], max_tree: int) -> Costs:
         return Costs(cold, drafter_ms)
     read_ahead = streamer.time_read_ahead()
     warm = pass_ms(target, prefix, sizes, repeats=3, before=streamer.read_ahead_now)
-    return Costs(cold, drafter_ms, round(1000 * read_ahead, 3), warm)
+    overlap = pass_ms(target, prefix, sizes, repeats=3, before=streamer.prefetch)  # the reading starts with it
+    return Costs(cold, drafter_ms, round(1000 * read_ahead, 3), warm, overlap)
 
 
 def pass_ms(target, prefix: list[int], sizes: tuple[int, ...] = (1, 16, 64), repeats: int = 5,

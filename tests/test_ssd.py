@@ -95,3 +95,27 @@ def test_fetch_rows_reads_just_the_rows_of_the_tokens(f16_file) -> None:
     finally:
         streamer.close()
         target.close()
+
+
+def test_auto_measures_passes_started_with_the_reading(f16_file) -> None:
+    """--budget auto's costs from the SSD with readahead: passes as placed, over read-ahead weights, and started
+    together with the reading (the tail a pass adds after the last byte: offload.tuning.Costs.verify_s)."""
+    from offload.tuning import Costs, measure_costs
+    from runtimes.llama_cpp import load_drafter
+
+    spec = load_registry().pair("smollm2-135m")
+    target = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16"))
+    drafter = load_drafter(materialize(spec.drafter, lambda message: None), RunOptions(n_ctx=256))
+    ssd = _on_ssd(target, f16_file, readahead=True)
+    try:
+        costs = measure_costs(ssd, drafter, list(range(1, 12)), max_tree=16)
+        assert set(costs.target_ms) == set(costs.warm_ms) == set(costs.overlap_ms) == {1, 16}
+        assert costs.read_ahead_ms > 0 and all(ms > 0 for ms in costs.overlap_ms.values())
+        ssd.streamer.wait_evicted()
+        stamps = list(ssd.streamer.timeline)
+        assert any("read" in s for s in stamps)  # the overlapped passes had the reading started with them
+        assert Costs.from_json(costs.to_json()) == costs
+    finally:
+        ssd.streamer.close()
+        drafter.close()
+        target.close()

@@ -45,6 +45,17 @@ def test_costs_round_trip_and_interpolate() -> None:
     assert costs.verify_s(1, grow_s=0.2) == pytest.approx(0.002)
 
 
+def test_a_pass_follows_the_reading_and_ends_a_tail_after_it() -> None:
+    """Passes started with the reading take 55 ms (1 token) and 80 ms (65 tokens) where reading alone takes 50:
+    tails of 5 and 30 ms. After 20 ms of growth, 30 ms of reading are left."""
+    costs = Costs({1: 10.0, 65: 74.0}, {1: 5.0, 8: 12.0}, 50.0, {1: 6.0, 65: 66.0}, {1: 55.0, 65: 80.0})
+    assert Costs.from_json(costs.to_json()) == costs
+    assert costs.verify_s(1, grow_s=0.02) == pytest.approx(0.03 + 0.005)  # bound by the reading, then the tail
+    assert costs.verify_s(65, grow_s=0.02) == pytest.approx(0.066)  # bound by its compute: the reading hides in it
+    assert costs.verify_s(65, grow_s=0.0) == pytest.approx(0.080)  # as measured
+    assert costs.verify_s(1, grow_s=0.2) == pytest.approx(0.006)  # all read: the warm pass
+
+
 def test_streamed_target_speculates_and_compute_bound_target_does_not() -> None:
     streamed = AutoBudget(flat_costs(target_ms=200, drafter_ms=2))
     assert streamed.choose(256) is not None
