@@ -1,0 +1,94 @@
+"""The ONNX drafter with DynamicQuantizeMatMul (u8 x s8) in place of int4 MatMulNBits (docs/drafter.md).
+
+    python benchmarks/dq_drafter.py --pair smollm2-135m
+
+Builds, beside the pair's int4 drafter graph, one whose layers and head use DynamicQuantizeMatMul with 7-bit
+weights and one scale per column (full-range int8 weights saturate the kernel's int16 pair sums on AVX2), requantized
+from the drafter's GGUF weights; then grows budget-64 trees with the llama.cpp drafter, the int4 graph and this one
+on the same prompts (the target in RAM) and prints `expand_ms` for 1/4/8/32 nodes, growth seconds per round and
+tokens per pass for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import runtimes.onnx as onnx_runtime
+from cli.loading import CALIBRATION_TEXT, load_pair, materialize, open_drafter, resolve_pair
+from cli.main import prompt_for
+from edge.generate import Decoder
+from edge.grow import GrowConfig
+from edge.registry import load_registry
+from edge.sampling import SamplingConfig
+from offload.tuning import expand_ms
+from runtimes.onnx import graph
+
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0")
+
+
+def _dynamic_quantize_linear(self, x: str, name: str, w: np.ndarray | None = None, source: str | None = None) -> str:
+    """DecoderBuilder.linear with DynamicQuantizeMatMul for 4-bit layers and the head."""
+    w = self.w.get(name) if w is None else w
+    kind = self.w.tensors[source or name].tensor_type.name
+    head = (source or name) in ("output.weight", "token_embd.weight")
+    if self.opt.weights != "int4" or (kind not in FOUR_BIT and not head):
+        return _int4_linear(self, x, name, w, source)
+    scale = np.abs(w).max(axis=1) / 63
+    scale[scale == 0] = 1
+    quantized = np.ascontiguousarray(np.round(w / scale[:, None]).astype(np.int8).T)
+    g = self.g
+    return g.op("DynamicQuantizeMatMul", x, g.weight(name + ".q7", quantized),
+                g.weight(name + ".s7", scale.astype(np.float32)), g.weight(name + ".z7", np.zeros(len(scale), np.int8)),
+                hint="mm", domain="com.microsoft")
+
+
+_int4_linear = graph.DecoderBuilder.linear
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", required=True)
+    parser.add_argument("--prompts", type=Path, default=Path("benchmarks/chat-prompts.txt"))
+    parser.add_argument("-n", type=int, default=64, help="tokens per prompt")
+    args = parser.parse_args()
+
+    spec = resolve_pair(load_registry(), args.pair, None, None, None)
+    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), placement="ram")
+    int4 = open_drafter(loaded.spec, replace(spec.drafter, runtime="onnx", vocab=None), loaded.target,
+                        loaded.drafter_threads, 0, print)
+    llama = open_drafter(loaded.spec, replace(spec.drafter, runtime="llama_cpp", vocab=None), loaded.target,
+                         loaded.drafter_threads, 0, print)
+    graph.DecoderBuilder.linear = _dynamic_quantize_linear
+    variant = onnx_runtime._variant
+    onnx_runtime._variant = lambda role, head: variant(role, head) + ".dq7"
+    options = onnx_runtime.OnnxOptions(threads=loaded.drafter_threads, n_ctx=spec.ctx + 256)
+    dq = onnx_runtime.load_drafter(materialize(spec.drafter, print), options, None, print)
+    drafters = {"llama_cpp": llama, "onnx int4": int4, "onnx dq7": dq}
+
+    prefix = loaded.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
+    for name, drafter in drafters.items():
+        ms = expand_ms(drafter, prefix, sizes=(1, 4, 8, 32), repeats=7)
+        print(f"{name:10s} expand ms for 1 / 4 / 8 / 32 nodes: " + " / ".join(f"{v:.1f}" for v in ms.values()))
+    texts = [line for line in args.prompts.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    totals = {name: [0.0, 0, 0] for name in drafters}
+    for text in texts:  # prompt by prompt, every drafter in turn
+        for name, drafter in drafters.items():
+            decoder = Decoder(loaded.target, drafter, GrowConfig.for_budget(64), SamplingConfig())
+            decoder.load(prompt_for(loaded, text, loaded.template is None))
+            stats = list(decoder.generate(args.n))[-1].stats
+            totals[name][0] += stats.draft_s
+            totals[name][1] += stats.target_passes
+            totals[name][2] += stats.new_tokens
+    for name, (draft_s, passes, tokens) in totals.items():
+        print(f"{name:10s} budget 64: grow {draft_s / passes:.4f} s/round, {tokens / passes:.2f} tokens/pass")
+
+
+if __name__ == "__main__":
+    main()
