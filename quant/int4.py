@@ -117,3 +117,34 @@ def quantize_weight(w: np.ndarray, bits: int = 4, block: int = 32, symmetric: bo
         bits=bits,
         block=block,
     )
+
+
+def pack_exact(w: np.ndarray, grid) -> tuple[PackedWeight, np.ndarray | None] | None:
+    """w: [N, K] dequantized weights that lie on `grid` (quant.grid.BlockGrid): packed for MatMulNBits without
+    moving a weight. Codes of up to 16 levels take 4 bits, up to 256 take 8; each block's zero point is its offset
+    over its scale, rounded. Where that is not a whole code (Q4_1, Q4_K: an offset of its own), the rest comes back
+    as `residual` float32 [N, K_blocks]: w = scale * (code - zero_point) + residual, to be added to the product as
+    (the input's block sums) @ residual.T. Returns None when w is not on the grid."""
+    codes = grid.codes(w)
+    if codes is None or grid.block not in BLOCK_SIZES:
+        return None
+    n, k = w.shape
+    bits = grid.bits
+    scales, offsets = grid.scales, grid.offsets
+    safe = np.where(scales == 0, np.float32(1), scales)
+    zero = np.where(scales == 0, 0, np.clip(np.rint(-offsets / safe), 0, (1 << bits) - 1)).astype(np.uint8)
+    residual = (offsets + scales * zero.astype(np.float32)).astype(np.float32)
+    k_blocks = k // grid.block
+    codes = codes.reshape(n, k_blocks, grid.block)
+    if bits == 4:
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+        padded = np.zeros((n, k_blocks + k_blocks % 2), np.uint8)
+        padded[:, :k_blocks] = zero
+        zero_points = (padded[:, 0::2] | (padded[:, 1::2] << 4)).astype(np.uint8)
+    else:
+        packed, zero_points = codes, zero
+    implicit = bool((zero == 1 << (bits - 1)).all())  # the kernel's own zero point: leave it out
+    packed_weight = PackedWeight(packed=np.ascontiguousarray(packed), scales=scales.astype(np.float32).reshape(-1),
+                                 zero_points=None if implicit else zero_points.reshape(-1), n=n, k=k, bits=bits,
+                                 block=grid.block)
+    return packed_weight, (residual if np.any(residual) else None)
