@@ -31,7 +31,7 @@ class OnnxOptions:
     n_ctx: int = 4096
 
 
-GRAPH_VERSION = 3  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
+GRAPH_VERSION = 4  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
 
 
 def _variant(role: str, head_ids: np.ndarray | None) -> str:

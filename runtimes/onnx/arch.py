@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from edge.errors import UserError
+from quant.grid import BlockGrid, block_grid
 
 ARCHITECTURES = ("llama", "gemma3")
 
@@ -76,6 +77,11 @@ class GGUFWeights:
 
         tensor = self.tensors[name]
         return np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+    def grid(self, name: str) -> BlockGrid | None:
+        """The tensor's own quantization grid (quant/grid.py), None for float tensors and other types."""
+        tensor = self.tensors[name]
+        return block_grid(np.asarray(tensor.data), tensor.tensor_type.name)
 
     @cached_property
     def arch(self) -> Arch:

@@ -28,6 +28,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from quant.grid import BlockGrid
+from quant.int4 import pack_exact
 from runtimes.onnx.arch import GGUFWeights
 
 IR_VERSION = 10  # onnxruntime 1.31 reads ir_version <= 13; the onnx package writes newer by default
@@ -110,21 +112,32 @@ class DecoderBuilder:
 
     # --- pieces -------------------------------------------------------------------------------------------
 
-    def linear(self, x: str, name: str, w: np.ndarray | None = None, source: str | None = None) -> str:
-        """x: [n, in] -> [n, out] for the GGUF weight `name` ([out, in]); `source` names the GGUF tensor."""
-        w = self.w.get(name) if w is None else w
+    def linear(self, x: str, name: str, w: np.ndarray | None = None, source: str | None = None,
+               grid: BlockGrid | None = None) -> str:
+        """x: [n, in] -> [n, out] for the GGUF weight `name` ([out, in]); `source` names the GGUF tensor. A weight
+        passed in (fused, or a trimmed head) comes with its rows' `grid`; one read here brings its own."""
+        if w is None:
+            w, grid = self.w.get(name), self.w.grid(name)
         g, opt = self.g, self.opt
         if opt.weights == "f32":
             return g.op("MatMul", x, g.weight(name, w.T), hint="mm")
-        packed = self.quantize(w, source or name)
+        exact = pack_exact(w, grid) if opt.weights == "int4" and grid is not None else None
+        packed, residual = exact if exact is not None else (self.quantize(w, source or name), None)
         inputs = [g.weight(name + ".q", packed.packed), g.weight(name + ".scales", packed.scales)]
         if packed.zero_points is not None:
             inputs.append(g.weight(name + ".zp", packed.zero_points))
-        return g.op("MatMulNBits", x, *inputs, hint="mm", domain="com.microsoft", K=packed.k, N=packed.n,
-                    bits=packed.bits, block_size=opt.block, accuracy_level=opt.accuracy_level)
+        y = g.op("MatMulNBits", x, *inputs, hint="mm", domain="com.microsoft", K=packed.k, N=packed.n,
+                 bits=packed.bits, block_size=packed.block, accuracy_level=opt.accuracy_level)
+        if residual is None:
+            return y
+        # the offsets a zero point cannot hold (Q4_1, Q4_K): (x's block sums) [n, K/block] @ residual.T
+        blocks = g.op("Reshape", x, g.const([-1, packed.k_blocks, packed.block]))
+        sums = g.op("ReduceSum", blocks, g.const([-1]), keepdims=0)
+        return g.op("Add", y, g.op("MatMul", sums, g.weight(name + ".residual", residual.T.copy())))
 
     def quantize(self, w: np.ndarray, source: str, symmetric_only: bool = False):
-        """Requantizes a dequantized GGUF tensor without adding error where the source's grid allows it.
+        """Requantizes a dequantized GGUF tensor whose own grid is not kept (pack_exact), without adding error
+        where the source's grid allows it.
 
         A Q4_0 (Q8_0) block is d * q with d = (value of largest magnitude) / -8 (/127): symmetric 4-bit
         (8-bit) MatMulNBits blocks of 32 hold it exactly, so a Q4_0 drafter keeps exactly its weights.
@@ -227,12 +240,14 @@ class DecoderBuilder:
         for count in parts or [1] * len(names):
             groups.append(names[start : start + count])
             start += count
-        if len({self.w.tensors[name].tensor_type for name in names}) > 1:  # mixed types keep their own grids
+        grid = BlockGrid.concat([self.w.grid(name) for name in names]) if self.opt.weights == "int4" else None
+        if grid is None and len({self.w.tensors[name].tensor_type for name in names}) > 1:
+            # mixed types keep their own grids (those of one width, e.g. Q5_0 and Q8_0 both 8-bit, fuse above)
             return [self.linear(x, group[0]) if len(group) == 1
                     else self.g.op("Concat", *(self.linear(x, name) for name in group), axis=-1) for group in groups]
         weights = {name: self.w.get(name) for name in names}
         fused = self.linear(x, names[0].replace(".weight", "") + "+.weight", np.concatenate(list(weights.values())),
-                            names[0])
+                            names[0], grid)
         if len(groups) == 1:
             return [fused]
         sizes = [sum(weights[name].shape[0] for name in group) for group in groups]
@@ -366,10 +381,11 @@ class DecoderBuilder:
             head = self.embedding  # tied: share the table instead of a second copy
             logits = g.op("Gemm", x, "token_embd", transB=1)
         else:
-            head = self.w.get(head_name)  # [V, H]
+            head, grid = self.w.get(head_name), self.w.grid(head_name)  # [V, H]
             if opt.head_ids is not None:
                 head = head[np.asarray(opt.head_ids)]
-            logits = self.linear(x, "head", head, source=head_name)  # [m, V']
+                grid = None if grid is None else grid.take(np.asarray(opt.head_ids))
+            logits = self.linear(x, "head", head, source=head_name, grid=grid)  # [m, V']
         if opt.outputs == "logits":
             g.output(logits, "logits", F, ["m", head.shape[0]])
         else:
