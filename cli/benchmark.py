@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,24 +60,40 @@ def read_prompts(path: Path | None) -> list[str]:
     return prompts
 
 
-def parse_drafters(text: str | None) -> list[tuple[str, int | None]] | None:
-    """'llama_cpp,onnx,onnx:32768' -> [("llama_cpp", None), ("onnx", None), ("onnx", 32768)]."""
+@dataclass(frozen=True)
+class DrafterChoice:
+    runtime: str  # "llama_cpp" or "onnx"
+    vocab: int | None = None  # a trimmed head's size (onnx), None: the full head
+    quantize: str | None = None  # prepare it from the target's source requantized (llama.cpp ftype), None: the pair's
+
+    @property
+    def label(self) -> str:
+        return self.runtime + (f":{self.vocab}" if self.vocab else "") + (f"@{self.quantize}" if self.quantize else "")
+
+
+def parse_drafters(text: str | None) -> list[DrafterChoice] | None:
+    """'llama_cpp,onnx:32768,llama_cpp@q4_0' -> drafters to compare: a runtime, a trimmed head (onnx:K) and a
+    requantization of the pair's drafter file (@QUANT)."""
+    from edge.registry import FTYPES
+
     if text is None:
         return None
     choices = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        runtime, _, vocab = part.partition(":")
-        if runtime not in ("llama_cpp", "onnx") or (vocab and (runtime != "onnx" or not vocab.isdigit())):
-            raise UserError(f"--drafters takes llama_cpp, onnx or onnx:K (a vocabulary size), comma-separated "
-                            f"(got {part!r})")
-        choices.append((runtime, int(vocab) if vocab else None))
+        head, _, quantize = part.partition("@")
+        runtime, _, vocab = head.partition(":")
+        if (runtime not in ("llama_cpp", "onnx") or (vocab and (runtime != "onnx" or not vocab.isdigit()))
+                or ("@" in part and quantize not in FTYPES)):
+            raise UserError(f"--drafters takes llama_cpp, onnx or onnx:K (a vocabulary size), each optionally with "
+                            f"@QUANT (the drafter requantized: {', '.join(FTYPES)}), comma-separated (got {part!r})")
+        choices.append(DrafterChoice(runtime, int(vocab) if vocab else None, quantize or None))
     if not choices:
         raise UserError("--drafters is empty")
     return choices
 
 
 def run_bench(loaded, prompts: list[str], budgets: list[int | str], max_tokens: int, sampling: SamplingConfig,
-              raw: bool, report, drafters: list[tuple[str, int | None]] | None = None,
+              raw: bool, report, drafters: list[DrafterChoice] | None = None,
               threads: int | None = None, methods: tuple[str, ...] = ("plain", "tree")) -> dict[str, Any]:
     """Plain decoding (the reference every row is checked against) and each method x budget, prompt by prompt: each
     prompt runs through every row in turn, so a slow spell of a shared machine falls on all rows alike."""
@@ -179,11 +196,11 @@ def _drafters(loaded, choices, threads, report):
     if loaded.drafter is not None:
         _close(loaded.drafter)  # one drafter at a time: idle llama.cpp thread pools slow the others down
         loaded.drafter = None
-    for runtime, vocab in choices:
-        model = replace(loaded.spec.drafter, runtime=runtime, vocab=vocab)
+    for choice in choices:
+        model = replace(loaded.spec.drafter, runtime=choice.runtime, vocab=choice.vocab,
+                        quantize=choice.quantize or loaded.spec.drafter.quantize)
         drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, report)
-        label = runtime if vocab is None else f"{runtime}:{vocab}"
-        yield drafter, label, vocab or loaded.target.n_vocab
+        yield drafter, choice.label, choice.vocab or loaded.target.n_vocab
 
 
 def _label(drafter) -> str:

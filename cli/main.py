@@ -356,7 +356,8 @@ def bench(
     threads: ThreadsOpt = None,
     provider: ProviderOpt = None,
     drafters: Annotated[str | None, typer.Option(
-        help="drafters to compare, comma-separated: llama_cpp, onnx, onnx:K (K-token head); default: the pair's",
+        help="drafters to compare, comma-separated: llama_cpp, onnx, onnx:K (K-token head), each with an optional "
+             "@QUANT (its file requantized, e.g. llama_cpp@q4_0); default: the pair's",
         show_default=False)] = None,
     methods: Annotated[str, typer.Option(help="plain, chain (one draft token per drafter pass), tree")] = "plain,tree",
     placement: PlacementOpt = "ram",

@@ -179,6 +179,17 @@ def test_bad_bench_budgets(smollm2: LoadedPair) -> None:
     assert_one_line_error(run("generate", "hi", "--budget", "fast"), "--budget", "auto")
     assert_one_line_error(run("generate", "hi", "--placement", "disk"), "--placement")
     assert_one_line_error(run("generate", "hi", "--target-dtype", "q3"), "--target-dtype")
+    assert_one_line_error(run("bench", "--drafters", "onnx@q4"), "--drafters", "@QUANT")
+    assert_one_line_error(run("bench", "--drafters", "llama_cpp:8192"), "--drafters")
+
+
+def test_drafters_name_a_runtime_a_head_and_a_requantization() -> None:
+    from cli.benchmark import DrafterChoice, parse_drafters
+
+    choices = parse_drafters("llama_cpp@q4_0, onnx, onnx:32768@q8_0")
+    assert choices == [DrafterChoice("llama_cpp", None, "q4_0"), DrafterChoice("onnx"),
+                       DrafterChoice("onnx", 32768, "q8_0")]
+    assert [c.label for c in choices] == ["llama_cpp@q4_0", "onnx", "onnx:32768@q8_0"]
 
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(smollm2: LoadedPair) -> None:
