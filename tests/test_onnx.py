@@ -30,13 +30,17 @@ def _spec(name: str):
     return load_registry().pair(name)
 
 
+@pytest.mark.parametrize("weights", ["f32", "int4"])
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
-def test_reference_graph_matches_llama_cpp(name: str, tmp_path: Path) -> None:
-    """fp32 weights, full head, fp32 KV: top-1 equals llama.cpp's on the same dequantized weights."""
+def test_reference_graph_matches_llama_cpp(name: str, weights: str, tmp_path: Path) -> None:
+    """Full head, fp32 KV. fp32 weights: top-1 equals llama.cpp's on the same dequantized weights. int4 (the
+    drafter's MatMulNBits, int8 compute): the file's own blocks (Q4_1; Q4_K, Q5_0, Q6_K, Q8_0) kept exactly, so top-1
+    equals llama.cpp's on the file itself nearly everywhere (a Q4_0 requantization agreed on 70-80%)."""
     source = materialize(_spec(name).target, print)
-    f32 = tmp_path / "model.f32.gguf"  # llama.cpp runs the very weights the builder dequantizes
-    quantize(source, f32, "f32")
-    model = Model(f32)
+    if weights == "f32":
+        f32 = tmp_path / "model.f32.gguf"  # llama.cpp runs the very weights the builder dequantizes
+        quantize(source, f32, "f32")
+    model = Model(f32 if weights == "f32" else source)
     tokens = model.tokenize(TEXT, True, False)[:256]
     n = len(tokens)
     ctx = Context(model, 512, n_batch=n, kv_type="f32", flash_attn=False, n_outputs=n)
@@ -47,7 +51,7 @@ def test_reference_graph_matches_llama_cpp(name: str, tmp_path: Path) -> None:
     ctx.close()
 
     arch = GGUFWeights(source).arch
-    path = build_graph(source, GraphOptions(weights="f32", kv="f32", outputs="logits"), tmp_path / "ref.onnx")
+    path = build_graph(source, GraphOptions(weights=weights, kv="f32", outputs="logits"), tmp_path / "ref.onnx")
     session = DecoderSession(path, threads=2)
     positions = np.arange(n)
     mask = np.where(np.tri(n, dtype=bool), np.float32(0), np.float32(-np.inf))
@@ -57,7 +61,8 @@ def test_reference_graph_matches_llama_cpp(name: str, tmp_path: Path) -> None:
                        "mask_swa": np.where(far, np.float32(-np.inf), mask), "output_rows": positions,
                        "k_win": empty, "v_win": empty, "k_tree": empty, "v_tree": empty})
     agree = float((out["logits"].argmax(axis=1) == expected).mean())
-    assert agree >= 0.99, f"top-1 agreement {agree:.3f} on {n} positions"
+    print(f"{name} {weights}: top-1 agreement with llama.cpp {agree:.3f}")
+    assert agree >= (0.99 if weights == "f32" else 0.95), f"top-1 agreement {agree:.3f} on {n} positions"
     # the second half again, reading the first half's keys and values as the cached past
     half = n // 2
     rows = np.arange(n - half)
@@ -81,7 +86,7 @@ def _trimmed_head(pair: LoadedPair, size: int) -> np.ndarray:
 
 
 def _onnx_drafter(pair: LoadedPair, vocab: int | None):
-    model = replace(pair.spec.drafter, runtime="onnx")
+    model = replace(_spec(pair.name).drafter, runtime="onnx", vocab=None)  # models.toml's, not the fixture's
     drafter_file = materialize(model, print)
     head = None if vocab is None else _trimmed_head(pair, vocab)
     return load_drafter(drafter_file, OnnxOptions(threads=2, n_ctx=pair.spec.ctx + 256), head)

@@ -52,7 +52,7 @@ def test_shipped_default_pair_is_self_speculative() -> None:
     assert (pair.target.quantize, pair.target.kv_type) == (None, "bf16")
     # from = "target" reuses the source, not the target's quantize
     assert pair.drafter.source is pair.target.source
-    assert (pair.drafter.quantize, pair.drafter.kv_type, pair.drafter.runtime) == ("q4_0", "q4_0", "onnx")
+    assert (pair.drafter.quantize, pair.drafter.kv_type, pair.drafter.runtime) == (None, "q4_0", "onnx")
 
 
 def test_shipped_gemma_pair() -> None:

@@ -62,7 +62,7 @@ def test_every_pass_reads_the_weights_and_logits_stay_the_same(f16_file) -> None
 
 def test_repacked_target_is_refused(f16_file) -> None:
     spec = load_registry().pair("smollm2-135m")
-    q4_0 = materialize(spec.drafter, lambda message: None)  # Q4_0: repacked into llama.cpp's own buffers on x86
+    q4_0 = materialize(replace(spec.drafter, quantize="q4_0"), lambda message: None)  # repacked by llama.cpp on x86
     target = load_target(q4_0, RunOptions(n_ctx=256, kv_type="bf16"))
     try:
         wrapped = _on_ssd(target, q4_0, readahead=False)
@@ -105,7 +105,8 @@ def test_auto_measures_passes_started_with_the_reading(f16_file) -> None:
 
     spec = load_registry().pair("smollm2-135m")
     target = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16"))
-    drafter = load_drafter(materialize(spec.drafter, lambda message: None), RunOptions(n_ctx=256))
+    drafter = load_drafter(materialize(replace(spec.drafter, quantize="q4_0"), lambda message: None),
+                           RunOptions(n_ctx=256))
     ssd = _on_ssd(target, f16_file, readahead=True)
     try:
         costs = measure_costs(ssd, drafter, list(range(1, 12)), max_tree=16)
