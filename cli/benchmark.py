@@ -189,16 +189,18 @@ def _drafters(loaded, choices, threads, report):
         return
     from dataclasses import replace
 
-    from cli.loading import open_drafter
+    from cli.loading import head_ids, open_drafter
 
     if loaded.spec is None or loaded.spec.target.runtime == "onnx":
         raise UserError("--drafters needs a pair with a llama.cpp target (QuantSpec pairs have one drafter)")
     if loaded.drafter is not None:
         _close(loaded.drafter)  # one drafter at a time: idle llama.cpp thread pools slow the others down
         loaded.drafter = None
-    for choice in choices:
-        model = replace(loaded.spec.drafter, runtime=choice.runtime, vocab=choice.vocab,
-                        quantize=choice.quantize or loaded.spec.drafter.quantize)
+    models = [replace(loaded.spec.drafter, runtime=choice.runtime, vocab=choice.vocab,
+                      quantize=choice.quantize or loaded.spec.drafter.quantize) for choice in choices]
+    for model in models:  # a missing vocabulary fails now, not after the drafters before it have run
+        head_ids(loaded.spec, model)
+    for choice, model in zip(choices, models, strict=True):
         drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, report)
         yield drafter, choice.label, choice.vocab or loaded.target.n_vocab
 

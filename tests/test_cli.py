@@ -181,6 +181,9 @@ def test_bad_bench_budgets(smollm2: LoadedPair) -> None:
     assert_one_line_error(run("generate", "hi", "--target-dtype", "q3"), "--target-dtype")
     assert_one_line_error(run("bench", "--drafters", "onnx@q4"), "--drafters", "@QUANT")
     assert_one_line_error(run("bench", "--drafters", "llama_cpp:8192"), "--drafters")
+    # a vocabulary not prepared yet is named before any drafter runs
+    assert_one_line_error(run("bench", "--drafters", "onnx,onnx:12345", "--budgets", "1", "-n", "1"),
+                          "12345-token vocabulary", "prepare")
 
 
 def test_drafters_name_a_runtime_a_head_and_a_requantization() -> None:
