@@ -4,7 +4,8 @@ Each step expands the best `beams` unexpanded nodes in one drafter pass and offe
 children (score = parent score + log p); only the best `budget` nodes are kept. A child always scores
 below its parent, so the kept set stays a connected tree and, once it is full, a node scoring no better
 than the worst kept node can never place a child in it: growth stops when no node can (the tight stop),
-at `max_steps` drafter passes, or when the drafter runs out of room. Leaves never run through the drafter.
+at `max_steps` drafter passes (then, with `extend_prob`, one node a pass while the best path stays that
+likely), or when the drafter runs out of room. Leaves never run through the drafter.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ class GrowConfig:
     # it is the target's argmax, which the drafter's top token is far more often than its probability
     # says: sharpening (< 1) moves budget from unlikely siblings to deeper top-token chains.
     draft_temperature: float = 1.0
+    # Past max_steps, keep extending the single best node, one pass at a time, while the drafter gives its
+    # path at least this probability (None: stop at max_steps). A fixed number of passes caps the tree's
+    # depth, and a drafter that agrees with its target for long stretches (a 4-bit drafter of the same model)
+    # then wastes what it could get right: a chain of the budget's length yielded more tokens per pass than
+    # the tree. At most `budget` passes in all, what that chain takes.
+    extend_prob: float | None = None
+
+    @property
+    def max_passes(self) -> int:
+        return self.max_steps if self.extend_prob is None else max(self.max_steps, self.budget)
 
     @classmethod
     def chain(cls, length: int) -> GrowConfig:
@@ -54,12 +65,13 @@ class GrowConfig:
         beams = int(np.clip(round(budget**0.5 / 2), 2, 16))
         width = 4
         steps = int(np.clip(round(2 * budget**0.5) - 2, 4, 24))
-        return cls(budget=budget, beams=beams, width=width, max_depth=2 * steps, max_steps=steps)
+        return cls(budget=budget, beams=beams, width=width, max_depth=budget, max_steps=steps, extend_prob=0.5)
 
 
 def grow(drafter: Drafter, root: int, config: GrowConfig) -> tuple[TokenTree, int]:
     """Grow a tree under `root`; returns the kept tree and the number of drafter passes it took."""
-    capacity = 1 + config.max_steps * config.beams * config.width
+    capacity = 1 + (config.max_steps * config.beams + config.max_passes - config.max_steps) * config.width
+    extend_from = float(np.log(config.extend_prob)) if config.extend_prob else 0.0
     tokens = np.zeros(capacity, np.int32)
     parents = np.full(capacity, -1, np.int32)
     depth = np.zeros(capacity, np.int32)
@@ -70,15 +82,18 @@ def grow(drafter: Drafter, root: int, config: GrowConfig) -> tuple[TokenTree, in
     n = 1
     expand_room = drafter.expand_capacity
     steps = 0
-    while steps < config.max_steps:
+    while steps < config.max_passes:
         candidates = np.flatnonzero(kept[:n] & ~expanded[:n] & (depth[:n] < config.max_depth))
         if int(kept[:n].sum()) - 1 >= config.budget:
             worst = score[:n][kept[:n]].min()
             candidates = candidates[score[candidates] > worst]  # tight stop: children score below parents
+        beams = config.beams
+        if steps >= config.max_steps:  # extending: the best node alone, while its path is likely
+            candidates, beams = candidates[score[candidates] >= extend_from], 1
         if len(candidates) == 0 or expand_room == 0:
             break
         order = np.lexsort((depth[candidates], -score[candidates]))
-        nodes = candidates[order[: min(config.beams, expand_room)]]
+        nodes = candidates[order[: min(beams, expand_room)]]
         view = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n])
         ids, log_probs = drafter.expand(view, nodes, config.width)  # [len(nodes), width] each
         if config.draft_temperature != 1.0:

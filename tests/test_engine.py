@@ -52,9 +52,25 @@ def test_grow_respects_budget_and_shape(budget: int) -> None:
     assert all(0 <= p < i for i, p in enumerate(tree.parents) if i > 0)
     assert (tree.depth[1:] == tree.depth[tree.parents[1:]] + 1).all()
     assert (tree.score[1:] <= tree.score[tree.parents[1:]]).all()
-    assert passes == drafter.passes <= config.max_steps
+    assert passes == drafter.passes <= config.max_passes <= max(config.max_steps, budget)
     if budget <= 4:  # a chain
         assert tree.parents.tolist() == list(range(-1, len(tree) - 1))
+
+
+def test_a_confident_drafter_grows_past_max_steps_into_a_chain() -> None:
+    """A drafter that is sure of its path keeps extending it (one node a pass) up to the budget, as a chain of
+    that length would: a fixed number of passes must not cap the tree's depth. An unsure one stops at max_steps."""
+    table = np.full((4, 4, 4), -50.0, np.float32)
+    table[:, :, 1] = 10.0
+    sure = TinyModel(table=table, n_vocab=4)
+    config = GrowConfig.for_budget(16)
+    tree, passes = grow(sure, 1, config)
+    assert config.max_steps < passes <= config.max_passes == 16
+    assert tree.depth.max() == 16 and len(tree) - 1 == 16  # the chain of 16, the unlikely siblings dropped
+
+    unsure = TinyModel(table=np.zeros((4, 4, 4), np.float32), n_vocab=4)  # uniform: a path of 2 has p = 1/16
+    _, passes = grow(unsure, 1, config)
+    assert passes <= config.max_steps
 
 
 def test_grow_tight_stop() -> None:
