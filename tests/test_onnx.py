@@ -35,7 +35,7 @@ def _spec(name: str):
 def test_reference_graph_matches_llama_cpp(name: str, weights: str, tmp_path: Path) -> None:
     """Full head, fp32 KV. fp32 weights: top-1 equals llama.cpp's on the same dequantized weights. int4 (the
     drafter's MatMulNBits, int8 compute): the file's own blocks (Q4_1; Q4_K, Q5_0, Q6_K, Q8_0) kept exactly, so top-1
-    equals llama.cpp's on the file itself nearly everywhere (a Q4_0 requantization agreed on 70-80%)."""
+    equals llama.cpp's on the file itself nearly everywhere."""
     source = materialize(_spec(name).target, print)
     if weights == "f32":
         f32 = tmp_path / "model.f32.gguf"  # llama.cpp runs the very weights the builder dequantizes
