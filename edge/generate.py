@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge.acceptance import Acceptance
 from edge.errors import UserError
 from edge.grow import GrowConfig
 from edge.protocols import BudgetPolicy, Drafter, Target
@@ -90,12 +91,16 @@ class Decoder:
         self.drafter = drafter if grow_config is not None or self.policy is not None else None
         self.grow_config = grow_config
         self.context: list[int] = []
+        self.acceptance, self._acceptance_for = Acceptance(), None
         self.set_sampling(sampling or SamplingConfig())
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
         """Also points the drafter's scores at the target's temperature (sharper still when greedy)."""
         self.sampling = sampling
         self.rng = np.random.default_rng(sampling.seed)
+        rules = dataclasses.replace(sampling, seed=None)
+        if rules != self._acceptance_for:  # the rates the target accepts at depend on how it samples, not on the seed
+            self.acceptance, self._acceptance_for = Acceptance(), rules
         if self.grow_config is not None:
             self.grow_config = dataclasses.replace(self.grow_config, draft_temperature=self._draft_temperature())
 
@@ -139,7 +144,8 @@ class Decoder:
                 break
             started, passes = time.perf_counter(), self.target.passes
             config = self._grow_config(room)
-            result = speculative_round(self.target, self.drafter, self.context, config, self.sampling, self.rng)
+            result = speculative_round(self.target, self.drafter, self.context, config, self.sampling, self.rng,
+                                       self.acceptance)
             if self.policy is not None:
                 self.policy.observe(config, result)
             stats.rounds += 1

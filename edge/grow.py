@@ -1,11 +1,13 @@
-"""SpecExec tree growth: best-first on cumulative draft log-probability.
+"""SpecExec tree growth: best-first on the cumulative log chance that the target accepts a node.
 
 Each step expands the best `beams` unexpanded nodes in one drafter pass and offers each its top `width`
-children (score = parent score + log p); only the best `budget` nodes are kept. A child always scores
-below its parent, so the kept set stays a connected tree and, once it is full, a node scoring no better
-than the worst kept node can never place a child in it: growth stops when no node can (the tight stop),
-at `max_steps` drafter passes (then, with `extend_prob`, one node a pass while the best path stays that
-likely), or when the drafter runs out of room. Leaves never run through the drafter.
+children, scored as the parent's score + log a(p), where a(p) is the measured rate at which the target takes
+such a child (edge/acceptance.py; a(p) = p until rounds are measured, SpecExec's own score). Only the best
+`budget` nodes are kept. A child always scores below its parent, so the kept set stays a connected tree and,
+once it is full, a node scoring no better than the worst kept node can never place a child in it: growth stops
+when no node can (the tight stop), at `max_steps` drafter passes (then, with `extend_prob`, one node a pass
+while the best path stays that likely to be accepted), or when the drafter runs out of room. Leaves never run
+through the drafter.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge.acceptance import Acceptance
 from edge.errors import UserError
 from edge.protocols import Drafter
 from edge.tree import TokenTree
 
 MAX_LEAVES = 255  # llama.cpp has 256 seq ids per context
+# A budget's tree keeps extending its best path past max_steps while the target would reach and accept it with at
+# least this (measured) chance: each such pass adds that many tokens per round on average.
+EXTEND_PROB = 0.02
 
 
 @dataclass(frozen=True)
@@ -30,12 +36,13 @@ class GrowConfig:
     max_steps: int = 10  # drafter passes per round
     # Scores use the drafter's distribution at this temperature. A greedy target accepts a child only if
     # it is the target's argmax, which the drafter's top token is far more often than its probability
-    # says: sharpening (< 1) moves budget from unlikely siblings to deeper top-token chains.
+    # says: sharpening (< 1) moves budget from unlikely siblings to deeper top-token chains until measured
+    # acceptance rates (edge/acceptance.py) take over.
     draft_temperature: float = 1.0
-    # Past max_steps, keep extending the single best node, one pass at a time, while the drafter gives its
-    # path at least this probability (None: stop at max_steps). A fixed number of passes caps the tree's
-    # depth, and a drafter that agrees with its target for long stretches (a 4-bit drafter of the same model)
-    # then wastes what it could get right: a chain of the budget's length yielded more tokens per pass than
+    # Past max_steps, keep extending the single best node, one pass at a time, while the target would reach and
+    # accept it with at least this chance (its score; None: stop at max_steps). A fixed number of passes caps the
+    # tree's depth, and a drafter that agrees with its target for long stretches (a 4-bit drafter of the same
+    # model) then wastes what it could get right: a chain of the budget's length yielded more tokens per pass than
     # the tree. At most `budget` passes in all, what that chain takes.
     extend_prob: float | None = None
 
@@ -65,10 +72,11 @@ class GrowConfig:
         beams = int(np.clip(round(budget**0.5 / 2), 2, 16))
         width = 4
         steps = int(np.clip(round(2 * budget**0.5) - 2, 4, 24))
-        return cls(budget=budget, beams=beams, width=width, max_depth=budget, max_steps=steps, extend_prob=0.5)
+        return cls(budget=budget, beams=beams, width=width, max_depth=budget, max_steps=steps, extend_prob=EXTEND_PROB)
 
 
-def grow(drafter: Drafter, root: int, config: GrowConfig) -> tuple[TokenTree, int]:
+def grow(drafter: Drafter, root: int, config: GrowConfig,
+         acceptance: Acceptance | None = None) -> tuple[TokenTree, int]:
     """Grow a tree under `root`; returns the kept tree and the number of drafter passes it took."""
     capacity = 1 + (config.max_steps * config.beams + config.max_passes - config.max_steps) * config.width
     extend_from = float(np.log(config.extend_prob)) if config.extend_prob else 0.0
@@ -76,6 +84,8 @@ def grow(drafter: Drafter, root: int, config: GrowConfig) -> tuple[TokenTree, in
     parents = np.full(capacity, -1, np.int32)
     depth = np.zeros(capacity, np.int32)
     score = np.full(capacity, -np.inf, np.float32)
+    draft = np.zeros(capacity, np.float32)
+    rank = np.zeros(capacity, np.int32)
     kept = np.zeros(capacity, bool)
     expanded = np.zeros(capacity, bool)
     tokens[0], score[0], kept[0] = root, 0.0, True
@@ -105,11 +115,15 @@ def grow(drafter: Drafter, root: int, config: GrowConfig) -> tuple[TokenTree, in
         tokens[new] = ids.ravel()
         parents[new] = np.repeat(nodes, config.width)
         depth[new] = np.repeat(depth[nodes] + 1, config.width)
-        score[new] = (score[nodes, None] + log_probs).ravel()
+        draft[new] = log_probs.ravel()
+        rank[new] = np.tile(np.arange(ids.shape[1], dtype=np.int32), len(nodes))  # expand gives each row best first
+        gain = log_probs if acceptance is None else acceptance.log_accept(log_probs, depth[nodes, None] + 1,
+                                                                          np.arange(ids.shape[1]))
+        score[new] = (score[nodes, None] + gain).ravel()
         kept[new] = True
         n += ids.size
         _keep_best(kept[:n], score[:n], depth[:n], config.budget)
-    tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n]).subset(kept[:n])
+    tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n], draft[:n], rank[:n]).subset(kept[:n])
     return tree.limit_leaves(MAX_LEAVES), steps
 
 

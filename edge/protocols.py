@@ -47,7 +47,8 @@ class Drafter(Protocol):
     def prefill(self, tokens: Sequence[int]) -> None: ...
 
     def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k (token ids [len(nodes), k], log-probs [len(nodes), k]) after each node, in ONE pass."""
+        """Top-k (token ids [len(nodes), k], log-probs [len(nodes), k]) after each node, each row best first, in ONE
+        pass."""
         ...
 
     def commit(self, tree: TokenTree, path: list[int]) -> None: ...

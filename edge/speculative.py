@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge.acceptance import Acceptance
 from edge.grow import GrowConfig, grow
 from edge.protocols import Drafter, Target
 from edge.sampling import SamplingConfig, draw
@@ -57,8 +58,10 @@ class RoundResult:
 
 
 def speculative_round(target: Target, drafter: Drafter | None, context: Sequence[int], grow_config: GrowConfig | None,
-                      sampling: SamplingConfig, rng: np.random.Generator) -> RoundResult:
-    """context: every committed token; its last one is the root. Without a drafter this is plain decoding."""
+                      sampling: SamplingConfig, rng: np.random.Generator,
+                      acceptance: Acceptance | None = None) -> RoundResult:
+    """context: every committed token; its last one is the root. Without a drafter this is plain decoding.
+    `acceptance` (optional) ranks the tree's nodes by measured acceptance and learns from this round."""
     start = time.perf_counter()
     if drafter is None or grow_config is None:
         tree, drafter_passes = TokenTree.root(context[-1]), 0
@@ -66,10 +69,12 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
         prefetch = getattr(target, "prefetch", None)  # a streamed target reads its weights while we draft
         if prefetch is not None:
             prefetch()
-        tree, drafter_passes = grow(drafter, context[-1], grow_config)
+        tree, drafter_passes = grow(drafter, context[-1], grow_config, acceptance)
     grown = time.perf_counter()
     logits = target.verify(tree)
     path, token = accept(tree, logits, sampling, context[:-1], rng)
+    if acceptance is not None:
+        acceptance.observe(tree, path, token)
     verified = time.perf_counter()
     target.commit(tree, path)
     committed = time.perf_counter()

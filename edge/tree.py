@@ -18,7 +18,9 @@ class TokenTree:
     tokens: np.ndarray  # [n] int32
     parents: np.ndarray  # [n] int32, -1 for the root
     depth: np.ndarray  # [n] int32, 0 for the root
-    score: np.ndarray  # [n] float32, cumulative draft log-prob, 0 for the root
+    score: np.ndarray  # [n] float32, growth's ranking: cumulative log chance of acceptance, 0 for the root
+    draft: np.ndarray | None = None  # [n] float32, the drafter's own log-prob of each node given its parent
+    rank: np.ndarray | None = None  # [n] int32, each node's place in its parent's top-k (0: the drafter's top token)
 
     @classmethod
     def root(cls, token: int) -> TokenTree:
@@ -55,7 +57,9 @@ class TokenTree:
         new_index = np.cumsum(keep) - 1
         parents = self.parents[keep]
         parents = np.where(parents >= 0, new_index[np.maximum(parents, 0)], -1).astype(np.int32)
-        return TokenTree(self.tokens[keep], parents, self.depth[keep], self.score[keep])
+        draft = None if self.draft is None else self.draft[keep]
+        rank = None if self.rank is None else self.rank[keep]
+        return TokenTree(self.tokens[keep], parents, self.depth[keep], self.score[keep], draft, rank)
 
     def limit_leaves(self, max_leaves: int) -> TokenTree:
         """Drop the lowest-scored leaves until at most `max_leaves` remain (llama.cpp has 256 seq ids)."""

@@ -1,0 +1,89 @@
+"""How often the target takes a drafted token, by the drafter's probability for it, its rank and its depth:
+measured on verified trees.
+
+Growth ranks nodes by the chance that the target reaches and accepts them. The drafter's own probability is a
+poor stand-in for that chance: a 4-bit drafter of the very model it drafts for is right far more often than its
+probabilities say, and a drafter of another family may be right less often. Ranked by raw probability, the tree
+spends its budget on siblings that are never taken, and a plain chain of the same number of tokens yields more
+per pass.
+
+So every verified round teaches a table. For each node on the accepted path the target's token there is known
+(the next node of the path, or the token the target drew where the path ends), and each child the tree offered
+under that node either carries it or not. Children are counted by
+- their draft probability (BIN_EDGES);
+- whether they are the drafter's top token or a runner-up: at p = 0.4 an unsure drafter's top token is taken
+  far more often than a runner-up of the same probability;
+- their depth (DEPTH_EDGES): acceptances come in runs. A path that has survived 30 tokens is in text the
+  drafter finds easy, and its next token is taken more often than the average token of the same probability,
+  so a product of depth-blind rates would starve deep chains.
+A cell's rate shrinks towards its rank and probability's rate over all depths, and that towards the bin's own
+probability; older rounds fade by DECAY a round, so the table follows the text.
+
+Growth scores a child as its parent's score plus log(rate): a node's score is the log of its estimated chance to
+be accepted, and best-first growth builds the tree those rates make most productive: a chain where the drafter is
+reliably right, branches where it is not. Acceptance itself never looks at this table: output stays the
+target's whatever the tree's shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge.tree import TokenTree
+
+# Finer near 1, where a good drafter's top tokens sit and where the difference between 0.9 and 0.99 decides
+# how deep a chain is worth growing.
+BIN_EDGES = np.array([0.0, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.995, 1.0001])
+DEPTH_EDGES = np.array([1, 2, 4, 8, 16, 32, 64])  # depth buckets: 1, 2-3, 4-7, ..., 64 and deeper
+PRIOR = 0.5  # pseudo-observations at the bin's own probability
+DEPTH_PRIOR = 2.0  # pseudo-observations at the bin's rate over all depths
+DECAY = 0.98  # weight of the previous rounds' counts after one more round (about the last 50 rounds count)
+FLOOR = 1e-4
+
+
+class Acceptance:
+    """Calibrated log acceptance of drafted children, learned online from verified trees."""
+
+    def __init__(self) -> None:
+        self.middle = (BIN_EDGES[:-1] + np.minimum(BIN_EDGES[1:], 1.0)) / 2
+        self.hits = np.zeros((len(DEPTH_EDGES), 2, len(self.middle)))  # [depth bucket, runner-up, probability bin]
+        self.seen = np.zeros_like(self.hits)
+        self._update_table()
+
+    def log_accept(self, log_probs: np.ndarray, depth: np.ndarray | int, rank: np.ndarray | int) -> np.ndarray:
+        """Calibrated log chance that the target accepts a child at `depth` (its parent reached), given the
+        drafter's log-prob for it and its rank among its siblings (0: the top token); all three broadcast."""
+        return self.table[_depth_bucket(depth), np.minimum(rank, 1), _bin(np.exp(log_probs))]
+
+    def rate(self, p: float, depth: int = 1, rank: int = 0) -> float:
+        return float(np.exp(self.log_accept(np.array([np.log(max(p, 1e-30))]), depth, rank)[0]))
+
+    def observe(self, tree: TokenTree, path: list[int], token: int) -> None:
+        """One verified round: `path` the accepted node ids (root first), `token` the target's draw at its end."""
+        if tree.draft is None or len(tree) < 2:
+            return
+        taken = np.full(len(tree), -1, np.int64)  # the target's token at each node of the path
+        taken[path] = [*tree.tokens[path[1:]], token]
+        children = np.flatnonzero(taken[np.maximum(tree.parents, 0)] >= 0)
+        children = children[children > 0]
+        hit = tree.tokens[children] == taken[tree.parents[children]]
+        rank = np.zeros(len(children), np.int64) if tree.rank is None else np.minimum(tree.rank[children], 1)
+        cells = (_depth_bucket(tree.depth[children]), rank, _bin(np.exp(tree.draft[children])))
+        self.hits *= DECAY
+        self.seen *= DECAY
+        np.add.at(self.hits, cells, hit)
+        np.add.at(self.seen, cells, 1.0)
+        self._update_table()
+
+    def _update_table(self) -> None:
+        pooled = (self.hits.sum(axis=0) + PRIOR * self.middle) / (self.seen.sum(axis=0) + PRIOR)  # over depths
+        rate = (self.hits + DEPTH_PRIOR * pooled) / (self.seen + DEPTH_PRIOR)
+        self.table = np.log(np.clip(rate, FLOOR, 1 - FLOOR)).astype(np.float32)
+
+
+def _bin(p: np.ndarray) -> np.ndarray:
+    return np.clip(np.searchsorted(BIN_EDGES, p, side="right") - 1, 0, len(BIN_EDGES) - 2)
+
+
+def _depth_bucket(depth: np.ndarray | int) -> np.ndarray:
+    return np.clip(np.searchsorted(DEPTH_EDGES, depth, side="right") - 1, 0, len(DEPTH_EDGES) - 1)
