@@ -68,6 +68,20 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            return any(line.startswith("flags") and " amx_int8" in line for line in info)
+    except OSError:
+        return False
+
+
+# llama.cpp's AMX weight buffers (Sapphire Rapids and later) crash in ggml_backend_amx_mul_mat on the first batch
+# of more than one token (ggml-org/llama.cpp#20824, unfixed in the 0.3.36 build): on such CPUs the weights stay in
+# plain CPU buffers. The same switch turns off the repacked Q4_0 kernels there, which only cost speed.
+USE_EXTRA_BUFFERS = not _cpu_has_amx()
+
+
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
@@ -81,6 +95,7 @@ class Model:
         params.n_gpu_layers = n_gpu_layers
         params.use_mmap = use_mmap
         params.use_mlock = use_mlock
+        params.use_extra_bufts = USE_EXTRA_BUFFERS
         self.path = path
         self._ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not self._ptr:
