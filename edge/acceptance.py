@@ -16,8 +16,16 @@ under that node either carries it or not. Children are counted by
 - their depth (DEPTH_EDGES): acceptances come in runs. A path that has survived 30 tokens is in text the
   drafter finds easy, and its next token is taken more often than the average token of the same probability,
   so a product of depth-blind rates would starve deep chains.
-A cell's rate shrinks towards its rank and probability's rate over all depths, and that towards the bin's own
-probability; older rounds fade by DECAY a round, so the table follows the text.
+The rates come from those counts in two parts. The shape in probability is each (rank, bin)'s rate over all
+depths, which shrinks towards the bin's own probability while it has few counts. Depth moves the log odds of
+every bin alike, by one offset per depth bucket fitted to that bucket's counts (and pulled towards 0). Rates
+kept cell by cell, each shrunk towards its rate over all depths, left the few counts of a deep cell to decide
+it: a deep near-tie seen four times could cost a deep path half its chance, and trees came out shallower than
+a chain of the same size. Older rounds fade by DECAY a round, so the rates follow the text.
+
+A node's children are exclusive (the target draws one token there), so their rates are scaled down to sum to at
+most 1: rates learned bin by bin can otherwise promise a near-tie's top token and its runner-up 0.85 and 0.6 at
+once, and the runner-up's subtree then took budget from the deeper path that was taken.
 
 Growth scores a child as its parent's score plus log(rate): a node's score is the log of its estimated chance to
 be accepted, and best-first growth builds the tree those rates make most productive: a chain where the drafter is
@@ -36,8 +44,9 @@ from edge.tree import TokenTree
 BIN_EDGES = np.array([0.0, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.995, 1.0001])
 DEPTH_EDGES = np.array([1, 2, 4, 8, 16, 32, 64])  # depth buckets: 1, 2-3, 4-7, ..., 64 and deeper
 PRIOR = 0.5  # pseudo-observations at the bin's own probability
-DEPTH_PRIOR = 2.0  # pseudo-observations at the bin's rate over all depths
-DECAY = 0.98  # weight of the previous rounds' counts after one more round (about the last 50 rounds count)
+DEPTH_PRIOR = 2.0  # precision of a depth bucket's log-odds offset around 0
+DEPTH_STEPS = 8  # Newton steps per round for the depth offsets, from the previous round's
+DECAY = 0.995  # weight of the previous rounds' counts after one more round (about the last 200 rounds count)
 FLOOR = 1e-4
 
 
@@ -48,12 +57,20 @@ class Acceptance:
         self.middle = (BIN_EDGES[:-1] + np.minimum(BIN_EDGES[1:], 1.0)) / 2
         self.hits = np.zeros((len(DEPTH_EDGES), 2, len(self.middle)))  # [depth bucket, runner-up, probability bin]
         self.seen = np.zeros_like(self.hits)
+        self.depth_offset = np.zeros(len(DEPTH_EDGES))
         self._update_table()
 
     def log_accept(self, log_probs: np.ndarray, depth: np.ndarray | int, rank: np.ndarray | int) -> np.ndarray:
         """Calibrated log chance that the target accepts a child at `depth` (its parent reached), given the
         drafter's log-prob for it and its rank among its siblings (0: the top token); all three broadcast."""
         return self.table[_depth_bucket(depth), np.minimum(rank, 1), _bin(np.exp(log_probs))]
+
+    def log_accept_children(self, log_probs: np.ndarray, depth: np.ndarray) -> np.ndarray:
+        """log_probs: [nodes, k], each row a node's top-k children best first; depth: [nodes], the children's depth.
+        Their log chances, scaled so that each row's chances sum to at most 1 (the target takes one token)."""
+        gain = self.log_accept(log_probs, depth[:, None], np.arange(log_probs.shape[1]))  # [nodes, k]
+        total = np.log(np.exp(gain).sum(axis=1, keepdims=True))
+        return (gain - np.maximum(total, 0.0)).astype(np.float32)
 
     def rate(self, p: float, depth: int = 1, rank: int = 0) -> float:
         return float(np.exp(self.log_accept(np.array([np.log(max(p, 1e-30))]), depth, rank)[0]))
@@ -76,9 +93,25 @@ class Acceptance:
         self._update_table()
 
     def _update_table(self) -> None:
-        pooled = (self.hits.sum(axis=0) + PRIOR * self.middle) / (self.seen.sum(axis=0) + PRIOR)  # over depths
-        rate = (self.hits + DEPTH_PRIOR * pooled) / (self.seen + DEPTH_PRIOR)
+        pooled = (self.hits.sum(axis=0) + PRIOR * self.middle) / (self.seen.sum(axis=0) + PRIOR)  # [rank, bin]
+        base = _logit(np.clip(pooled, FLOOR, 1 - FLOOR))
+        offset = self.depth_offset  # [depth bucket]: maximizes the buckets' penalized likelihood
+        for _ in range(DEPTH_STEPS):
+            rate = _sigmoid(base + offset[:, None, None])  # [depth bucket, rank, bin]
+            gradient = (self.hits - self.seen * rate).sum(axis=(1, 2)) - DEPTH_PRIOR * offset
+            curvature = (self.seen * rate * (1 - rate)).sum(axis=(1, 2)) + DEPTH_PRIOR
+            offset = offset + gradient / curvature
+        self.depth_offset = offset
+        rate = _sigmoid(base + offset[:, None, None])
         self.table = np.log(np.clip(rate, FLOOR, 1 - FLOOR)).astype(np.float32)
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    return np.log(p / (1 - p))
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-z))
 
 
 def _bin(p: np.ndarray) -> np.ndarray:

@@ -143,9 +143,9 @@ class Decoder:
                 finish = "context"
                 break
             started, passes = time.perf_counter(), self.target.passes
-            config = self._grow_config(room)
+            config = self._grow_config(room, max_tokens - stats.new_tokens)
             result = speculative_round(self.target, self.drafter, self.context, config, self.sampling, self.rng,
-                                       self.acceptance)
+                                       self.acceptance, stop_tokens)
             if self.policy is not None:
                 self.policy.observe(config, result)
             stats.rounds += 1
@@ -173,14 +173,20 @@ class Decoder:
         self._sync()
         yield Step(None, text.decode(b"", final=True), finish, stats)
 
-    def _grow_config(self, room: int) -> GrowConfig | None:
-        """The tree must fit the context left and one target pass."""
+    def _grow_config(self, room: int, wanted: int) -> GrowConfig | None:
+        """The tree must fit the context left and one target pass, and reaches no deeper than the reply can use:
+        a round yields its accepted path plus the target's own token, so `wanted` tokens need depth wanted - 1 at
+        most (the budget then goes to branches instead)."""
         config, room = self.grow_config, min(room, self.target.max_tree)
         if self.policy is not None:
             config = self.policy.choose(room)
             if config is not None:
                 config = dataclasses.replace(config, draft_temperature=self._draft_temperature())
-        if config is None or config.budget + 1 <= room:
+        if config is None:
+            return None
+        if config.max_depth >= wanted > 1:
+            config = dataclasses.replace(config, max_depth=wanted - 1)
+        if config.budget + 1 <= room:
             return config
         return dataclasses.replace(config, budget=room - 1) if room > 1 else None
 

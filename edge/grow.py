@@ -75,9 +75,10 @@ class GrowConfig:
         return cls(budget=budget, beams=beams, width=width, max_depth=budget, max_steps=steps, extend_prob=EXTEND_PROB)
 
 
-def grow(drafter: Drafter, root: int, config: GrowConfig,
-         acceptance: Acceptance | None = None) -> tuple[TokenTree, int]:
-    """Grow a tree under `root`; returns the kept tree and the number of drafter passes it took."""
+def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance | None = None,
+         stop_tokens: frozenset[int] = frozenset()) -> tuple[TokenTree, int]:
+    """Grow a tree under `root`; returns the kept tree and the number of drafter passes it took. Nodes carrying a
+    stop token are never expanded: the reply ends there, so the budget goes to other branches."""
     capacity = 1 + (config.max_steps * config.beams + config.max_passes - config.max_steps) * config.width
     extend_from = float(np.log(config.extend_prob)) if config.extend_prob else 0.0
     tokens = np.zeros(capacity, np.int32)
@@ -87,7 +88,8 @@ def grow(drafter: Drafter, root: int, config: GrowConfig,
     draft = np.zeros(capacity, np.float32)
     rank = np.zeros(capacity, np.int32)
     kept = np.zeros(capacity, bool)
-    expanded = np.zeros(capacity, bool)
+    expanded = np.zeros(capacity, bool)  # also set for stop tokens, which are never expanded
+    stops = np.fromiter(stop_tokens, np.int32, len(stop_tokens))
     tokens[0], score[0], kept[0] = root, 0.0, True
     n = 1
     expand_room = drafter.expand_capacity
@@ -117,10 +119,10 @@ def grow(drafter: Drafter, root: int, config: GrowConfig,
         depth[new] = np.repeat(depth[nodes] + 1, config.width)
         draft[new] = log_probs.ravel()
         rank[new] = np.tile(np.arange(ids.shape[1], dtype=np.int32), len(nodes))  # expand gives each row best first
-        gain = log_probs if acceptance is None else acceptance.log_accept(log_probs, depth[nodes, None] + 1,
-                                                                          np.arange(ids.shape[1]))
+        gain = log_probs if acceptance is None else acceptance.log_accept_children(log_probs, depth[nodes] + 1)
         score[new] = (score[nodes, None] + gain).ravel()
         kept[new] = True
+        expanded[new] = np.isin(tokens[new], stops)
         n += ids.size
         _keep_best(kept[:n], score[:n], depth[:n], config.budget)
     tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n], draft[:n], rank[:n]).subset(kept[:n])

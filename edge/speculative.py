@@ -59,9 +59,10 @@ class RoundResult:
 
 def speculative_round(target: Target, drafter: Drafter | None, context: Sequence[int], grow_config: GrowConfig | None,
                       sampling: SamplingConfig, rng: np.random.Generator,
-                      acceptance: Acceptance | None = None) -> RoundResult:
+                      acceptance: Acceptance | None = None, stop_tokens: frozenset[int] = frozenset()) -> RoundResult:
     """context: every committed token; its last one is the root. Without a drafter this is plain decoding.
-    `acceptance` (optional) ranks the tree's nodes by measured acceptance and learns from this round."""
+    `acceptance` (optional) ranks the tree's nodes by measured acceptance and learns from this round; the tree
+    grows nothing past `stop_tokens`."""
     start = time.perf_counter()
     if drafter is None or grow_config is None:
         tree, drafter_passes = TokenTree.root(context[-1]), 0
@@ -69,7 +70,7 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
         prefetch = getattr(target, "prefetch", None)  # a streamed target reads its weights while we draft
         if prefetch is not None:
             prefetch()
-        tree, drafter_passes = grow(drafter, context[-1], grow_config, acceptance)
+        tree, drafter_passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens)
     grown = time.perf_counter()
     logits = target.verify(tree)
     path, token = accept(tree, logits, sampling, context[:-1], rng)

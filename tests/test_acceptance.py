@@ -32,7 +32,7 @@ def test_rates_start_at_the_draft_probability_and_follow_the_target() -> None:
     for _ in range(40):  # the drafter's top token at p = 0.55 is always right, its runner-up never
         acceptance.observe(tree, [0, 1], 2)
     assert acceptance.rate(0.55) > 0.95 and acceptance.rate(0.35) < 0.05
-    assert acceptance.rate(0.05) == Acceptance().rate(0.05)  # bins never seen keep their prior
+    assert abs(acceptance.rate(0.05) - 0.05) < 0.02  # bins never seen stay near their prior
 
 
 def test_a_drafter_right_more_often_than_it_says_grows_a_chain() -> None:
@@ -93,3 +93,40 @@ def test_rates_are_kept_apart_for_the_top_token_and_runners_up() -> None:
     for _ in range(40):
         acceptance.observe(tree, [0, 1], 2)
     assert acceptance.rate(0.45, rank=0) > 0.95 and acceptance.rate(0.42, rank=1) < 0.05
+
+
+def test_a_depth_learns_from_every_bin_and_lends_its_offset_to_bins_it_has_not_seen() -> None:
+    """Deep in a path the top token at p = 0.75 is always taken, near the root a third of the time: a top token at
+    p = 0.55, never seen deep, is still rated higher there than near the root."""
+    acceptance = Acceptance()
+    shallow = TokenTree(np.array([1, 5], np.int32), np.array([-1, 0], np.int32), np.array([0, 1], np.int32),
+                        np.zeros(2, np.float32), np.log(np.array([1.0, 0.75], np.float32)))
+    deep = TokenTree(shallow.tokens, shallow.parents, np.array([0, 20], np.int32), shallow.score, shallow.draft)
+    at_055 = TokenTree(shallow.tokens, shallow.parents, shallow.depth, shallow.score,
+                       np.log(np.array([1.0, 0.55], np.float32)))
+    for i in range(60):
+        acceptance.observe(shallow, [0, 1] if i % 3 == 0 else [0], 2)
+        acceptance.observe(deep, [0, 1], 2)
+        acceptance.observe(at_055, [0, 1] if i % 2 else [0], 2)  # half the time, near the root only
+    assert acceptance.rate(0.75, depth=20) > 0.9 > 0.6 > acceptance.rate(0.75, depth=1)
+    assert acceptance.rate(0.55, depth=20) > acceptance.rate(0.55, depth=1) + 0.2
+
+
+def test_the_children_of_one_node_are_never_promised_more_than_certainty() -> None:
+    """The target takes one token at a node. Rounds where an unsure top token (p 0.45) was always taken and rounds
+    where a strong runner-up (p 0.42, under a top token of 0.55) was always taken rate both high; offered side by
+    side, the two get chances that sum to at most 1, in the same proportion."""
+    def node(top: float, runner_up: float) -> TokenTree:
+        return TokenTree(np.array([1, 5, 6], np.int32), np.array([-1, 0, 0], np.int32),
+                         np.array([0, 1, 1], np.int32), np.zeros(3, np.float32),
+                         np.log(np.array([1.0, top, runner_up], np.float32)), np.array([0, 0, 1], np.int32))
+
+    acceptance = Acceptance()
+    for _ in range(40):
+        acceptance.observe(node(0.45, 0.3), [0, 1], 3)
+        acceptance.observe(node(0.55, 0.42), [0, 2], 3)
+    draft = np.log(np.array([0.45, 0.42], np.float32))
+    raw = np.exp(acceptance.log_accept(draft, 1, np.arange(2)))
+    capped = np.exp(acceptance.log_accept_children(draft[None], np.array([1])))[0]
+    assert raw.sum() > 1.5
+    assert abs(capped.sum() - 1.0) < 1e-5 and abs(capped[0] / capped[1] - raw[0] / raw[1]) < 1e-4

@@ -86,6 +86,42 @@ def test_grow_tight_stop() -> None:
     assert passes <= 7
 
 
+def test_growth_never_expands_a_stop_token() -> None:
+    """The reply ends at a stop token, so nothing grows under it; the budget goes to the other branches."""
+    table = np.full((4, 4, 4), -50.0, np.float32)
+    table[:, :, 1], table[:, :, 2] = 10.0, 9.0  # token 1 is sure, its runner-up 2 next
+    drafter = TinyModel(table=table, n_vocab=4)
+    config = GrowConfig.for_budget(16)
+    plain, _ = grow(drafter, 3, config)
+    ended, _ = grow(drafter, 3, config, stop_tokens=frozenset({1}))
+    assert (plain.tokens[plain.parents[1:]] == 1).any()
+    assert not (ended.tokens[ended.parents[1:]] == 1).any()  # no node hangs under a stop token
+    assert len(ended) == len(plain) and ended.depth.max() > 1  # the budget went under token 2 instead
+
+
+def test_no_tree_reaches_past_the_replys_last_token() -> None:
+    """A reply that wants 5 more tokens takes them from one round of depth 4 (4 accepted + the target's own);
+    deeper nodes could never be used, so the depth is capped and the budget goes to branches."""
+    target = TinyModel(n_vocab=6, seed=2)
+    depths: list[int] = []
+
+    class Recorder:
+        def __init__(self, config: GrowConfig):
+            self.config = config
+
+        def choose(self, max_nodes: int) -> GrowConfig:
+            return self.config
+
+        def observe(self, config: GrowConfig | None, result) -> None:
+            depths.append(int(result.tree.depth.max()))
+
+    decoder = Decoder(target, target, policy=Recorder(GrowConfig.chain(16)))  # the target drafts itself: all taken
+    decoder.load([0, 1])
+    steps = list(decoder.generate(5, stop_tokens=frozenset()))
+    assert steps[-1].finish_reason == "length" and len(steps) == 6
+    assert depths == [4]
+
+
 def test_sampling_rules() -> None:
     logits = np.array([1.0, 3.0, 3.0, 0.0, -1.0], np.float32)
     assert draw(logits, SamplingConfig(), [], np.random.default_rng(0)) == 1  # greedy: lowest id on ties
