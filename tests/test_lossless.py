@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -15,8 +17,12 @@ from tests.conftest import prompt_tokens, prompts_for
 
 MAX_TOKENS = 128
 # Budget 255 with fewer, narrower drafter passes than the CLI default: still a full 256-node tree for the
-# target to verify (what losslessness depends on), at a third of the drafting time.
-GROW = {1: GrowConfig.for_budget(1), 16: GrowConfig.for_budget(16), 64: GrowConfig.for_budget(64),
+# target to verify (what losslessness depends on), at a third of the drafting time. 16 and 64 without the
+# one-node passes that extend a tree's best path past max_steps (up to `budget` passes a round): acceptance
+# does not depend on how deep a tree is, those passes only add drafting time here, and tests/test_engine.py
+# checks the extension itself.
+GROW = {1: GrowConfig.for_budget(1), 16: replace(GrowConfig.for_budget(16), extend_prob=None),
+        64: replace(GrowConfig.for_budget(64), extend_prob=None),
         255: GrowConfig(budget=255, beams=12, width=8, max_depth=16, max_steps=7)}
 
 
@@ -40,7 +46,8 @@ def generate(pair: LoadedPair, tokens: list[int], budget: int | None, sampling: 
     stats = steps[-1].stats
     assert stats.target_passes == stats.rounds  # exactly one target pass per round
     if budget == 255:
-        assert stats.tree_nodes >= 250 * stats.rounds  # the trees really were full
+        # the trees really were full, but for the last round or two, whose depth the reply's end caps
+        assert stats.tree_nodes >= 250 * (stats.rounds - 2)
     return [s.token for s in steps if s.finish_reason is None], decoder
 
 
@@ -74,10 +81,22 @@ def assert_caches_hold_exactly(pair: LoadedPair, decoder: Decoder) -> None:
         assert all(runner.ctx.seq_pos_max(seq) == -1 for seq in range(1, MAX_SEQ))
 
 
-def test_plain_decoding_equals_llama_cpp_python(pair: LoadedPair, plain_outputs: dict) -> None:
+def test_plain_decoding_equals_llama_cpp_python(pair: LoadedPair, plain_outputs: dict,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """An independent greedy decoder: llama-cpp-python's own Llama class, same file and KV settings."""
+    import llama_cpp.llama_cpp as native
     from llama_cpp import Llama, llama_get_logits_ith
 
+    from runtimes.llama_cpp._native import USE_EXTRA_BUFFERS
+
+    defaults = native.llama_model_default_params
+
+    def model_params():  # the weight buffers edge-spec uses (no AMX buffers where they crash)
+        params = defaults()
+        params.use_extra_bufts = USE_EXTRA_BUFFERS
+        return params
+
+    monkeypatch.setattr(native, "llama_model_default_params", model_params)
     llm = Llama(str(pair.target.model.path), n_ctx=1024, n_batch=512, type_k=30, type_v=30, flash_attn=True,
                 verbose=False)
     for text in prompts_for(pair):
