@@ -1,0 +1,57 @@
+"""How much of the target's own text a trimmed drafter head can propose: the share of the target's plain (greedy)
+tokens on a prompt set that lie outside each prepared K-token vocabulary.
+
+    python benchmarks/vocab_coverage.py --pair gemma3-270m --prompts benchmarks/text-prompts.txt --vocab 32768
+
+Every such token ends a round where a full-vocabulary drafter could have gone on: the drafter cannot propose it,
+so the target's pass emits it as its correction. The vocabularies are the ones `edge-spec prepare PAIR --vocab K`
+wrote (counted on the calibration prompts, not on these).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cli.loading import load_pair, resolve_pair
+from cli.main import prompt_for
+from edge.errors import UserError
+from edge.generate import Decoder
+from edge.registry import load_registry
+from edge.sources import vocab_path
+from quant.vocab import RankedVocab
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", required=True)
+    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--vocab", default="32768", help="comma-separated K of prepared vocabularies")
+    parser.add_argument("-n", type=int, default=128, help="tokens per prompt")
+    args = parser.parse_args()
+
+    spec = resolve_pair(load_registry(), args.pair, None, None, None)
+    sizes = [int(k) for k in args.vocab.split(",")]
+    vocabs = {k: set(RankedVocab.load(vocab_path(spec.target, k)).ids.tolist()) for k in sizes}
+    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr))
+    texts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+    plain = Decoder(loaded.target)
+    tokens: list[int] = []
+    for text in texts:
+        plain.reset()
+        plain.load(prompt_for(loaded, text, loaded.template is None))
+        tokens += [s.token for s in plain.generate(args.n) if s.token is not None]
+    print(f"{args.pair}: {len(tokens)} greedy tokens of the target over {len(texts)} prompts")
+    for k, ids in vocabs.items():
+        outside = sum(token not in ids for token in tokens)
+        print(f"  vocab {k}: {outside} outside ({100 * outside / len(tokens):.2f}%)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as error:
+        sys.exit(f"error: {error}")
