@@ -74,6 +74,25 @@ def replay(row: Row, drafter, prompt: list[int], reference: list[int], stop_toke
     drafter.truncate(0)
 
 
+def plain_replies(loaded, path: Path, n: int, sampling: SamplingConfig) -> tuple[list[list[int]], list[list[int]]]:
+    """Each prompt of the file (in the pair's chat template, or raw for a base model) and the target's plain reply
+    to it, up to `n` tokens; a stop token that ends a reply is part of it, as it is a new token in a run."""
+    texts = [line for line in path.read_text().splitlines() if line.strip()]
+    prompts = [prompt_for(loaded, text, loaded.template is None) for text in texts]
+    plain, replies = Decoder(loaded.target, sampling=sampling), []
+    for prompt in prompts:
+        plain.set_sampling(sampling)  # the same seed for every prompt, as edge-spec bench does
+        plain.reset()
+        plain.load(prompt)
+        steps = list(plain.generate(n))
+        tokens = [s.token for s in steps if s.token is not None]
+        if steps[-1].finish_reason == "stop":
+            tokens.append(int(plain.context[-1]))
+        replies.append(tokens)
+    plain.reset()
+    return prompts, replies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", required=True)
@@ -94,21 +113,9 @@ def main() -> None:
         getattr(drafter, "close", lambda: None)()  # one drafter at a time
         model = replace(spec.drafter, runtime="onnx", vocab=args.drafter_vocab)
         drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, print)
-    texts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
-    prompts = [prompt_for(loaded, text, loaded.template is None) for text in texts]
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed)
-    plain, stop_tokens = Decoder(loaded.target, sampling=sampling), loaded.target.stop_tokens
-    references = []
-    for prompt in prompts:
-        plain.set_sampling(sampling)  # the same seed for every prompt, as edge-spec bench does
-        plain.reset()
-        plain.load(prompt)
-        steps = list(plain.generate(args.n))
-        tokens = [s.token for s in steps if s.token is not None]
-        if steps[-1].finish_reason == "stop":
-            tokens.append(int(plain.context[-1]))  # the stop token counts as a new token, as in a run
-        references.append(tokens)
-    plain.reset()
+    prompts, references = plain_replies(loaded, args.prompts, args.n, sampling)
+    stop_tokens = loaded.target.stop_tokens
     budgets = [int(b) for b in args.budgets.split(",")]
     draft_temperature = args.temperature or GREEDY_DRAFT_TEMPERATURE  # what edge.generate.Decoder uses
     rows = [Row(method, budget, draft_temperature) for budget in budgets for method in args.methods.split(",")]

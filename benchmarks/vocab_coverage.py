@@ -16,11 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.tree_yield import plain_replies
 from cli.loading import load_pair, resolve_pair
-from cli.main import prompt_for
 from edge.errors import UserError
-from edge.generate import Decoder
 from edge.registry import load_registry
+from edge.sampling import SamplingConfig
 from edge.sources import vocab_path
 from quant.vocab import RankedVocab
 
@@ -37,14 +37,9 @@ def main() -> None:
     sizes = [int(k) for k in args.vocab.split(",")]
     vocabs = {k: set(RankedVocab.load(vocab_path(spec.target, k)).ids.tolist()) for k in sizes}
     loaded = load_pair(spec, lambda message: print(message, file=sys.stderr))
-    texts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
-    plain = Decoder(loaded.target)
-    tokens: list[int] = []
-    for text in texts:
-        plain.reset()
-        plain.load(prompt_for(loaded, text, loaded.template is None))
-        tokens += [s.token for s in plain.generate(args.n) if s.token is not None]
-    print(f"{args.pair}: {len(tokens)} greedy tokens of the target over {len(texts)} prompts")
+    prompts, replies = plain_replies(loaded, args.prompts, args.n, SamplingConfig())
+    tokens = [token for reply in replies for token in reply]
+    print(f"{args.pair}: {len(tokens)} greedy tokens of the target over {len(prompts)} prompts")
     for k, ids in vocabs.items():
         outside = sum(token not in ids for token in tokens)
         print(f"  vocab {k}: {outside} outside ({100 * outside / len(tokens):.2f}%)")

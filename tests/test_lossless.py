@@ -42,12 +42,16 @@ def generate(pair: LoadedPair, tokens: list[int], budget: int | None, sampling: 
     decoder = Decoder(pair.target, pair.drafter, GROW[budget] if budget else None, sampling)
     decoder.reset()
     decoder.load(tokens)
-    steps = list(decoder.generate(max_tokens))
-    stats = steps[-1].stats
+    steps, rounds, nodes = [], 0, 0
+    for step in decoder.generate(max_tokens):
+        stats = step.stats
+        if budget == 255 and stats.rounds != rounds:  # a round's first token: its tree is counted
+            # the trees really were full, where the reply's end did not cap their depth (edge.generate)
+            if max_tokens - (stats.new_tokens - 1) > GROW[255].max_depth:
+                assert stats.tree_nodes - nodes >= 250, f"round {stats.rounds}: {stats.tree_nodes - nodes} nodes"
+            rounds, nodes = stats.rounds, stats.tree_nodes
+        steps.append(step)
     assert stats.target_passes == stats.rounds  # exactly one target pass per round
-    if budget == 255:
-        # the trees really were full, but for the last round or two, whose depth the reply's end caps
-        assert stats.tree_nodes >= 250 * (stats.rounds - 2)
     return [s.token for s in steps if s.finish_reason is None], decoder
 
 
