@@ -1,6 +1,7 @@
 """`edge-spec prepare --vocab K`: count the target's own greedy completions of calibration prompts and keep
 the K most frequent tokens (plus the special ones) as a frequency-ranked vocabulary for a trimmed draft head.
-Tokens the run never says are ranked by how likely the target found them at the same positions."""
+Tokens the run never says are ranked in turn by how likely the target found them at the same positions and by
+the tokenizer's own frequency order."""
 
 from __future__ import annotations
 
@@ -74,10 +75,10 @@ def build_vocabs(loaded: LoadedPair, target: ModelSpec, sizes: list[int], prompt
     source = (f"{n_tokens} greedy tokens per prompt of {prompts_path.name} (sha256 {sha256_file(prompts_path)}, "
               f"{len(prompts)} prompts, {'chat template' if loaded.template else 'raw text'}), "
               f"target {target.source.describe()}{f' as {target.quantize}' if target.quantize else ''}; "
-              "unseen tokens ranked by the target's expected counts")
-    built = []
+              "unseen tokens ranked by the target's expected counts and the tokenizer's order in turn")
+    built, broad = [], model.tokenizer_order()
     for k in sizes:
-        vocab = RankedVocab(select(counts, k, special, scoring.expected), counts, model.n_vocab, source)
+        vocab = RankedVocab(select(counts, k, special, scoring.expected, broad), counts, model.n_vocab, source)
         path = vocab_path(target, k)
         vocab.save(path)
         built.append(BuiltVocab(k, path, vocab.coverage, int(counts.sum()), int(np.count_nonzero(counts))))

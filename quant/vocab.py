@@ -67,12 +67,16 @@ def count_tokens(sequences: Iterable[Sequence[int]], n_vocab: int) -> np.ndarray
     return counts
 
 
-def select(counts: np.ndarray, k: int, always: Iterable[int], prior: np.ndarray | None = None) -> np.ndarray:
+def select(counts: np.ndarray, k: int, always: Iterable[int], prior: np.ndarray | None = None,
+           broad: np.ndarray | None = None) -> np.ndarray:
     """Exactly `k` token ids, ascending: every id in `always`, then the others by count, then by `prior`
     (higher first; expected_counts over the same positions), then by lower id.
 
     K counts the specials too, so it is the trimmed head's row count. The prior ranks the tokens a short
-    calibration run never says, which fill most of a large K.
+    calibration run never says, which fill most of a large K. It only knows the calibration text's topics,
+    so with `broad` (token ids, most frequent first, from a much larger corpus: tokenizer_order) the unseen
+    tokens take turns: the prior's best, broad's best, the prior's next, ..., each token at the better of
+    its two places. Counted tokens still come before all unseen ones.
     """
     n_vocab = len(counts)
     keep = np.zeros(n_vocab, bool)  # [n_vocab]
@@ -87,8 +91,23 @@ def select(counts: np.ndarray, k: int, always: Iterable[int], prior: np.ndarray 
     # lexsort's last key is the primary one: count, then prior, then id.
     keys = (ids, -counts) if prior is None else (ids, -prior.astype(np.float64), -counts)
     ranked = np.lexsort(keys)
+    if broad is not None:
+        ranked = _take_turns(ranked, counts, np.asarray(broad, np.int64))
     keep[ranked[~keep[ranked]][: k - n_always]] = True
     return np.flatnonzero(keep).astype(np.int32)
+
+
+def _take_turns(ranked: np.ndarray, counts: np.ndarray, broad: np.ndarray) -> np.ndarray:
+    """`ranked` (every id, best first) with its unseen tail interleaved with `broad`'s order of those ids."""
+    if len(np.unique(broad)) != len(broad) or (len(broad) and (broad.min() < 0 or broad.max() >= len(counts))):
+        raise ValueError(f"broad must list distinct token ids below {len(counts)}")
+    seen = ranked[counts[ranked] > 0]
+    unseen = ranked[counts[ranked] == 0]
+    place = np.full(len(counts), np.iinfo(np.int64).max, np.int64)  # [n_vocab] turn at which each id comes up
+    place[unseen] = 2 * np.arange(len(unseen))
+    listed = broad[counts[broad] == 0]
+    place[listed] = np.minimum(place[listed], 2 * np.arange(len(listed)) + 1)
+    return np.concatenate([seen, unseen[np.argsort(place[unseen], kind="stable")]])
 
 
 def expected_counts(logits: np.ndarray) -> np.ndarray:

@@ -85,10 +85,11 @@ def _trimmed_head(pair: LoadedPair, size: int) -> np.ndarray:
     return select(counts, size, pair.target.model.special_tokens())
 
 
-def _onnx_drafter(pair: LoadedPair, vocab: int | None):
+def _onnx_drafter(pair: LoadedPair, vocab: int | None, head: np.ndarray | None = None):
     model = replace(_spec(pair.name).drafter, runtime="onnx", vocab=None)  # models.toml's, not the fixture's
     drafter_file = materialize(model, print)
-    head = None if vocab is None else _trimmed_head(pair, vocab)
+    if vocab is not None:
+        head = _trimmed_head(pair, vocab)
     return load_drafter(drafter_file, OnnxOptions(threads=2, n_ctx=pair.spec.ctx + 256), head)
 
 
@@ -133,6 +134,46 @@ def test_onnx_drafter_commit_keeps_the_accepted_path(smollm2: LoadedPair) -> Non
     assert drafter.kv.n_tokens + len(drafter.pending) == held + len(path)
     assert drafter.history[held:] + drafter.pending == tree.path_tokens(path)
     assert drafter.n_tree == 0 and (drafter.node_slot < 0).all()
+
+
+def test_trimmed_head_drafts_the_contexts_tokens_it_lacks(smollm2: LoadedPair,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A word the trimmed head does not keep is still drafted once the context holds it (extra_ids)."""
+    model = smollm2.target.model
+    tokens = model.tokenize("The cat sat on the mat. The dog sat on the rug. The cat sat on the", True, False)
+    full = _onnx_drafter(smollm2, None)
+    full.prefill(tokens[:-1])
+    ids, _ = full.expand(TokenTree.root(tokens[-1]), np.array([0]), 4)
+    top = int(ids[0, 0])
+    assert model.token_bytes(top) == b" cat"
+    head = np.array(sorted((set(range(4096)) | model.special_tokens()) - {top}), np.int32)
+    drafter = _onnx_drafter(smollm2, None, head)
+    drafter.prefill(tokens[:-1])
+    outside = [t for t in tokens[:-1] if t not in set(head.tolist())]
+    assert list(drafter.extra) == list(dict.fromkeys(reversed(outside)))[::-1]  # each once, by its last time
+    assert top in drafter.extra
+    ids, log_probs = drafter.expand(TokenTree.root(tokens[-1]), np.array([0]), 4)
+    assert ids[0, 0] == top and np.all(np.diff(log_probs[0]) <= 0)
+    assert set(ids[0].tolist()) <= set(head.tolist()) | set(drafter.extra)
+    # Cut back to before the context said " cat": the head cannot propose it again.
+    drafter.truncate(tokens.index(top))
+    assert top not in drafter.extra
+    drafter.truncate(0)
+    assert not drafter.extra
+    other = model.tokenize("The dog sat on the rug. The cat sat on the", True, False)[:-1]
+    drafter.prefill(other)
+    assert top in drafter.extra
+    drafter.truncate(0)
+    drafter.prefill(model.tokenize("A dog sat on the", True, False)[:-1])
+    ids, _ = drafter.expand(TokenTree.root(tokens[-1]), np.array([0]), 8)
+    assert top not in ids[0]
+    # Only the newest MAX_EXTRA are kept.
+    from runtimes.onnx import models
+
+    monkeypatch.setattr(models, "MAX_EXTRA", 2)
+    drafter.truncate(0)
+    drafter.prefill(tokens[:-1])
+    assert list(drafter.extra) == list(dict.fromkeys(reversed(outside)))[::-1][-2:]
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,22 @@ def test_select_ranks_by_count_then_prior_then_id() -> None:
     assert select(counts, 6, always=[], prior=np.arange(8.0)[::-1] * 100).tolist() == [1, 2, 3, 4, 5, 6]
 
 
+def test_select_lets_the_broad_order_take_turns_with_the_prior_for_unseen_tokens() -> None:
+    counts = np.array([0, 0, 3, 0, 0, 0, 0, 1])
+    prior = np.array([0.0, 0.9, 0, 0.8, 0.7, 0.1, 0.2, 0])  # unseen by prior: 1, 3, 4, 6, 5, 0
+    broad = np.array([5, 2, 0, 4, 6, 1])  # 3 and 7 not listed (say, unused slots)
+    # counted first (2, 7), then in turn: prior 1, broad 5, prior 3, broad 0 (2 is counted), prior 4, broad 6
+    assert select(counts, 3, always=[], prior=prior, broad=broad).tolist() == [1, 2, 7]
+    assert select(counts, 4, always=[], prior=prior, broad=broad).tolist() == [1, 2, 5, 7]
+    assert select(counts, 6, always=[], prior=prior, broad=broad).tolist() == [0, 1, 2, 3, 5, 7]
+    assert select(counts, 7, always=[], prior=prior, broad=broad).tolist() == [0, 1, 2, 3, 4, 5, 7]
+    assert select(counts, 4, always=[6], prior=prior, broad=broad).tolist() == [1, 2, 6, 7]  # always within K
+    with pytest.raises(ValueError, match="distinct token ids below 8"):
+        select(counts, 4, always=[], prior=prior, broad=np.array([1, 1]))
+    with pytest.raises(ValueError, match="distinct token ids below 8"):
+        select(counts, 4, always=[], prior=prior, broad=np.array([8]))
+
+
 @pytest.mark.parametrize("prior", [np.zeros(7), np.array([0, 0, 0, np.nan, 0, 0, 0, 0])])
 def test_select_rejects_a_prior_that_does_not_fit(prior: np.ndarray) -> None:
     with pytest.raises(ValueError, match="one finite value per token"):
@@ -187,7 +203,8 @@ def test_prepare_vocab(smollm2: LoadedPair, model_cache: Path, tmp_path: Path) -
     assert len(specials) == 17 and {model.eos, model.bos, 0} <= specials  # <|endoftext|>, <|im_start|>, <|im_end|>
     assert specials <= set(vocab.ids.tolist())
     assert "8 greedy tokens per prompt of prompts.txt" in vocab.source and "SmolLM2-135M-Instruct" in vocab.source
-    assert vocab.source.endswith("; unseen tokens ranked by the target's expected counts")
+    assert vocab.source.endswith("; unseen tokens ranked by the target's expected counts and the tokenizer's order "
+                                 "in turn")
     # The counts are exactly the target's own greedy completions, the prompt not included.
     decoder, completions = Decoder(smollm2.target), []
     for prompt in prompts:
@@ -207,8 +224,13 @@ def test_prepare_vocab(smollm2: LoadedPair, model_cache: Path, tmp_path: Path) -
             tree = TokenTree.root(token)
             expected += expected_counts(target.verify(tree))
             target.commit(tree, [0])
-    assert vocab.ids.tolist() == select(vocab.counts, 512, specials, expected).tolist()
-    assert vocab.ids.tolist() != select(vocab.counts, 512, specials).tolist()  # not merely the lowest ids
+    # In turn with them, the tokenizer's own order: ordinary tokens only, its merges in order (a BPE vocabulary).
+    broad = model.tokenizer_order()
+    assert len(broad) == model.n_vocab - len(specials) and not set(broad.tolist()) & specials
+    assert model.token_bytes(int(broad[0])) == b"!" and np.all(np.diff(broad) > 0)  # SmolLM2: scores all equal
+    assert vocab.ids.tolist() == select(vocab.counts, 512, specials, expected, broad).tolist()
+    for other in (select(vocab.counts, 512, specials), select(vocab.counts, 512, specials, expected)):
+        assert vocab.ids.tolist() != other.tolist()  # neither the lowest ids nor the prior alone
 
 
 @pytest.mark.parametrize(("flags", "fragment"), [

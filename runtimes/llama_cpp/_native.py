@@ -171,6 +171,17 @@ class Model:
         named = (self.bos, self.eos, ll.llama_vocab_eot(self._vocab))
         return frozenset(found | self.eog_tokens() | {t for t in named if t >= 0})
 
+    def tokenizer_order(self) -> np.ndarray:
+        """int64 ids of the ordinary (normal and byte) tokens, most frequent first by the tokenizer's own
+        ranking: its scores (a unigram model's log-probabilities, or minus the merge rank) and then its ids
+        (a BPE vocabulary numbers its merges in order). The tokenizer was trained on a far larger corpus than
+        any calibration run, so this ranks the long tail a calibration never sees."""
+        ordinary = ll.LLAMA_TOKEN_ATTR_NORMAL | ll.LLAMA_TOKEN_ATTR_BYTE
+        ids = np.array([t for t in range(self.n_vocab) if ll.llama_vocab_get_attr(self._vocab, t) & ordinary
+                        and not ll.llama_vocab_get_attr(self._vocab, t) & ll.LLAMA_TOKEN_ATTR_UNUSED], np.int64)
+        scores = np.array([ll.llama_vocab_get_score(self._vocab, int(t)) for t in ids], np.float64)
+        return ids[np.lexsort((ids, -scores))]
+
 
 class Context:
     """A llama.cpp context: one unified KV cache shared by up to MAX_SEQ sequences."""

@@ -31,7 +31,7 @@ class OnnxOptions:
     n_ctx: int = 4096
 
 
-GRAPH_VERSION = 4  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
+GRAPH_VERSION = 5  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
 
 
 def _variant(role: str, head_ids: np.ndarray | None) -> str:
@@ -86,6 +86,8 @@ def load_drafter(gguf: Path, options: OnnxOptions, head_ids: np.ndarray | None =
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
     drafter = OnnxDrafter(session, arch, kv)
     drafter.vocab = arch.n_vocab if head_ids is None else len(head_ids)
+    if head_ids is not None:
+        drafter.trim_head(head_ids, arch.n_vocab)
     return drafter
 
 
@@ -103,4 +105,6 @@ def load_quantspec(target_gguf: Path, drafter_gguf: Path, options: OnnxOptions, 
     target = OnnxTarget(target_session, arch, kv, tokenizer, stop_tokens, options.n_ctx)
     drafter = OnnxDrafter(drafter_session, GGUFWeights(drafter_gguf).arch, kv, shared=True)
     drafter.vocab = arch.n_vocab if head_ids is None else len(head_ids)
+    if head_ids is not None:
+        drafter.trim_head(head_ids, arch.n_vocab)
     return target, drafter

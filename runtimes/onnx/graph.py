@@ -8,6 +8,8 @@ One run of the graph processes n new tokens against the cached ones. Inputs (T =
     mask_swa [n, T] float32        the same with the sliding window applied (gemma3 only)
     output_rows [m] int64          rows whose head is computed (prefill needs only the last)
     top_k [1] int64                (topk outputs only)
+    extra_ids [E] int64            (trimmed heads only) context tokens outside the kept vocabulary, scored too
+    extra_mask [E] float32         0, or -inf for a padding entry (E >= 1)
     k_codes, k_scale, k_min        the quantized part (Q tokens), as quant.kv stores it   (quantized KV only)
     v_codes, v_scale, v_min
     k_win, v_win [W, L, kvh, d]    committed tokens in the FP16 window (float32 in the reference graph)
@@ -109,6 +111,7 @@ class DecoderBuilder:
     def __init__(self, weights: GGUFWeights, options: GraphOptions):
         self.w, self.arch, self.opt = weights, weights.arch, options
         self.g = _Graph()
+        self.tables: dict[str, tuple[str, str, int]] = {}  # gather tables stored so far: data, scales, bits
 
     # --- pieces -------------------------------------------------------------------------------------------
 
@@ -161,16 +164,40 @@ class DecoderBuilder:
         g, opt, table = self.g, self.opt, self.w.get("token_embd.weight")  # [V, H]
         if opt.weights == "f32":
             self.embedding = table
-            x = g.op("Gather", g.weight("token_embd", table), ids, axis=0)
-        else:
-            packed = self.quantize(table, "token_embd.weight", symmetric_only=True)
-            data = packed.packed.reshape(table.shape[0], -1)
-            scales = packed.scales.reshape(table.shape[0], -1)
-            x = g.op("GatherBlockQuantized", g.weight("token_embd.q", data), ids, g.weight("token_embd.s", scales),
-                     domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=opt.block, bits=packed.bits)
+        x = self.gather_rows("token_embd", "token_embd.weight", table, ids)
         if self.arch.embed_scale != 1.0:
             x = g.op("Mul", x, g.const(self.arch.embed_scale, np.float32))
         return x
+
+    def gather_rows(self, name: str, source: str, table: np.ndarray, ids: str) -> str:
+        """Rows `ids` of a [V, H] table (the embedding, or an untied head), 8-bit blocks in the int4 graph; the
+        table is stored once however often its rows are gathered."""
+        g, opt = self.g, self.opt
+        if name not in self.tables and opt.weights == "f32":
+            self.tables[name] = (g.weight(name, table), "", 0)
+        elif name not in self.tables:
+            packed = self.quantize(table, source, symmetric_only=True)
+            data, scales = (a.reshape(table.shape[0], -1) for a in (packed.packed, packed.scales))
+            self.tables[name] = (g.weight(name + ".q", data), g.weight(name + ".s", scales), packed.bits)
+        data, scales, bits = self.tables[name]
+        if opt.weights == "f32":
+            return g.op("Gather", data, ids, axis=0)
+        return g.op("GatherBlockQuantized", data, ids, scales, domain="com.microsoft", gather_axis=0, quantize_axis=1,
+                    block_size=opt.block, bits=bits)
+
+    def context_rows(self, x: str, logits: str, head_name: str) -> tuple[str, str]:
+        """A trimmed head's logits [m, K] joined by those of `extra_ids` [E]: tokens of the context outside the
+        kept K (the drafter's runtime lists them; extra_mask is 0, or -inf for padding). A prompt's rare words
+        come back in its reply, and a trimmed head could never propose them. Returns the joined logits
+        [m, K + E] and the full-vocabulary id of each column [K + E]."""
+        g = self.g
+        extra = g.input("extra_ids", TensorProto.INT64, ["E"])
+        extra_mask = g.input("extra_mask", TensorProto.FLOAT, ["E"])
+        source = "token_embd" if head_name == "token_embd.weight" else "head_rows"  # tied heads read the embedding
+        rows = self.gather_rows(source, head_name, self.w.get(head_name), extra)  # [E, H]
+        extra_logits = g.op("Add", g.op("MatMul", x, g.op("Transpose", rows, perm=[1, 0])), extra_mask)  # [m, E]
+        ids = g.op("Concat", g.const(np.asarray(self.opt.head_ids, np.int64)), extra, axis=0)
+        return g.op("Concat", logits, extra_logits, axis=-1), ids
 
     def rope_tables(self, base: float, scale: float) -> tuple[str, str]:
         """cos, sin [T, d/2] for positions 0..T-1 (every position a token of this run can have)."""
@@ -389,10 +416,13 @@ class DecoderBuilder:
         if opt.outputs == "logits":
             g.output(logits, "logits", F, ["m", head.shape[0]])
         else:
+            column_ids = None
+            if opt.head_ids is not None:
+                logits, column_ids = self.context_rows(x, logits, head_name)
             log_probs = g.op("LogSoftmax", logits, axis=-1)
             values, index = g.op("TopK", log_probs, top_k, axis=-1, largest=1, sorted=1, n_out=2)
-            if opt.head_ids is not None:
-                index = g.op("Gather", g.const(np.asarray(opt.head_ids, np.int64)), index, axis=0)
+            if column_ids is not None:
+                index = g.op("Gather", column_ids, index, axis=0)
             g.output(index, "top_ids", I64, ["m", "k"])
             g.output(values, "top_log_probs", F, ["m", "k"])
         return g.model()

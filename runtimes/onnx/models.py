@@ -24,6 +24,9 @@ CATCH_UP = 64  # more pending tokens than this run as a prefill before the root 
 
 PREFILL_CHUNK = 256
 MAX_TREE = 256
+# A trimmed head also scores up to this many of the context's tokens outside its vocabulary (the newest ones):
+# each costs one gathered row and one column of the head per pass.
+MAX_EXTRA = 512
 
 
 class _OnnxModel:
@@ -38,6 +41,28 @@ class _OnnxModel:
         self.n_tree = 0
         self.history: list[int] = []  # the tokens in self.kv (the writer's view; unused by a shared reader)
         self.passes = 0
+        self.in_head: np.ndarray | None = None  # bool [n_vocab]: a trimmed head's rows (None: the full head)
+        self.extra: dict[int, None] = {}  # the context's tokens outside those rows, oldest first
+
+    def trim_head(self, head_ids: np.ndarray, n_vocab: int) -> None:
+        """The graph's head keeps only `head_ids`; the context's other tokens are scored beside them (extra_ids)."""
+        self.in_head = np.zeros(n_vocab, bool)
+        self.in_head[head_ids] = True
+        self._pad = np.asarray(head_ids[:1], np.int64)  # E >= 1: a padding column, masked out
+
+    def _note(self, tokens: np.ndarray) -> None:
+        """Remembers the tokens the trimmed head lacks, the newest MAX_EXTRA of them."""
+        for token in tokens[~self.in_head[tokens]].tolist():
+            self.extra.pop(token, None)
+            self.extra[token] = None
+        for token in list(self.extra)[: max(0, len(self.extra) - MAX_EXTRA)]:
+            del self.extra[token]
+
+    def _extra_feeds(self) -> dict[str, np.ndarray]:
+        if not self.extra:
+            return {"extra_ids": self._pad, "extra_mask": np.full(1, -np.inf, np.float32)}
+        return {"extra_ids": np.fromiter(self.extra, np.int64, len(self.extra)),
+                "extra_mask": np.zeros(len(self.extra), np.float32)}
 
     @property
     def n_past(self) -> int:
@@ -78,6 +103,9 @@ class _OnnxModel:
             "v_tree": self.tree_v[:slots],
             **(kv.views() if through == kv.n_quant else kv.views_through(through)),
         }
+        if self.in_head is not None:
+            self._note(feeds["input_ids"])
+            feeds.update(self._extra_feeds())
         if self.arch.has_swa:
             key_pos = np.concatenate([committed_pos, self.tree_pos[:slots], positions])
             far = positions[:, None] - key_pos[None, :] >= self.arch.swa_window
@@ -142,6 +170,9 @@ class OnnxDrafter(_OnnxModel):
         else:
             self.pending = []
             self._truncate_kv(n)
+        if self.in_head is not None:  # the context's rare tokens are those of what is left
+            self.extra = {}
+            self._note(np.asarray([*self.history, *self.pending], np.int64))
 
     def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if self.n_tree + len(nodes) > self.expand_capacity + 1:  # +1: the root's slot
