@@ -1,10 +1,12 @@
 """Frequency-ranked vocabularies (VocabTrim / FR-Spec): the K tokens a trimmed draft head keeps.
 
 Count the tokens the target itself generates on calibration prompts, keep the K most frequent plus the
-special and control tokens no calibration text shows (the many tokens never generated are ranked by the
-target's expected counts at the same positions), and save the ids with the counts and what was counted.
+special and control tokens no calibration text shows (the many tokens never generated are ranked in turn by
+the target's expected counts at the same positions and by the tokenizer's own order), and save the ids with the
+counts and what was counted.
 A drafter whose head has only those K rows costs K/n_vocab of the full head; the output stays the
-target's (acceptance is lossless for any drafter), only tokens outside the set can never be drafted.
+target's (acceptance is lossless for any drafter), only tokens outside the set are never drafted unless the
+context holds them (the ONNX drafter scores those too: runtimes/onnx/graph.py, context_rows).
 """
 
 from __future__ import annotations
