@@ -56,12 +56,7 @@ def replay(row: Row, drafter, prompt: list[int], reference: list[int], stop_toke
         start = time.perf_counter()
         tree, passes = grow(drafter, context[-1], config, row.acceptance, stop_tokens)
         row.grow_s += time.perf_counter() - start
-        path = [0]
-        while done + len(path) - 1 < len(reference):
-            child = tree.child(path[-1], reference[done + len(path) - 1])
-            if child is None:
-                break
-            path.append(child)
+        path = accepted_path(tree, reference, done)
         accepted = len(path) - 1
         row.depths.append(int(tree.depth.max()))
         new = min(accepted + 1, len(reference) - done)
@@ -72,6 +67,17 @@ def replay(row: Row, drafter, prompt: list[int], reference: list[int], stop_toke
         context += reference[done: done + new]
         done += new
     drafter.truncate(0)
+
+
+def accepted_path(tree, reference: list[int], done: int) -> list[int]:
+    """The nodes from the root along `reference` (the target's text, `done` tokens of it already decoded)."""
+    path = [0]
+    while done + len(path) - 1 < len(reference):
+        child = tree.child(path[-1], reference[done + len(path) - 1])
+        if child is None:
+            break
+        path.append(child)
+    return path
 
 
 def plain_replies(loaded, path: Path, n: int, sampling: SamplingConfig) -> tuple[list[list[int]], list[list[int]]]:

@@ -1,0 +1,125 @@
+"""Tree against chain round by round, from the same state: where a greedy tree of a budget yields less than a
+chain drafting as many tokens, replayed against the target's own text (as benchmarks/tree_yield.py does).
+
+    python benchmarks/tree_rounds.py --pair smollm2-135m --prompts benchmarks/chat-prompts.txt --budget 16
+
+Every round grows a chain and then a tree from the same drafter state, counts what each accepts of the target's
+text, and goes on along the tree's path. It prints how many rounds each won, the tree's top-token depth, and the
+drafter's consistency: how far one node's log-probs move when its pass also holds a masked sibling slot (a tree
+pass) against the same node run as a chain runs it. A drafter whose outputs move there rounds near-ties
+differently in a tree than the chain and the target's own plain decoding did (docs/performance.md, "Where the
+greedy tree loses").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.tree_yield import accepted_path, plain_replies
+from cli.loading import load_pair, resolve_pair
+from edge.acceptance import Acceptance
+from edge.generate import GREEDY_DRAFT_TEMPERATURE
+from edge.grow import GrowConfig, grow
+from edge.registry import load_registry
+from edge.sampling import SamplingConfig
+from edge.tree import TokenTree
+
+
+def capped(config: GrowConfig, wanted: int) -> GrowConfig:
+    """As edge.generate.Decoder does: no tree reaches past the reply's last token."""
+    return config if not config.max_depth >= wanted > 1 else replace(config, max_depth=wanted - 1)
+
+
+def top_depth(tree: TokenTree) -> int:
+    """How deep the drafter's top-token path runs inside the tree."""
+    node, depth = 0, 0
+    while True:
+        children = np.flatnonzero(tree.parents == node)
+        top = children[tree.rank[children] == 0]
+        if len(top) == 0:
+            return depth
+        node, depth = int(top[0]), depth + 1
+
+
+def masked_slot_shift(drafter, prompt: list[int], width: int = 8) -> float:
+    """Largest log-prob difference for the root's top child expanded after a masked sibling ran, against alone."""
+    def tree(tokens: list[int]) -> TokenTree:
+        parents = np.array([-1] + [0] * (len(tokens) - 1), np.int32)
+        depth = np.array([0] + [1] * (len(tokens) - 1), np.int32)
+        return TokenTree(np.array(tokens, np.int32), parents, depth, np.zeros(len(tokens), np.float32))
+
+    outputs = []
+    for sibling in (None, True):
+        drafter.truncate(0)
+        drafter.prefill(prompt[:-1])
+        ids, _ = drafter.expand(TokenTree.root(prompt[-1]), np.array([0]), 2)
+        first, second = (int(t) for t in ids[0])
+        if sibling:
+            both = tree([prompt[-1], first, second])
+            drafter.expand(both, np.array([2]), width)
+            outputs.append(drafter.expand(both, np.array([1]), width))
+        else:
+            outputs.append(drafter.expand(tree([prompt[-1], first]), np.array([1]), width))
+    drafter.truncate(0)
+    (ids_a, lp_a), (ids_b, lp_b) = outputs
+    common = np.intersect1d(ids_a[0], ids_b[0])
+    a = {int(t): float(v) for t, v in zip(ids_a[0], lp_a[0], strict=True)}
+    b = {int(t): float(v) for t, v in zip(ids_b[0], lp_b[0], strict=True)}
+    return max(abs(a[int(t)] - b[int(t)]) for t in common)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", required=True)
+    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("-n", type=int, default=64, help="tokens per prompt")
+    args = parser.parse_args()
+
+    spec = resolve_pair(load_registry(), args.pair, None, None, None)
+    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr))
+    drafter, stops = loaded.drafter, loaded.target.stop_tokens
+    prompts, references = plain_replies(loaded, args.prompts, args.n, SamplingConfig())
+    tree_config = replace(GrowConfig.for_budget(args.budget), draft_temperature=GREEDY_DRAFT_TEMPERATURE)
+    chain_config = replace(GrowConfig.chain(args.budget), draft_temperature=GREEDY_DRAFT_TEMPERATURE)
+    acceptance = Acceptance()
+    rounds = []  # (tree accepted, chain accepted, tree's top-token depth)
+    for prompt, reference in zip(prompts, references, strict=True):
+        drafter.truncate(0)
+        drafter.prefill(prompt[:-1])
+        context, done = list(prompt), 0
+        while done < len(reference):
+            wanted = len(reference) - done
+            chain, _ = grow(drafter, context[-1], capped(chain_config, wanted), None, stops)
+            chain_accepted = len(accepted_path(chain, reference, done)) - 1
+            drafter.truncate(len(context) - 1)  # forget the chain's slots; the next grow starts at the root again
+            tree, _ = grow(drafter, context[-1], capped(tree_config, wanted), acceptance, stops)
+            path = accepted_path(tree, reference, done)
+            rounds.append((len(path) - 1, chain_accepted, top_depth(tree)))
+            if done + len(path) - 1 < len(reference):
+                acceptance.observe(tree, path, reference[done + len(path) - 1])
+            drafter.commit(tree, path)
+            new = min(len(path), wanted)
+            context += reference[done: done + new]
+            done += new
+    tree_won = sum(t > c for t, c, _ in rounds)
+    chain_won = sum(c > t for t, c, _ in rounds)
+    print(f"{args.pair}, budget {args.budget}, {len(prompts)} prompts x {args.n} tokens, greedy, {len(rounds)} rounds")
+    tree_mean, chain_mean = (np.mean([r[i] for r in rounds]) for i in (0, 1))
+    print(f"  accepted per round: tree {tree_mean:.2f}, chain {chain_mean:.2f} (from the same state); "
+          f"rounds won: tree {tree_won}, chain {chain_won}")
+    print(f"  tree's top-token depth: {np.mean([r[2] for r in rounds]):.1f} (the chain's: up to {args.budget})")
+    shifts = [masked_slot_shift(drafter, prompt) for prompt in prompts]
+    print(f"  a node's log-probs with a masked sibling slot in its pass against alone: largest shift "
+          f"{max(shifts):.4f}, median {np.median(shifts):.4f} over {len(prompts)} prompts")
+
+
+if __name__ == "__main__":
+    main()
