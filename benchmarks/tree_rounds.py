@@ -32,11 +32,6 @@ from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
 
 
-def capped(config: GrowConfig, wanted: int) -> GrowConfig:
-    """As edge.generate.Decoder does: no tree reaches past the reply's last token."""
-    return config if not config.max_depth >= wanted > 1 else replace(config, max_depth=wanted - 1)
-
-
 def top_depth(tree: TokenTree) -> int:
     """How deep the drafter's top-token path runs inside the tree."""
     node, depth = 0, 0
@@ -97,10 +92,10 @@ def main() -> None:
         context, done = list(prompt), 0
         while done < len(reference):
             wanted = len(reference) - done
-            chain, _ = grow(drafter, context[-1], capped(chain_config, wanted), None, stops)
+            chain, _ = grow(drafter, context[-1], chain_config.within_reply(wanted), None, stops)
             chain_accepted = len(accepted_path(chain, reference, done)) - 1
             drafter.truncate(len(context) - 1)  # forget the chain's slots; the next grow starts at the root again
-            tree, _ = grow(drafter, context[-1], capped(tree_config, wanted), acceptance, stops)
+            tree, _ = grow(drafter, context[-1], tree_config.within_reply(wanted), acceptance, stops)
             path = accepted_path(tree, reference, done)
             rounds.append((len(path) - 1, chain_accepted, top_depth(tree)))
             if done + len(path) - 1 < len(reference):

@@ -52,7 +52,7 @@ def replay(row: Row, drafter, prompt: list[int], reference: list[int], stop_toke
     context, done = list(prompt), 0
     while done < len(reference):
         wanted = len(reference) - done
-        config = row.config if not row.config.max_depth >= wanted > 1 else replace(row.config, max_depth=wanted - 1)
+        config = row.config.within_reply(wanted)
         start = time.perf_counter()
         tree, passes = grow(drafter, context[-1], config, row.acceptance, stop_tokens)
         row.grow_s += time.perf_counter() - start

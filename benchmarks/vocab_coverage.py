@@ -3,7 +3,8 @@ tokens on a prompt set that lie outside each prepared K-token vocabulary.
 
     python benchmarks/vocab_coverage.py --pair gemma3-270m --prompts benchmarks/text-prompts.txt --vocab 32768
 
-Every such token ends a round where a full-vocabulary drafter could have gone on: the drafter cannot propose it,
+Every such token ends a round where a full-vocabulary drafter could have gone on, unless the context already
+holds it (the ONNX drafter scores the context's tokens beside its head): otherwise the drafter cannot propose it,
 so the target's pass emits it as its correction. The vocabularies are the ones `edge-spec prepare PAIR --vocab K`
 wrote (counted on the calibration prompts, not on these).
 """

@@ -174,9 +174,8 @@ class Decoder:
         yield Step(None, text.decode(b"", final=True), finish, stats)
 
     def _grow_config(self, room: int, wanted: int) -> GrowConfig | None:
-        """The tree must fit the context left and one target pass, and reaches no deeper than the reply can use:
-        a round yields its accepted path plus the target's own token, so `wanted` tokens need depth wanted - 1 at
-        most (the budget then goes to branches instead)."""
+        """The tree must fit the context left and one target pass, and reaches no deeper than the reply can use
+        (GrowConfig.within_reply)."""
         config, room = self.grow_config, min(room, self.target.max_tree)
         if self.policy is not None:
             config = self.policy.choose(room)
@@ -184,8 +183,7 @@ class Decoder:
                 config = dataclasses.replace(config, draft_temperature=self._draft_temperature())
         if config is None:
             return None
-        if config.max_depth >= wanted > 1:
-            config = dataclasses.replace(config, max_depth=wanted - 1)
+        config = config.within_reply(wanted)
         if config.budget + 1 <= room:
             return config
         return dataclasses.replace(config, budget=room - 1) if room > 1 else None

@@ -12,7 +12,7 @@ through the drafter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -49,6 +49,11 @@ class GrowConfig:
     @property
     def max_passes(self) -> int:
         return self.max_steps if self.extend_prob is None else max(self.max_steps, self.budget)
+
+    def within_reply(self, wanted: int) -> GrowConfig:
+        """No deeper than a reply that `wanted` more tokens end can use: a round yields its accepted path plus the
+        target's own token, so depth wanted - 1 at most (the budget then goes to branches instead)."""
+        return replace(self, max_depth=wanted - 1) if self.max_depth >= wanted > 1 else self
 
     @classmethod
     def chain(cls, length: int) -> GrowConfig:

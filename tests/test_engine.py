@@ -120,6 +120,9 @@ def test_no_tree_reaches_past_the_replys_last_token() -> None:
     steps = list(decoder.generate(5, stop_tokens=frozenset()))
     assert steps[-1].finish_reason == "length" and len(steps) == 6
     assert depths == [4]
+    config = GrowConfig.for_budget(64)
+    assert config.within_reply(5).max_depth == 4 and config.within_reply(5).budget == 64
+    assert config.within_reply(1) is config and config.within_reply(config.max_depth + 1) is config
 
 
 def test_sampling_rules() -> None:

@@ -176,9 +176,9 @@ class Model:
         ranking: its scores (a unigram model's log-probabilities, or minus the merge rank) and then its ids
         (a BPE vocabulary numbers its merges in order). The tokenizer was trained on a far larger corpus than
         any calibration run, so this ranks the long tail a calibration never sees."""
-        ordinary = ll.LLAMA_TOKEN_ATTR_NORMAL | ll.LLAMA_TOKEN_ATTR_BYTE
-        ids = np.array([t for t in range(self.n_vocab) if ll.llama_vocab_get_attr(self._vocab, t) & ordinary
-                        and not ll.llama_vocab_get_attr(self._vocab, t) & ll.LLAMA_TOKEN_ATTR_UNUSED], np.int64)
+        ordinary, unused = ll.LLAMA_TOKEN_ATTR_NORMAL | ll.LLAMA_TOKEN_ATTR_BYTE, ll.LLAMA_TOKEN_ATTR_UNUSED
+        attrs = np.array([ll.llama_vocab_get_attr(self._vocab, t) for t in range(self.n_vocab)], np.int64)
+        ids = np.flatnonzero((attrs & ordinary != 0) & (attrs & unused == 0)).astype(np.int64)
         scores = np.array([ll.llama_vocab_get_score(self._vocab, int(t)) for t in ids], np.float64)
         return ids[np.lexsort((ids, -scores))]
 

@@ -55,8 +55,8 @@ class _OnnxModel:
         for token in tokens[~self.in_head[tokens]].tolist():
             self.extra.pop(token, None)
             self.extra[token] = None
-        for token in list(self.extra)[: max(0, len(self.extra) - MAX_EXTRA)]:
-            del self.extra[token]
+        while len(self.extra) > MAX_EXTRA:
+            del self.extra[next(iter(self.extra))]
 
     def _extra_feeds(self) -> dict[str, np.ndarray]:
         if not self.extra:
