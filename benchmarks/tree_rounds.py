@@ -84,7 +84,7 @@ def main() -> None:
     prompts, references = plain_replies(loaded, args.prompts, args.n, SamplingConfig())
     tree_config = replace(GrowConfig.for_budget(args.budget), draft_temperature=GREEDY_DRAFT_TEMPERATURE)
     chain_config = replace(GrowConfig.chain(args.budget), draft_temperature=GREEDY_DRAFT_TEMPERATURE)
-    acceptance = Acceptance()
+    acceptance = Acceptance(greedy=True)
     rounds = []  # (tree accepted, chain accepted, tree's top-token depth)
     for prompt, reference in zip(prompts, references, strict=True):
         drafter.truncate(0)

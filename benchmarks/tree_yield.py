@@ -34,11 +34,11 @@ from edge.sampling import SamplingConfig
 
 
 class Row:
-    def __init__(self, method: str, budget: int, draft_temperature: float):
+    def __init__(self, method: str, budget: int, draft_temperature: float, greedy: bool):
         self.method, self.budget = method, budget
         config = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
         self.config = replace(config, draft_temperature=draft_temperature)
-        self.acceptance = Acceptance()  # one per row, kept across prompts, as a bench row's Decoder keeps it
+        self.acceptance = Acceptance(greedy)  # one per row, kept across prompts, as a bench row's Decoder keeps it
         self.tokens = self.rounds = self.passes = 0
         self.grow_s = 0.0
         self.depths: list[int] = []
@@ -124,7 +124,8 @@ def main() -> None:
     stop_tokens = loaded.target.stop_tokens
     budgets = [int(b) for b in args.budgets.split(",")]
     draft_temperature = args.temperature or GREEDY_DRAFT_TEMPERATURE  # what edge.generate.Decoder uses
-    rows = [Row(method, budget, draft_temperature) for budget in budgets for method in args.methods.split(",")]
+    methods = args.methods.split(",")
+    rows = [Row(method, budget, draft_temperature, not args.temperature) for budget in budgets for method in methods]
     for prompt, reference in zip(prompts, references, strict=True):
         for row in rows:
             replay(row, drafter, prompt, reference, stop_tokens)

@@ -100,7 +100,7 @@ class Decoder:
         self.rng = np.random.default_rng(sampling.seed)
         rules = dataclasses.replace(sampling, seed=None)
         if rules != self._acceptance_for:  # the rates the target accepts at depend on how it samples, not on the seed
-            self.acceptance, self._acceptance_for = Acceptance(), rules
+            self.acceptance, self._acceptance_for = Acceptance(greedy=sampling.greedy), rules
         if self.grow_config is not None:
             self.grow_config = dataclasses.replace(self.grow_config, draft_temperature=self._draft_temperature())
 

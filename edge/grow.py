@@ -65,19 +65,19 @@ class GrowConfig:
     def for_budget(cls, budget: int) -> GrowConfig:
         """Defaults that scale with the budget; budget <= 4 is a plain chain (beams = width = 1).
 
-        Narrow and deep: on a CPU a drafter pass costs nearly as much for 2 nodes as for 1, and tokens per pass
-        follow the tree's depth far more than its width, so few beams over more passes give the same tokens per
-        pass for much less drafting (docs/performance.md, "Tree shapes")."""
+        Narrow and deep: tokens per pass follow the tree's depth far more than its width (docs/performance.md,
+        "Tree shapes"). One node per drafter pass, the best one: its pass then reads exactly the keys a chain's pass
+        at that node reads, so it drafts what the chain would there (several nodes in a pass read each other's
+        masked keys, which rounds near-ties otherwise), and the tree's top path is the chain's. The width comes
+        free with each pass: a node's top `width` children are scored, and kept where they beat deeper nodes."""
         if budget < 1:
             raise UserError(f"--budget must be at least 1 (got {budget}); use --no-spec for plain decoding")
         if budget > MAX_LEAVES:
             raise UserError(f"--budget can be at most {MAX_LEAVES} (one target pass holds {MAX_LEAVES + 1} nodes)")
         if budget <= 4:
             return cls(budget=budget, beams=1, width=1, max_depth=budget, max_steps=budget)
-        beams = int(np.clip(round(budget**0.5 / 2), 2, 16))
-        width = 4
         steps = int(np.clip(round(2 * budget**0.5) - 2, 4, 24))
-        return cls(budget=budget, beams=beams, width=width, max_depth=budget, max_steps=steps, extend_prob=EXTEND_PROB)
+        return cls(budget=budget, beams=1, width=4, max_depth=budget, max_steps=steps, extend_prob=EXTEND_PROB)
 
 
 def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance | None = None,

@@ -136,6 +136,31 @@ def test_onnx_drafter_commit_keeps_the_accepted_path(smollm2: LoadedPair) -> Non
     assert drafter.n_tree == 0 and (drafter.node_slot < 0).all()
 
 
+def test_a_node_drafts_what_a_chain_drafts_there_whatever_its_siblings(smollm2: LoadedPair) -> None:
+    """A node's pass reads its ancestors' keys alone: with a sibling already run (its slot masked for the node), the
+    node's children and log-probs are bit-identical to the same node's in a chain, so a tree's top path is the
+    chain's token for token."""
+    drafter = _onnx_drafter(smollm2, None)
+    tokens = prompt_tokens(smollm2, prompts_for(smollm2)[0])
+
+    def tree_of(children: list[int]) -> TokenTree:
+        n = 1 + len(children)
+        return TokenTree(np.array([tokens[-1], *children], np.int32), np.array([-1] + [0] * len(children), np.int32),
+                         np.array([0] + [1] * len(children), np.int32), np.zeros(n, np.float32))
+
+    drafter.prefill(tokens[:-1])
+    ids, _ = drafter.expand(tree_of([]), np.array([0]), 4)
+    top, runner_up = int(ids[0, 0]), int(ids[0, 1])
+    drafter.expand(tree_of([runner_up, top]), np.array([1]), 4)  # the sibling runs first: its slot comes before
+    in_tree = drafter.expand(tree_of([runner_up, top]), np.array([2]), 4)
+    drafter.truncate(0)
+    drafter.prefill(tokens[:-1])
+    drafter.expand(tree_of([]), np.array([0]), 4)
+    in_chain = drafter.expand(tree_of([top]), np.array([1]), 4)
+    assert (in_tree[0] == in_chain[0]).all() and (in_tree[1] == in_chain[1]).all()
+    drafter.truncate(0)
+
+
 def test_trimmed_head_drafts_the_contexts_tokens_it_lacks(smollm2: LoadedPair,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A word the trimmed head does not keep is still drafted once the context holds it (extra_ids)."""

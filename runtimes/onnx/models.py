@@ -69,9 +69,11 @@ class _OnnxModel:
         return self.kv.n_tokens
 
     def _run(self, tokens: np.ndarray, positions: np.ndarray, sees_slots: np.ndarray, sees_new: np.ndarray,
-             rows: np.ndarray, top_k: int = 0, quantized: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """tokens, positions: [n]; sees_slots: [n, n_tree] bool; sees_new: [n, n] bool; rows: [m] outputs.
+             rows: np.ndarray, top_k: int = 0, quantized: np.ndarray | None = None,
+             slot_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """tokens, positions: [n]; sees_slots: [n, S] bool; sees_new: [n, n] bool; rows: [m] outputs.
 
+        slot_ids [S]: the tree slots the run reads, in slot order (default: all n_tree of them).
         quantized [n]: per new token, how many committed tokens it reads quantized (default: as they are now);
         more than now means the window's oldest groups are quantized ahead for those tokens (views_through).
         """
@@ -79,10 +81,16 @@ class _OnnxModel:
             # A lone query takes other matmul kernels (a GEMV path) whose sums round differently; a copy of it
             # as a second row keeps one token's results bit-identical to the same token inside a batch.
             out = self._run(np.repeat(tokens, 2), np.repeat(positions, 2), np.repeat(sees_slots, 2, axis=0),
-                            np.eye(2, dtype=bool), rows, top_k, None if quantized is None else np.repeat(quantized, 2))
+                            np.eye(2, dtype=bool), rows, top_k, None if quantized is None else np.repeat(quantized, 2),
+                            slot_ids)
             out["k_new"], out["v_new"] = out["k_new"][:1], out["v_new"][:1]
             return out
-        n, slots, kv = len(tokens), self.n_tree, self.kv
+        n, kv = len(tokens), self.kv
+        slots = self.n_tree if slot_ids is None else len(slot_ids)
+        if slot_ids is None:
+            tree_k, tree_v, tree_pos = self.tree_k[:slots], self.tree_v[:slots], self.tree_pos[:slots]
+        else:
+            tree_k, tree_v, tree_pos = self.tree_k[slot_ids], self.tree_v[slot_ids], self.tree_pos[slot_ids]
         through = kv.n_quant if quantized is None else int(quantized.max())
         committed = through + kv.n_window  # columns: quantized part (maybe ahead), then the whole window
         committed_pos = np.concatenate([np.arange(through), kv.n_quant + np.arange(kv.n_window)])  # per column
@@ -99,15 +107,15 @@ class _OnnxModel:
             "mask": mask,
             "output_rows": rows.astype(np.int64, copy=False),
             "top_k": np.array([top_k], np.int64),
-            "k_tree": self.tree_k[:slots],
-            "v_tree": self.tree_v[:slots],
+            "k_tree": tree_k,
+            "v_tree": tree_v,
             **(kv.views() if through == kv.n_quant else kv.views_through(through)),
         }
         if self.in_head is not None:
             self._note(feeds["input_ids"])
             feeds.update(self._extra_feeds())
         if self.arch.has_swa:
-            key_pos = np.concatenate([committed_pos, self.tree_pos[:slots], positions])
+            key_pos = np.concatenate([committed_pos, tree_pos, positions])
             far = positions[:, None] - key_pos[None, :] >= self.arch.swa_window
             feeds["mask_swa"] = np.where(far, np.float32(-np.inf), mask)
         out = self.session.run(feeds)
@@ -202,6 +210,10 @@ class OnnxDrafter(_OnnxModel):
         return out
 
     def _run_nodes(self, tree: TokenTree, nodes: np.ndarray, k: int) -> dict[str, np.ndarray]:
+        """Runs `nodes` against their ancestors' slots alone. Other slots would be masked out, but fused
+        attention's sums round differently with more keys (by ~1e-7, which int8 activations amplify to ~0.1 nats):
+        a node would draft otherwise than the same token in a chain, so a one-node pass here reads exactly the keys a
+        chain's pass at that node reads, and a tree's top path is the chain's token for token (docs/performance.md)."""
         n = len(nodes)
         if len(tree) > len(self.node_slot):
             self.node_slot = np.concatenate([self.node_slot, np.full(len(tree), -1, np.int64)])
@@ -211,8 +223,10 @@ class OnnxDrafter(_OnnxModel):
             rows = np.flatnonzero(ancestors >= 0)
             sees_slots[rows, self.node_slot[ancestors[rows]]] = True
             ancestors[rows] = tree.parents[ancestors[rows]]
+        read = np.flatnonzero(sees_slots.any(axis=0))
         positions = self.base + tree.depth[nodes].astype(np.int64)
-        out = self._run(tree.tokens[nodes], positions, sees_slots, np.eye(n, dtype=bool), np.arange(n), k)
+        out = self._run(tree.tokens[nodes], positions, sees_slots[:, read], np.eye(n, dtype=bool), np.arange(n), k,
+                        slot_ids=read)
         parent_slots = self.node_slot[tree.parents[nodes]]
         self.node_slot[nodes] = self._add_slots(out, tree.tokens[nodes], positions, parent_slots)
         return out
