@@ -86,11 +86,9 @@ class _OnnxModel:
             out["k_new"], out["v_new"] = out["k_new"][:1], out["v_new"][:1]
             return out
         n, kv = len(tokens), self.kv
-        slots = self.n_tree if slot_ids is None else len(slot_ids)
-        if slot_ids is None:
-            tree_k, tree_v, tree_pos = self.tree_k[:slots], self.tree_v[:slots], self.tree_pos[:slots]
-        else:
-            tree_k, tree_v, tree_pos = self.tree_k[slot_ids], self.tree_v[slot_ids], self.tree_pos[slot_ids]
+        read = slice(0, self.n_tree) if slot_ids is None else slot_ids  # a slice passes views, ids gather copies
+        tree_k, tree_v, tree_pos = self.tree_k[read], self.tree_v[read], self.tree_pos[read]
+        slots = len(tree_pos)
         through = kv.n_quant if quantized is None else int(quantized.max())
         committed = through + kv.n_window  # columns: quantized part (maybe ahead), then the whole window
         committed_pos = np.concatenate([np.arange(through), kv.n_quant + np.arange(kv.n_window)])  # per column
@@ -226,7 +224,7 @@ class OnnxDrafter(_OnnxModel):
         read = np.flatnonzero(sees_slots.any(axis=0))
         positions = self.base + tree.depth[nodes].astype(np.int64)
         out = self._run(tree.tokens[nodes], positions, sees_slots[:, read], np.eye(n, dtype=bool), np.arange(n), k,
-                        slot_ids=read)
+                        slot_ids=None if len(read) == self.n_tree else read)  # a chain reads every slot: no copy
         parent_slots = self.node_slot[tree.parents[nodes]]
         self.node_slot[nodes] = self._add_slots(out, tree.tokens[nodes], positions, parent_slots)
         return out
