@@ -1,0 +1,93 @@
+"""How often the drafter's top-k holds the target's greedy token, along the target's own text: what any greedy tree
+can gain over a chain of the same size.
+
+    python benchmarks/draft_agreement.py --pair smollm2-135m --prompts benchmarks/chat-prompts.txt -n 128
+    python benchmarks/draft_agreement.py --pair gemma3-270m --prompts benchmarks/text-prompts.txt \
+        --drafter-vocab 32768 --target-dtype f16 -n 128
+
+The drafter reads each reply token by token (one node a pass, as a chain drafts), and at every position its top
+`--width` tokens are compared with the token the target chose there. A greedy tree can only beat the chain where
+the target's token is a runner-up: a runner-up kept at depth d is worth (chance to reach d) x (its rate), while
+the chain's last token of a budget B is worth about agreement^B. Where runner-ups are rarely right even in the
+drafter's least sure bins, the best tree of B nodes is the chain itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.tree_yield import plain_replies
+from cli.loading import load_pair, open_drafter, resolve_pair
+from edge.registry import load_registry
+from edge.sampling import SamplingConfig
+from edge.tree import TokenTree
+
+EDGES = [0.0, 0.3, 0.5, 0.7, 0.9, 0.98, 1.0001]  # bins of the drafter's probability for its top token
+
+
+def teacher_forced(drafter, prompt: list[int], reply: list[int], width: int) -> list[tuple[float, int]]:
+    """(the drafter's top probability, the target token's rank in its top `width`, or `width` when absent) for
+    every position of `reply`, the drafter reading the reply itself."""
+    drafter.truncate(0)
+    drafter.prefill(prompt[:-1])
+    context, rows = list(prompt), []
+    for token in reply:
+        root = TokenTree.root(context[-1])
+        ids, log_probs = drafter.expand(root, np.array([0]), width)
+        hits = np.flatnonzero(ids[0] == token)
+        rows.append((float(np.exp(log_probs[0, 0])), int(hits[0]) if len(hits) else width))
+        drafter.commit(root, [0])
+        context.append(token)
+    drafter.truncate(0)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", required=True)
+    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--drafter-vocab", type=int, default=None, help="an onnx drafter with this trimmed head")
+    parser.add_argument("--target-dtype", default=None, help="as in edge-spec bench (default: the pair's target)")
+    parser.add_argument("-n", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--width", type=int, default=4, help="children a tree scores per node")
+    args = parser.parse_args()
+
+    spec = resolve_pair(load_registry(), args.pair, None, None, None)
+    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), target_dtype=args.target_dtype)
+    drafter = loaded.drafter
+    if args.drafter_vocab:
+        getattr(drafter, "close", lambda: None)()
+        model = replace(spec.drafter, runtime="onnx", vocab=args.drafter_vocab)
+        drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, print)
+    prompts, replies = plain_replies(loaded, args.prompts, args.n, SamplingConfig())
+    rows = np.array([row for prompt, reply in zip(prompts, replies, strict=True)
+                     for row in teacher_forced(drafter, prompt, reply, args.width)])
+    top_p, rank = rows[:, 0], rows[:, 1].astype(int)
+    agreement = float(np.mean(rank == 0))
+    print(f"{args.pair}, {len(prompts)} prompts x {args.n} tokens ({len(rows)} positions), greedy: the drafter's top "
+          f"token is the target's {agreement:.2%} of the time; misses: {int(np.sum(rank == 1))} at rank 1, "
+          f"{int(np.sum((rank > 1) & (rank < args.width)))} at ranks 2-{args.width - 1}, "
+          f"{int(np.sum(rank == args.width))} outside the top {args.width}")
+    print(f"{'top p':>11s} {'positions':>9s} {'top right':>9s} {'rank 1':>7s} {'ranks 2+':>8s} {'absent':>7s}")
+    for low, high in itertools.pairwise(EDGES):
+        cell = rank[(top_p >= low) & (top_p < high)]
+        if len(cell):
+            print(f"{low:5.2f}-{min(high, 1):5.2f} {len(cell):9d} {np.mean(cell == 0):9.3f} {np.mean(cell == 1):7.3f} "
+                  f"{np.mean((cell > 1) & (cell < args.width)):8.3f} {np.mean(cell == args.width):7.3f}")
+    best_runner_up = max(np.mean(rank[(top_p >= lo) & (top_p < hi)] == 1)
+                         for lo, hi in itertools.pairwise(EDGES) if np.any((top_p >= lo) & (top_p < hi)))
+    chain_last = ", ".join(f"{b}: {agreement ** b:.2f}" for b in (16, 32, 64, 127))
+    print(f"a runner-up is right at most {best_runner_up:.3f} of the time in any bin; the chain's last token of a "
+          f"budget is worth about agreement^budget ({chain_last})")
+
+
+if __name__ == "__main__":
+    main()
