@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cli.loading import CALIBRATION_TEXT, load_pair, open_drafter, resolve_pair
+from cli.loading import CALIBRATION_TEXT, head_drafter, load_pair, resolve_pair
 from edge.registry import load_registry
 from offload.tuning import CANDIDATES, AutoBudget, measure_costs
 
@@ -34,11 +34,7 @@ def main() -> None:
     spec = resolve_pair(load_registry(), args.pair, None, None, None)
     loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), placement="ssd",
                        target_dtype=args.target_dtype)
-    drafter = loaded.drafter
-    if args.drafter_vocab:
-        getattr(drafter, "close", lambda: None)()  # one drafter at a time
-        model = replace(spec.drafter, runtime="onnx", vocab=args.drafter_vocab)
-        drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, print)
+    drafter = head_drafter(loaded, args.drafter_vocab)
     prefix = loaded.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
     costs = measure_costs(loaded.target, drafter, prefix, loaded.target.max_tree)
     print(json.dumps(costs.to_json()))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.tree_yield import plain_replies
-from cli.loading import load_pair, open_drafter, resolve_pair
+from cli.loading import head_drafter, load_pair, resolve_pair
 from edge.registry import load_registry
 from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
@@ -62,11 +61,7 @@ def main() -> None:
 
     spec = resolve_pair(load_registry(), args.pair, None, None, None)
     loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), target_dtype=args.target_dtype)
-    drafter = loaded.drafter
-    if args.drafter_vocab:
-        getattr(drafter, "close", lambda: None)()
-        model = replace(spec.drafter, runtime="onnx", vocab=args.drafter_vocab)
-        drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, print)
+    drafter = head_drafter(loaded, args.drafter_vocab)
     prompts, replies = plain_replies(loaded, args.prompts, args.n, SamplingConfig())
     rows = np.array([row for prompt, reply in zip(prompts, replies, strict=True)
                      for row in teacher_forced(drafter, prompt, reply, args.width)])
@@ -77,13 +72,13 @@ def main() -> None:
           f"{int(np.sum((rank > 1) & (rank < args.width)))} at ranks 2-{args.width - 1}, "
           f"{int(np.sum(rank == args.width))} outside the top {args.width}")
     print(f"{'top p':>11s} {'positions':>9s} {'top right':>9s} {'rank 1':>7s} {'ranks 2+':>8s} {'absent':>7s}")
+    best_runner_up = 0.0
     for low, high in itertools.pairwise(EDGES):
         cell = rank[(top_p >= low) & (top_p < high)]
         if len(cell):
+            best_runner_up = max(best_runner_up, float(np.mean(cell == 1)))
             print(f"{low:5.2f}-{min(high, 1):5.2f} {len(cell):9d} {np.mean(cell == 0):9.3f} {np.mean(cell == 1):7.3f} "
                   f"{np.mean((cell > 1) & (cell < args.width)):8.3f} {np.mean(cell == args.width):7.3f}")
-    best_runner_up = max(np.mean(rank[(top_p >= lo) & (top_p < hi)] == 1)
-                         for lo, hi in itertools.pairwise(EDGES) if np.any((top_p >= lo) & (top_p < hi)))
     chain_last = ", ".join(f"{b}: {agreement ** b:.2f}" for b in (16, 32, 64, 127))
     print(f"a runner-up is right at most {best_runner_up:.3f} of the time in any bin; the chain's last token of a "
           f"budget is worth about agreement^budget ({chain_last})")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cli.loading import load_pair, open_drafter, resolve_pair
+from cli.loading import head_drafter, load_pair, resolve_pair
 from cli.main import prompt_for
 from edge.generate import Decoder
 from edge.grow import GrowConfig
@@ -81,11 +81,7 @@ def main() -> None:
     spec = resolve_pair(load_registry(), args.pair, None, None, None)
     loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), placement="ssd",
                        target_dtype=args.target_dtype)
-    drafter = loaded.drafter
-    if args.drafter_vocab:
-        getattr(drafter, "close", lambda: None)()  # one drafter at a time
-        model = replace(spec.drafter, runtime="onnx", vocab=args.drafter_vocab)
-        drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, print)
+    drafter = head_drafter(loaded, args.drafter_vocab)
     if args.table != "auto":
         _place_table(loaded.target.streamer, first=args.table == "first")
     config = GrowConfig.for_budget(args.budget) if args.budget else None

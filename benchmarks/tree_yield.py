@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cli.loading import load_pair, open_drafter, resolve_pair
+from cli.loading import head_drafter, load_pair, resolve_pair
 from cli.main import prompt_for
 from edge.acceptance import Acceptance
 from edge.generate import GREEDY_DRAFT_TEMPERATURE, Decoder
@@ -114,11 +114,7 @@ def main() -> None:
 
     spec = resolve_pair(load_registry(), args.pair, None, None, None)
     loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), target_dtype=args.target_dtype)
-    drafter = loaded.drafter
-    if args.drafter_vocab:
-        getattr(drafter, "close", lambda: None)()  # one drafter at a time
-        model = replace(spec.drafter, runtime="onnx", vocab=args.drafter_vocab)
-        drafter = open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, print)
+    drafter = head_drafter(loaded, args.drafter_vocab)
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed)
     prompts, references = plain_replies(loaded, args.prompts, args.n, sampling)
     stop_tokens = loaded.target.stop_tokens

@@ -202,6 +202,18 @@ def open_drafter(spec: PairSpec, model: ModelSpec, target, threads: int | None, 
     return drafter
 
 
+def head_drafter(loaded, vocab: int | None):
+    """The loaded pair's drafter, or, with `vocab`, its ONNX drafter with a `vocab`-token head in its place (the
+    pair's own is closed first: one drafter at a time). For the benchmark scripts' --drafter-vocab."""
+    if not vocab:
+        return loaded.drafter
+    getattr(loaded.drafter, "close", lambda: None)()
+    from dataclasses import replace
+
+    model = replace(loaded.spec.drafter, runtime="onnx", vocab=vocab)
+    return open_drafter(loaded.spec, model, loaded.target, loaded.drafter_threads, 0, print)
+
+
 class _VocabOnly:
     """A drafter file's vocabulary, for check_same_vocab, without a llama.cpp context."""
 
