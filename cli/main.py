@@ -12,15 +12,16 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
+from cli.render import err, error, report, stats_line, warning
 from edge.errors import UserError
-from edge.registry import PROVIDERS, Registry, load_registry
+from edge.options import LoadOptions
+from models.registry import Registry, load_registry
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Run models larger than your memory at interactive speed: lossless tree speculative decoding.",
 )
-err = Console(stderr=True, highlight=False)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -31,8 +32,8 @@ def user_errors(command: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except UserError as error:
-            err.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+        except UserError as problem:
+            error(str(problem))
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
@@ -40,10 +41,6 @@ def user_errors(command: F) -> F:
 
 def registry(ctx: typer.Context) -> Registry:
     return load_registry(ctx.obj)
-
-
-def report(message: str) -> None:
-    err.print(f"[dim]{message}[/]", soft_wrap=True)
 
 
 @app.callback()
@@ -101,67 +98,23 @@ def sampling_config(temperature: float, top_k: int, top_p: float, min_p: float, 
                           repeat_penalty=repeat_penalty, seed=seed)
 
 
-def parse_budget(text: str | None) -> int | str | None:
-    if text is None or text == "auto":
-        return text
-    if not text.isdigit():
-        raise UserError(f"--budget takes a number of draft nodes or auto (got {text!r})")
-    from edge.grow import GrowConfig
-
-    GrowConfig.for_budget(int(text))  # the same limits, the same message
-    return int(text)
+def load(command: typer.Context, **options: Any):
+    """The pair the command's flags name (LoadOptions' fields), loaded where the plan puts it."""
+    return load_pair(LoadOptions(models_file=command.obj, **options))
 
 
-def load(ctx: typer.Context, pair: str | None, target: Path | None, drafter: Path | None, ctx_size: int | None,
-         budget: str | None, threads: int | None, gpu_layers: int, provider: str | None = None,
-         placement: str = "ram", mlock: bool = False, readahead: bool = True, target_dtype: str | None = None):
-    from cli.loading import load_pair, resolve_pair
+def load_pair(options: LoadOptions):
+    from models.pair import open_pair
 
-    if ctx_size is not None and ctx_size < 16:
-        raise UserError(f"--ctx must be at least 16 tokens (got {ctx_size})")
-    spec = resolve_pair(registry(ctx), pair, target, drafter, ctx_size)
-    if provider is not None and provider.lower() not in PROVIDERS:
-        raise UserError(f"--provider must be one of {', '.join(PROVIDERS)} (got {provider!r})")
-    if gpu_layers is None:
-        gpu_layers = planned_gpu_layers(ctx, spec)
-    return load_pair(spec, report, threads=threads, gpu_layers=gpu_layers, budget=parse_budget(budget),
-                     provider=provider.lower() if provider else None, placement=placement, mlock=mlock,
-                     readahead=readahead, target_dtype=target_dtype)
+    return open_pair(options, report)
 
 
-def planned_gpu_layers(ctx: typer.Context, spec) -> int:
-    """Apply `edge-spec plan`: refuse a pair that cannot run here (with the numbers), and give the target's GPU
-    layers when a GPU is visible. The rest of the plan is what loading does anyway (mmap'd weights, the kernel
-    streams what RAM cannot hold). Skipped while a model file is not here yet (it is fetched first)."""
-    from cli.loading import model_path
-    from offload.probe import probe_gpus
+def refuse_base_model(options: LoadOptions, what_to_do: str) -> None:
+    """A base model cannot chat: say so from its header, before a load of many seconds."""
+    from models.pair import is_base_model, resolve_spec
 
-    if any(path is None or not path.is_file() for path in (model_path(spec.target), model_path(spec.drafter))):
-        return 0
-    from cli.planning import make_plan
-
-    plan = make_plan(spec, None, registry(ctx).path)
-    if not probe_gpus():
-        return 0
-    report(f"plan: {plan.target.n_gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
-    return plan.target.n_gpu_layers
-
-
-def stats_line(stats) -> str:
-    return (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tok/s · {stats.tokens_per_pass:.2f} tokens/pass · "
-            f"draft {stats.draft_s:.2f}s · verify {stats.verify_s:.2f}s · {stats.target_passes} target passes")
-
-
-def prompt_for(loaded, text: str, raw: bool) -> list[int]:
-    from edge.chat import prompt_tokens
-
-    tokenizer = loaded.target.tokenizer
-    if raw:
-        return tokenizer.tokenize(text, add_special=True, parse_special=True)
-    if loaded.template is None:
-        raise UserError(f"{loaded.name} has no chat template (a base model): pass --raw to complete the prompt as-is")
-    rendered = loaded.template.render([{"role": "user", "content": text}])
-    return prompt_tokens(tokenizer, rendered, loaded.template.bos_token)
+    if is_base_model(options):
+        raise UserError(f"{resolve_spec(options)[0].name} has no chat template (a base model): {what_to_do}")
 
 
 @app.command()
@@ -197,29 +150,26 @@ def generate(
         raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
     sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     text = sys.stdin.read() if prompt == "-" else prompt
-    loaded = load(ctx, pair, target, drafter, ctx_size, budget, threads, gpu_layers, provider, placement, mlock,
-                  readahead, target_dtype)
-    if loaded.lossless_warning and not no_spec:
-        err.print(f"[yellow]warning:[/] {loaded.lossless_warning}", soft_wrap=True)
-    decoder = loaded.decoder(sampling, no_spec)
-    prefill_s = decoder.load(prompt_for(loaded, text, raw))
-    pieces, tokens = [], []
-    for step in decoder.generate(max_tokens):
-        pieces.append(step.text)
-        if step.token is not None and step.finish_reason is None:
-            tokens.append(step.token)
-        if not as_json:
+    import edge
+
+    options = LoadOptions(models_file=ctx.obj, pair=pair, target=target, drafter=drafter, ctx=ctx_size, budget=budget,
+                          threads=threads, gpu_layers=gpu_layers, provider=provider, placement=placement, mlock=mlock,
+                          readahead=readahead, target_dtype=target_dtype)
+    if not raw:
+        refuse_base_model(options, "pass --raw to complete the prompt as-is")
+    with load_pair(options) as loaded:
+        if loaded.lossless_warning and not no_spec:
+            warning(loaded.lossless_warning)
+        steps = edge.stream_generate(loaded, text, max_tokens=max_tokens, sampling=sampling, speculate=not no_spec,
+                                     raw=raw)
+        if as_json:
+            print(json.dumps(edge.Generation.from_steps(steps, loaded.lossless_warning).as_dict()))
+            return
+        for step in steps:
             sys.stdout.write(step.text)
             sys.stdout.flush()
-    step.stats.prefill_s = prefill_s
-    if as_json:
-        stats = step.stats.as_dict()
-        stats["draft_s"], stats["verify_s"] = round(step.stats.draft_s, 4), round(step.stats.verify_s, 4)
-        print(json.dumps({"text": "".join(pieces), "tokens": tokens, "finish_reason": step.finish_reason,
-                          "lossless_warning": loaded.lossless_warning, "stats": stats}))
-    else:
         sys.stdout.write("\n")
-        err.print(f"[dim]{stats_line(step.stats)}[/]")
+        err.print(f"[dim]{stats_line(step.stats)}[/]", soft_wrap=True)
 
 
 @app.command()
@@ -250,10 +200,14 @@ def chat(
     from cli.repl import run_chat
 
     sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    loaded = load(ctx, pair, None, None, ctx_size, budget, threads, gpu_layers, provider, placement, mlock, readahead)
-    if loaded.template is None:
-        raise UserError(f"{loaded.name} has no chat template (a base model): use `edge-spec generate --raw`")
-    run_chat(loaded, sampling, system, max_tokens, no_spec, err)
+    options = LoadOptions(models_file=ctx.obj, pair=pair, ctx=ctx_size, budget=budget, threads=threads,
+                          gpu_layers=gpu_layers, provider=provider, placement=placement, mlock=mlock,
+                          readahead=readahead)
+    refuse_base_model(options, "use `edge-spec generate --raw`")
+    with load_pair(options) as loaded:
+        if loaded.template is None:
+            raise UserError(f"{loaded.name} has no chat template (a base model): use `edge-spec generate --raw`")
+        run_chat(loaded, sampling, system, max_tokens, no_spec, err)
 
 
 @app.command()
@@ -263,7 +217,7 @@ def models(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """List the pairs in models.toml, where their files are, and whether they are here."""
-    from cli.loading import model_path
+    from models.sources import model_path
 
     reg = registry(ctx)
     listing = {}
@@ -291,7 +245,7 @@ def models(
 @user_errors
 def pull(ctx: typer.Context, pair: Annotated[str | None, typer.Argument(show_default=False)] = None) -> None:
     """Download a pair's model files (verified by sha256) into the cache."""
-    from edge.sources import fetch
+    from models.sources import fetch
 
     spec = registry(ctx).pair(pair)
     for role, model in (("target", spec.target), ("drafter", spec.drafter)):
@@ -314,12 +268,12 @@ def prepare(
     threads: ThreadsOpt = None,
 ) -> None:
     """Download a pair and build its prepared files (requantized target / drafter, --vocab vocabularies)."""
-    from cli.loading import materialize
+    from models.pair import materialize
 
     spec = registry(ctx).pair(pair)
     sizes: list[int] = []
     if vocab:
-        from cli.calibration import parse_vocab_sizes
+        from models.vocabulary import parse_vocab_sizes
 
         sizes = parse_vocab_sizes(vocab)
     elif prompts is not None or calibration_tokens is not None:
@@ -330,10 +284,18 @@ def prepare(
     for role, model in (("target", spec.target), ("drafter", spec.drafter)):
         print(f"{role}: {materialize(model, report)}")
     if sizes:
-        from cli.calibration import build_vocabs
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        loaded = load(ctx, spec.name, None, None, None, None, threads, 0)
-        for built in build_vocabs(loaded, spec.target, sizes, prompts, n_tokens, err):
+        from models.vocabulary import build_vocabs
+
+        columns = (TextColumn("calibrating {task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeRemainingColumn())
+        with load(ctx, pair=spec.name, threads=threads, gpu_layers=0) as loaded, \
+                Progress(*columns, console=err) as progress:
+            task = progress.add_task(f"{loaded.name} ({n_tokens} tokens per prompt)", total=None)
+            built_vocabs = build_vocabs(loaded, spec.target, sizes, prompts, n_tokens,
+                                        lambda done, total: progress.update(task, completed=done, total=total))
+        for built in built_vocabs:
             print(f"vocab {built.k}: {built.path} (coverage {built.coverage:.2%} of {built.counted} "
                   f"calibration tokens, {built.distinct} distinct)")
 
@@ -368,18 +330,19 @@ def bench(
                                               show_default=False)] = None,
 ) -> None:
     """Plain decoding vs chain and tree speculation on the same prompts, the same placement, in one run."""
-    from cli.benchmark import parse_budgets, parse_drafters, parse_methods, read_prompts, render_table, run_bench
+    from cli.benchmark import parse_budgets, parse_drafters, parse_methods, render_table
     from cli.benchmark import plot as plot_result
+    from models.bench import read_prompts, run_bench
 
     drafter_list = parse_drafters(drafters)
     budget_list = parse_budgets(budgets)
     method_list = parse_methods(methods)
     prompt_list = read_prompts(prompts)
     sampling = sampling_config(temperature, 0, 1.0, 0.0, 1.0, seed)
-    loaded = load(ctx, pair, None, None, ctx_size, None, threads, None, provider, placement, mlock, readahead,
-                  target_dtype)
-    result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list, threads,
-                       tuple(method_list))
+    with load(ctx, pair=pair, ctx=ctx_size, threads=threads, provider=provider, placement=placement, mlock=mlock,
+              readahead=readahead, target_dtype=target_dtype) as loaded:
+        result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list,
+                           tuple(method_list))
     result["readahead"] = readahead if placement == "ssd" else None
     if plot is not None:
         plot_result(result, plot)
@@ -398,7 +361,7 @@ def check(
     threads: ThreadsOpt = None,
 ) -> None:
     """Measure whether a target is batch-invariant here (the condition for bit-exact lossless speculation)."""
-    from cli.checking import run_check
+    from models.checking import run_check
 
     result = run_check(target.expanduser(), kv_type, threads, report)
     if as_json:
@@ -429,7 +392,8 @@ def plan(
     """Where each part of a pair goes (GPU, RAM, SSD) and what a target pass costs; loads and downloads nothing."""
     from dataclasses import replace
 
-    from cli.planning import make_plan, render_plan
+    from cli.planning import render_plan
+    from models.planning import make_plan
 
     if ctx_size is not None and ctx_size < 16:
         raise UserError(f"--ctx must be at least 16 tokens (got {ctx_size})")

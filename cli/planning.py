@@ -1,43 +1,12 @@
-"""`edge-spec plan`: a pair's shapes (GGUF headers of files already here, else models.toml facts), the machine
-(probed or described), and the plan as a table. Nothing is loaded or downloaded."""
+"""`edge-spec plan` rendered: the plan (models/planning.py) as a table and a few lines."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from cli.loading import model_path
-from edge.errors import UserError
-from edge.registry import ModelSpec, PairSpec
-from edge.sources import cache_dir, source_path
-from offload.plan import GIB, Machine, Plan, Shape, parse_machine, plan_pair, probe_here
-
-
-def make_plan(pair: PairSpec, machine: str | None, models_file: Path) -> Plan:
-    target_file = _local_file(pair.target)
-    target = model_shape(pair, "target", pair.target, models_file)
-    drafter = model_shape(pair, "drafter", pair.drafter, models_file)
-    here: Machine = parse_machine(machine) if machine is not None else probe_here(target_file or cache_dir() / "models")
-    return plan_pair(pair, target, drafter, here)
-
-
-def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) -> Shape:
-    """The model's shape from its file when it is here, else from models.toml facts; never downloads."""
-    path = _local_file(model)
-    if path is not None:
-        return Shape.from_gguf(path)
-    if model.facts is not None:
-        return Shape.from_facts(model.facts)
-    source = source_path(model.source)
-    if model.quantize and source is not None and source.is_file():
-        raise UserError(f"pair {pair.name}: the {role} is not prepared yet ({model.quantize} of {source.name}); "
-                        f"run `edge-spec prepare {pair.name}` first")
-    raise UserError(f"pair {pair.name}: the {role} file is not here and {models_file} gives no facts about it; "
-                    f"run `edge-spec prepare {pair.name}` (downloads it), or add {role}.size_gb, {role}.layers, "
-                    f"{role}.embd, {role}.kv_heads and {role}.head_dim to the pair")
+from offload.plan import GIB, Plan
 
 
 def render_plan(plan: Plan, console: Console) -> None:
@@ -63,13 +32,6 @@ def render_plan(plan: Plan, console: Console) -> None:
     ]
     for line in lines:
         console.print(line, soft_wrap=True, highlight=False, markup=False)
-
-
-def _local_file(model: ModelSpec) -> Path | None:
-    path = model_path(model)
-    return path if path is not None and path.is_file() else None
-
-
 
 
 def _settings(options: dict) -> str:

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
+from cli.render import error as report_error
+from cli.render import note, stats_line, warning
 from edge.chat import ChatSession
 from edge.errors import UserError
 from edge.generate import Stats
@@ -25,13 +27,13 @@ Ctrl-C stops a reply and keeps the chat. Multi-line input: start and end it with
 
 def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: int, no_spec: bool,
              err: Console) -> None:
-    decoder = loaded.decoder(sampling, no_spec)
+    decoder = loaded.decoder(sampling, speculate=not no_spec)
     session = ChatSession(decoder, loaded.template, loaded.target.tokenizer, system)
     interactive = sys.stdin.isatty()
     if interactive:
-        err.print(f"[dim]{loaded.name}: /help for commands, Ctrl-D to leave[/]")
+        note(f"{loaded.name}: /help for commands, Ctrl-D to leave")
         if loaded.lossless_warning:
-            err.print(f"[yellow]warning:[/] {loaded.lossless_warning}", soft_wrap=True)
+            warning(loaded.lossless_warning)
     totals = Stats()
     for text in _inputs(interactive):
         if text.startswith("/"):
@@ -41,7 +43,7 @@ def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: i
         try:
             stats = _reply(session, text, max_tokens, err, interactive)
         except UserError as error:  # e.g. the conversation no longer fits the context
-            err.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+            report_error(str(error))
             continue
         totals.add(stats)
 
@@ -53,9 +55,7 @@ def _reply(session: ChatSession, text: str, max_tokens: int, err: Console, inter
             sys.stdout.flush()
     sys.stdout.write("\n")
     note = " (interrupted)" if step.finish_reason == "interrupted" else ""
-    from cli.main import stats_line
-
-    err.print(f"[dim]{stats_line(step.stats)}{note}[/]")
+    err.print(f"[dim]{stats_line(step.stats)}{note}[/]", soft_wrap=True)
     return step.stats
 
 
@@ -124,9 +124,7 @@ def _command(text: str, session: ChatSession, totals: Stats, err: Console) -> bo
         note = "system prompt set, conversation cleared" if session.system else "system prompt removed"
         err.print(f"[dim]{note}[/]")
     elif name == "/stats":
-        from cli.main import stats_line
-
         err.print(f"[dim]session: {stats_line(totals)}[/]")
     else:
-        err.print(f"[bold red]error:[/] unknown command {name}; /help lists them", soft_wrap=True)
+        report_error(f"unknown command {name}; /help lists them")
     return True

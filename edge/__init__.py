@@ -1,2 +1,22 @@
-"""edge-spec's engine: token trees, SpecExec growth, lossless acceptance, the generation loop, chat, the
-model registry. Pure Python + numpy; models are reached only through the protocols in `edge.protocols`."""
+"""edge-spec: run models larger than your memory at interactive speed, with lossless tree speculative decoding.
+
+The library's calls (edge/api.py):
+
+    import edge
+    with edge.load("smollm2-135m") as pair:                      # or edge.load(target="big.gguf", drafter="small.gguf")
+        reply = edge.generate(pair, "Name three colors.", max_tokens=32)
+        print(reply.text, reply.stats.tokens_per_pass)
+
+The package is also the engine: token trees, SpecExec growth, lossless acceptance, sampling, the generation loop and
+chat sessions, in pure Python and numpy. It reaches models only through the protocols in `edge.protocols`; loading
+them is library code above it (models/), imported when `edge.load` first runs.
+"""
+
+from edge.api import Generation, generate, load, stream_generate
+from edge.errors import UserError
+from edge.generate import Stats, Step
+from edge.options import LoadOptions
+from edge.sampling import SamplingConfig
+
+__all__ = ["Generation", "LoadOptions", "SamplingConfig", "Stats", "Step", "UserError", "generate", "load",
+           "stream_generate"]

@@ -2,38 +2,25 @@
 measured on verified trees.
 
 Growth ranks nodes by the chance that the target reaches and accepts them. The drafter's own probability is a
-poor stand-in for that chance: a 4-bit drafter of the very model it drafts for is right far more often than its
-probabilities say, and a drafter of another family may be right less often. Ranked by raw probability, the tree
-spends its budget on siblings that are never taken, and a plain chain of the same number of tokens yields more
-per pass.
-
-So every verified round teaches a table. For each node on the accepted path the target's token there is known
-(the next node of the path, or the token the target drew where the path ends), and each child the tree offered
-under that node either carries it or not. Children are counted by
+poor stand-in for that chance (a 4-bit drafter of the very model it drafts for is right far more often than its
+probabilities say), so every verified round teaches a table. For each node on the accepted path the target's
+token there is known (the next node of the path, or the token the target drew where the path ends), and each
+child the tree offered under that node either carries it or not. Children are counted by
 - their draft probability (BIN_EDGES);
 - whether they are the drafter's top token or a runner-up: at p = 0.4 an unsure drafter's top token is taken
   far more often than a runner-up of the same probability;
-- their depth (DEPTH_EDGES): acceptances come in runs. A path that has survived 30 tokens is in text the
-  drafter finds easy, and its next token is taken more often than the average token of the same probability,
-  so a product of depth-blind rates would starve deep chains.
-The rates come from those counts in two parts. The shape in probability is each (rank, bin)'s rate over all
-depths, which shrinks towards the bin's own probability while it has few counts. Depth moves the log odds of
-every bin alike, by one offset per depth bucket fitted to that bucket's counts (and pulled towards 0). Rates
-kept cell by cell, each shrunk towards its rate over all depths, left the few counts of a deep cell to decide
-it: a deep near-tie seen four times could cost a deep path half its chance, and trees came out shallower than
-a chain of the same size. Older rounds fade by DECAY a round, so the rates follow the text.
-
-A node's children are exclusive (the target draws one token there), so the runner-ups' rates are scaled down to
-what the top token's rate leaves: rates learned bin by bin can otherwise promise a near-tie's top token and its
-runner-up 0.85 and 0.6 at once, and the runner-up's subtree then took budget from the deeper path that was taken.
-The top token keeps its own rate: it has by far the most counts, and scaling it down too (all children alike)
-cut the chance of the top path, which the target takes most rounds, at every near-tie it passed (measured on
-SmolLM2's greedy replays at budget 32: its top paths were accepted 451 times where their scores promised 335).
+- their depth (DEPTH_EDGES): acceptances come in runs, so a path that has survived 30 tokens is in text the
+  drafter finds easy, and depth-blind rates would starve deep chains.
+A rate is each (rank, bin)'s rate over all depths, shrunk towards the bin's own probability while it has few
+counts, with its log odds moved by one offset per depth bucket (fitted to that bucket's counts, pulled towards 0).
+Older rounds fade by DECAY a round, so the rates follow the text. A node's children are exclusive (the target
+draws one token there): the top token keeps its own rate, the runner-ups share what it leaves.
 
 Growth scores a child as its parent's score plus log(rate): a node's score is the log of its estimated chance to
 be accepted, and best-first growth builds the tree those rates make most productive: a chain where the drafter is
 reliably right, branches where it is not. Acceptance itself never looks at this table: output stays the
-target's whatever the tree's shape.
+target's whatever the tree's shape. The alternatives tried, with their figures: docs/performance.md,
+"Acceptance rates".
 """
 
 from __future__ import annotations

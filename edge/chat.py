@@ -7,11 +7,13 @@ message), never the whole history again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from edge.chat_template import ChatTemplate
 from edge.generate import Decoder, Step
 from edge.protocols import Tokenizer
+
+Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]  # text, chat messages ({"role", "content"}), token ids
 
 
 class ChatSession:

@@ -5,17 +5,26 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from edge.acceptance import Acceptance
 from edge.errors import UserError
 from edge.grow import GrowConfig
-from edge.protocols import BudgetPolicy, Drafter, Target
+from edge.protocols import Drafter, Target
 from edge.sampling import SamplingConfig
-from edge.speculative import speculative_round
+from edge.speculative import RoundResult, speculative_round
+
+
+class BudgetPolicy(Protocol):
+    """Chooses each round's tree shape (None: plain decoding) and learns from the round that ran."""
+
+    def choose(self, max_nodes: int) -> GrowConfig | None: ...  # a tree of at most max_nodes nodes, root included
+    def observe(self, config: GrowConfig | None, result: RoundResult) -> None: ...
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Stats:
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
     def as_dict(self) -> dict[str, float | int]:
+        """Every figure of a run, totals and per round: what --json prints and each bench row is made of."""
         rounds = max(self.rounds, 1)
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -60,6 +70,9 @@ class Stats:
             "grow_s": round(self.grow_s, 4),
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
+            "grow_s_per_round": round(self.grow_s / rounds, 5),
+            "draft_s_per_round": round(self.draft_s / rounds, 5),
+            "verify_s_per_round": round(self.verify_s / rounds, 5),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "plain_rounds": self.plain_rounds,
             "mean_budget": round(self.budget_sum / rounds, 1),
@@ -74,6 +87,9 @@ class Step:
     stats: Stats
 
 
+# Which decoder last loaded a prompt into a target's caches: a decoder reuses what the caches hold only if it was
+# the last to load them (several decoders may share one pair's models, as the benchmark rows and the library do).
+_last_loader: weakref.WeakKeyDictionary[Target, weakref.ref[Decoder]] = weakref.WeakKeyDictionary()
 GREEDY_DRAFT_TEMPERATURE = 0.5  # measured: tokens per pass 5.7 -> 6.3 at budget 64 (docs/performance.md)
 
 
@@ -115,6 +131,10 @@ class Decoder:
             raise UserError(f"the prompt is {len(tokens)} tokens but the context holds {self.target.n_ctx}: "
                             "shorten it, /clear the chat, or raise --ctx")
         start = time.perf_counter()
+        last = _last_loader.get(self.target)
+        if last is None or last() is not self:  # another decoder has used the caches since: start over
+            self.context = []
+        _last_loader[self.target] = weakref.ref(self)
         keep = min(_common_prefix(self.context, tokens), len(tokens) - 1, max(len(self.context) - 1, 0))
         for model in self._models():
             model.truncate(keep)

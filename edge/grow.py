@@ -40,10 +40,9 @@ class GrowConfig:
     # acceptance rates (edge/acceptance.py) take over.
     draft_temperature: float = 1.0
     # Past max_steps, keep extending the single best node, one pass at a time, while the target would reach and
-    # accept it with at least this chance (its score; None: stop at max_steps). A fixed number of passes caps the
-    # tree's depth, and a drafter that agrees with its target for long stretches (a 4-bit drafter of the same
-    # model) then wastes what it could get right: a chain of the budget's length yielded more tokens per pass than
-    # the tree. At most `budget` passes in all, what that chain takes.
+    # accept it with at least this chance (its score; None: stop at max_steps), up to `budget` passes in all (what
+    # a chain of the budget takes): a fixed number of passes would cap the depth that a drafter agreeing with its
+    # target for long stretches can use (docs/performance.md, "Tree against chain").
     extend_prob: float | None = None
 
     @property

@@ -7,15 +7,11 @@ which is the next tree's root. `commit` keeps the root plus the accepted path an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from edge.tree import TokenTree
-
-if TYPE_CHECKING:
-    from edge.grow import GrowConfig
-    from edge.speculative import RoundResult
 
 
 class Tokenizer(Protocol):
@@ -38,10 +34,14 @@ class Target(Protocol):
     def verify(self, tree: TokenTree) -> np.ndarray: ...  # [n_nodes, n_vocab] float32 view, ONE pass
     def commit(self, tree: TokenTree, path: list[int]) -> None: ...
     def truncate(self, n: int) -> None: ...  # keep the first n tokens of the KV cache
+    def close(self) -> None: ...  # free native memory; the model is unusable afterwards
     # Optional: `prefetch()`, called as a round starts growing its tree (a streamed target reads ahead).
 
 
 class Drafter(Protocol):
+    runtime: str  # the runtime it runs on ("llama_cpp", "onnx")
+    vocab: int  # the tokens its head scores (fewer than the target's when trimmed to the frequent ones)
+    n_past: int  # tokens in the KV cache
     expand_capacity: int  # the most nodes `expand` may be asked about in one round
 
     def prefill(self, tokens: Sequence[int]) -> None: ...
@@ -53,10 +53,6 @@ class Drafter(Protocol):
 
     def commit(self, tree: TokenTree, path: list[int]) -> None: ...
     def truncate(self, n: int) -> None: ...
+    def kv_bytes_per_token(self) -> float: ...
+    def close(self) -> None: ...
 
-
-class BudgetPolicy(Protocol):
-    """Chooses each round's tree shape (None: plain decoding) and learns from the round that ran."""
-
-    def choose(self, max_nodes: int) -> GrowConfig | None: ...  # a tree of at most max_nodes nodes, root included
-    def observe(self, config: GrowConfig | None, result: RoundResult) -> None: ...

@@ -1,7 +1,7 @@
 """Where each part of a pair goes on a machine (GPU layers, RAM, mmap from SSD), and what a target pass costs.
 
 `edge-spec plan` prints it before anything loads; `Plan.placement()` is what chat/generate/bench apply. The cost
-model is the one DESIGN.md argues from: a pass of an offloaded target costs the bytes it must move over the
+model (docs/plan.md, "The cost of a pass"): a pass of an offloaded target costs the bytes it must move over the
 bandwidth they move at, unless the arithmetic takes longer: t(n) = max(bytes / bandwidth, 2 * params * n / flops),
 summed over the layers on the GPU and the layers off it.
 """
@@ -12,10 +12,12 @@ import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from edge.errors import UserError
-from edge.registry import ModelFacts, ModelSpec, PairSpec
+
+if TYPE_CHECKING:
+    from models.registry import ModelFacts, ModelSpec, PairSpec
 
 GIB = 1024**3
 GB = 1e9
@@ -25,8 +27,8 @@ RAM_GBPS = 20.0  # GB/s a CPU streams weights from DRAM inside matmuls (dual-cha
 PCIE_GBPS = 25.0  # GB/s of host-to-GPU uploads: PCIe 4.0 x16 in practice (32 peak)
 DISK_GBPS = 2.0  # GB/s when the drive cannot be measured: a mid-range NVMe SSD under mmap page faults
 VRAM_GBPS = 500.0  # GB/s a GPU reads its own memory (RTX 3060: 360, RTX 4090: 1000)
-# Measured here (DESIGN.md, "Measured here"): SmolLM2-135M Q4_1 takes 587 ms for 256 tokens on 2 cores,
-# 2 * 135M * 256 / 0.587 s / 2 = 59 GFLOP/s per core (Q4_0's repacked kernels reach ~170).
+# SmolLM2-135M Q4_1 took 587 ms for 256 tokens on 2 cores: 2 * 135M * 256 / 0.587 s / 2 = 59 GFLOP/s per core
+# (Q4_0's repacked kernels reach ~170; docs/plan.md, "The constants").
 CPU_GFLOPS_PER_CORE = 60.0
 GPU_TFLOPS = 80.0  # effective fp16 tensor-core matmul rate of a consumer GPU (about half an RTX 4090's dense peak)
 DESCRIBED_CORES = 8  # cores of a described machine that does not say
@@ -209,8 +211,9 @@ def parse_machine(text: str) -> Machine:
     )
 
 
-def probe_here(model_file: Path | None) -> Machine:
-    """This machine: free RAM and VRAM now, and the measured read speed of the drive holding the model."""
+def probe_here(model_file: Path | None, cache_file: Path) -> Machine:
+    """This machine: free RAM and VRAM now, and the measured read speed of the drive holding the model (cached in
+    the JSON file `cache_file`)."""
     from offload.probe import GIB as PROBE_GIB
     from offload.probe import disk_read_gbps, probe_machine
 
@@ -220,7 +223,7 @@ def probe_here(model_file: Path | None) -> Machine:
         raise UserError("cannot tell how much RAM is free here; describe the machine: --machine ram=16G,disk=2GB/s")
     gpus = probed["gpus"]
     gpu = max(gpus, key=lambda g: g["vram_free_gb"]) if gpus else None  # one GPU: layers are not split across GPUs
-    disk = disk_read_gbps(_existing(model_file)) if model_file is not None else None
+    disk = disk_read_gbps(_existing(model_file), cache_file) if model_file is not None else None
     assumed = ("rambw",) + (("pcie",) if gpu else ()) + (() if disk else ("disk",))
     name = probed["cpu"] + (f" + {gpu['name']}" if gpu else "")
     return Machine(ram_free=int(ram_gb * PROBE_GIB), vram_free=int(gpu["vram_free_gb"] * PROBE_GIB) if gpu else 0,

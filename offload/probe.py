@@ -64,18 +64,15 @@ def machine_key(path: Path) -> str:
     return f"{socket.gethostname()}|dev {os.stat(path).st_dev}|{_cpu_name()}"
 
 
-def disk_read_gbps(path: Path, cache_file: Path | None = None, sample_bytes: int = DISK_SAMPLE_BYTES,
+def disk_read_gbps(path: Path, cache_file: Path, sample_bytes: int = DISK_SAMPLE_BYTES,
                    refresh: bool = False) -> float | None:
     """Read speed in GB/s (10^9 bytes) of the drive holding `path` (a model file, or a folder models go to).
 
-    Measured once per machine and drive, then read from a JSON cache; None when it cannot be measured."""
-    if cache_file is None:
-        from edge.sources import cache_dir
+    Measured once per machine and drive, then read from the JSON file `cache_file`; None when it cannot be
+    measured."""
+    from models.cache import read_json, write_json
 
-        cache_file = cache_dir() / "machine.json"
     key = machine_key(path)
-    from edge.sources import read_json, write_json
-
     cached = read_json(cache_file)
     entry = cached.get(key)
     if not refresh and isinstance(entry, dict) and "disk_read_gbps" in entry and entry.get("method") == DISK_METHOD:
@@ -118,9 +115,9 @@ DISK_METHOD = "mmap-populate"  # how the cached figure was measured; entries mea
 def _timed_read(path: Path, n_bytes: int) -> float:
     """GB/s reading the first n_bytes of `path` from the drive, not from the page cache.
 
-    The way llama.cpp's mmap'd weights are read (and offload/ssd.py reads them ahead): pages of a mapping
-    populated with MADV_POPULATE_READ after the file left the page cache (1 MiB O_DIRECT reads one at a time
-    reported well under what the streamer then reads at); O_DIRECT remains where madvise cannot do it.
+    Read the way llama.cpp's mmap'd weights are (and offload/ssd.py reads them ahead): pages of a mapping
+    populated with MADV_POPULATE_READ after the file left the page cache (docs/plan.md, "What it decides");
+    O_DIRECT reads where madvise cannot do it.
     """
     try:
         return _populate_read(path, n_bytes)
@@ -135,25 +132,16 @@ def _timed_read(path: Path, n_bytes: int) -> float:
 
 
 def _populate_read(path: Path, n_bytes: int) -> float:
-    import ctypes
+    from offload import libc
 
-    from offload.ssd import MADV_POPULATE_READ, load_libc
-
-    libc = load_libc()
     n_bytes = min(n_bytes, path.stat().st_size)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        address = libc.mmap(None, n_bytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if address in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap failed")
-        try:
+        with libc.mapped(fd, n_bytes) as address:
             start = time.perf_counter()
-            if libc.madvise(ctypes.c_void_p(address), n_bytes, MADV_POPULATE_READ) != 0:
-                raise OSError(ctypes.get_errno(), "MADV_POPULATE_READ failed")
+            libc.madvise(address, n_bytes, libc.MADV_POPULATE_READ)
             elapsed = time.perf_counter() - start
-        finally:
-            libc.munmap(ctypes.c_void_p(address), n_bytes)
     finally:
         os.close(fd)
     return n_bytes / max(elapsed, 1e-9) / 1e9

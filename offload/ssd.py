@@ -3,21 +3,20 @@
 On a machine whose RAM could hold the target, `--placement ssd` makes every target pass read the disk as it
 would for a model bigger than RAM: after each pass the target's weight pages are evicted
 (`madvise(MADV_DONTNEED)` unmaps them from llama.cpp's read-only mapping, then `posix_fadvise(DONTNEED)` drops
-them from the page cache; MADV_PAGEOUT did the same with more CPU time, which plain decoding paid on every
-token). The bytes the process really read from storage (/proc/self/io) prove it.
+them from the page cache). The bytes the process really read from storage (/proc/self/io) prove it.
 
 Overlap: while the drafter grows the next tree (speculative_round calls the target's `prefetch`), a thread
 reads the weights ahead with `madvise(MADV_POPULATE_READ)` on the target's own mapping, in the order the
 pass uses them (layer by layer; the embedding table as `readahead_order` says). That both reads the pages and
 maps them, so the pass neither waits on the disk nor takes a fault per page, and no byte is copied into
-Python; of the ways tried it read fastest with the least CPU (docs/performance.md). It does not run during
-plain decoding: racing the pass's own page faults, it made plain passes slower. As a pass starts, the
-embedding rows of its tokens are asked for all at once (`fetch_rows`), not one page fault after another.
+Python. It does not run during plain decoding, where it would race the pass's own page faults. As a pass
+starts, the embedding rows of its tokens are asked for all at once (`fetch_rows`), not one page fault after
+another. The ways of evicting and reading that were tried, measured: docs/performance.md, "The SSD regime".
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import os
 import re
 import threading
@@ -28,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-MADV_DONTNEED = 4  # unmap the pages from this process (a read-only file mapping: nothing is lost)
-MADV_POPULATE_READ = 22  # Linux >= 5.14: fault the pages in (reading them), as a read of each would
+from offload import libc
+from offload.libc import MADV_DONTNEED, MADV_POPULATE_READ
+
 READAHEAD_CHUNK = 16 << 20  # bytes per populate call: small enough to stop soon when cancelled
 HEAD_FIRST_SHARE = 0.25  # a tied embedding table up to this share of the weights is read ahead first
 
@@ -62,39 +62,19 @@ def mapped_ranges(path: Path) -> list[tuple[int, int, int]]:
 
 
 def resident_fraction(path: Path) -> float:
-    """Fraction of the file's pages in the page cache (mincore over a fresh read-only mapping)."""
-    import mmap
-
+    """Fraction of the file's pages in the page cache (mincore over a fresh read-only mapping); 0 where the OS
+    will not say."""
     size = Path(path).stat().st_size
     if size == 0:
         return 0.0
-    libc = load_libc()
-    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
     fd = os.open(path, os.O_RDONLY)
     try:
-        base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if base in (None, ctypes.c_void_p(-1).value):
-            return 0.0
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(ctypes.c_void_p(base), size, vec) != 0:
-                return 0.0
-            return float((np.frombuffer(vec, np.uint8) & 1).mean())
-        finally:
-            libc.munmap(ctypes.c_void_p(base), size)
+        with libc.mapped(fd, size) as address:
+            return float(libc.resident_pages(address, size).mean())
+    except OSError:
+        return 0.0
     finally:
         os.close(fd)
-
-
-def load_libc():
-    """libc with the argument types of the memory calls used here (mmap, munmap, madvise, mincore)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mmap.restype = ctypes.c_void_p
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
 
 
 @dataclass(frozen=True)
@@ -107,9 +87,9 @@ class TensorRange:
 
 def pass_order(path: Path) -> list[TensorRange]:
     """The file's tensor byte ranges in the order a forward pass reads them: layers 0..N, then the head."""
-    from gguf import GGUFReader
+    from runtimes.gguf_file import open_reader
 
-    reader = GGUFReader(path)
+    reader = open_reader(path)  # the header alone: a 262k-token vocabulary's strings are skipped, not parsed
     ranges = [TensorRange(t.name, int(t.data_offset), int(t.n_bytes), int(np.prod(t.shape[1:], dtype=np.int64)))
               for t in reader.tensors]
     del reader
@@ -151,7 +131,6 @@ class SsdStreamer:
     def __init__(self, path: Path, readahead: bool = True):
         self.path = Path(path)
         self.readahead = readahead
-        self._libc = load_libc()
         self._fd = os.open(self.path, os.O_RDONLY)
         self._maps = mapped_ranges(self.path)  # the target is loaded: its mapping stays put from here on
         order = pass_order(self.path) if readahead else []
@@ -175,7 +154,8 @@ class SsdStreamer:
 
     def _drop_pages(self) -> None:
         for start, end, _ in self._maps:
-            self._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+            with contextlib.suppress(OSError):  # raised in the eviction thread, it would leave wait_evicted hanging
+                libc.madvise(start, end - start, MADV_DONTNEED)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def after_pass(self) -> None:
@@ -247,8 +227,9 @@ class SsdStreamer:
             for address in range(start, end, READAHEAD_CHUNK):
                 if self._stop.is_set():
                     return
-                length = min(READAHEAD_CHUNK, end - address)
-                if self._libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_READ) != 0:
+                try:
+                    libc.madvise(address, min(READAHEAD_CHUNK, end - address), MADV_POPULATE_READ)
+                except OSError:
                     self.readahead = False  # an older kernel: the pass reads the disk itself
                     return
 

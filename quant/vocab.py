@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 
 from edge.errors import UserError
-from edge.sources import atomic_path
 
 _KEYS = {"ids", "counts", "n_vocab", "source"}
 
@@ -38,7 +37,9 @@ class RankedVocab:
 
     def save(self, path: Path) -> None:
         # Compressed: most of a large vocabulary's counts are 0. A file object, or numpy would append ".npz".
-        with atomic_path(path) as tmp, tmp.open("wb") as f:
+        # The caller makes the write atomic (models/vocabulary.py writes to a temporary name, then renames it).
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with Path(path).open("wb") as f:
             np.savez_compressed(f, ids=self.ids, counts=self.counts, n_vocab=np.int64(self.n_vocab),
                                 source=np.str_(self.source))
 

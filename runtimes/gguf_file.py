@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 import struct
 import sys
@@ -18,8 +19,8 @@ from edge.errors import UserError
 GGUF_MAGIC = b"GGUF"
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$", re.IGNORECASE)
 
-# Weight types whose llama.cpp CPU kernels gave bit-identical logits whatever the batch shape (token by
-# token vs one batch vs half and half; llama-cpp-python 0.3.36, AMD EPYC AVX-512; see DESIGN.md).
+# Weight types whose llama.cpp CPU kernels gave bit-identical logits whatever the batch shape (llama-cpp-python
+# 0.3.36, AMD EPYC AVX-512; docs/lossless.md, "In floating point: batch invariance").
 # Only these make tree verification exactly equal to plain decoding. Extend it only with a measurement.
 BATCH_INVARIANT_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 # KV cache types whose flash-attention path gave bit-identical logits for a token alone and inside a
@@ -41,6 +42,7 @@ class GGUFInfo:
     file_type: str | None  # general.file_type as a name, e.g. "MOSTLY_Q4_1"
     n_params: int
     file_size: int
+    vocab_digest: str  # sha256 of tokenizer.ggml.tokens as stored: two files with the same digest share a vocabulary
 
 
 class _Truncated(Exception):
@@ -134,11 +136,69 @@ def check_gguf(path: str | Path) -> GGUFInfo:
     return _read_info(path.resolve(), stat.st_size, stat.st_mtime_ns)
 
 
+def open_reader(path: str | Path) -> GGUFReader:
+    """A GGUFReader over the file that skips the vocabulary's strings (string arrays read as empty): the header in a
+    fraction of the stock reader's time, tensors and every scalar as usual; one clear line for a cut or bad file."""
+    info = check_gguf(path)
+    try:
+        return _HeaderReader(info.path)
+    except (_Truncated, ValueError, KeyError):
+        raise UserError(f"{info.path} is not a valid GGUF file; download or convert it again") from None
+
+
+@dataclass(frozen=True)
+class HeaderTensor:
+    name: str
+    shape: tuple[int, ...]  # GGUF order: the row length first
+    type_name: str  # e.g. "Q4_0"
+    n_elements: int
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """One parse of a file's header, kept per file (size and mtime) so that everything start-up asks of it, the
+    metadata, the shape for the plan and the architecture for the drafter's graph, costs one read."""
+
+    scalars: dict[str, Any]  # every key that is not an array: numbers, booleans, strings
+    array_max: dict[str, int]  # numeric arrays (per-layer values): their largest element
+    tensors: tuple[HeaderTensor, ...]
+    n_vocab: int  # len(tokenizer.ggml.tokens)
+    vocab_digest: str  # sha256 of tokenizer.ggml.tokens as stored
+
+    def field(self, key: str, default: Any = None) -> Any:
+        return self.scalars.get(key, default)
+
+
+def gguf_header(path: str | Path) -> GGUFHeader:
+    """The file's parsed header (cached; one clear line if it is not a complete GGUF file)."""
+    info = check_gguf(path)
+    stat = info.path.stat()
+    return _read_header(info.path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_header(path: Path, size: int, mtime_ns: int) -> GGUFHeader:
+    # Keyed on size and mtime so a file replaced on disk is read again. Raises _Truncated, ValueError, KeyError.
+    reader = _HeaderReader(path)
+    scalars, array_max = {}, {}
+    for key, field in reader.fields.items():
+        if field.types[0] != GGUFValueType.ARRAY:
+            scalars[key] = field.contents()
+        elif len(field.types) > 1 and field.types[1] != GGUFValueType.STRING and field.parts[-1].size:
+            array_max[key] = int(np.max(field.parts[-1]))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tensors = tuple(HeaderTensor(t.name, tuple(int(d) for d in t.shape), t.tensor_type.name, int(t.n_elements),
+                                 int(t.n_bytes)) for t in reader.tensors)
+    return GGUFHeader(scalars, array_max, tensors, int(tokens.parts[-2][0]) if tokens is not None else 0,
+                      hashlib.sha256(tokens.parts[-1].tobytes() if tokens is not None else b"").hexdigest())
+
+
 @functools.lru_cache(maxsize=16)
 def _read_info(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
     # Keyed on size and mtime so a file replaced on disk is read again.
     try:
-        reader = _HeaderReader(path)
+        header = _read_header(path, size, mtime_ns)
     except _Truncated as cut:
         raise UserError(
             f"{path} is truncated: {size} bytes, the header says at least {cut.needed}; "
@@ -146,25 +206,24 @@ def _read_info(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
         ) from None
     except (ValueError, KeyError) as error:
         raise UserError(f"{path} is not a valid GGUF file ({error}); download or convert it again") from None
-    fields = reader.fields
-    tokens = fields.get("tokenizer.ggml.tokens")
-    file_type = _scalar(fields, "general.file_type")
-    architecture = _string(fields, "general.architecture")
-    if architecture is None:
+    fields = header.scalars
+    architecture = fields.get("general.architecture")
+    if not isinstance(architecture, str):
         raise UserError(f"{path} has no general.architecture in its header; convert it again with llama.cpp")
     return GGUFInfo(
         path=path,
         architecture=architecture,
         name=_string(fields, "general.name"),
-        n_vocab=int(tokens.parts[-2][0]) if tokens is not None else 0,
+        n_vocab=header.n_vocab,
         chat_template=_string(fields, "tokenizer.chat_template"),
         bos_token_id=_scalar(fields, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_scalar(fields, "tokenizer.ggml.eos_token_id"),
         add_bos=_scalar(fields, "tokenizer.ggml.add_bos_token"),
-        weight_types=_matmul_weight_types(reader),
-        file_type=_file_type_name(file_type),
-        n_params=sum(t.n_elements for t in reader.tensors),
+        weight_types=_matmul_weight_types(header.tensors),
+        file_type=_file_type_name(_scalar(fields, "general.file_type")),
+        n_params=sum(t.n_elements for t in header.tensors),
         file_size=size,
+        vocab_digest=header.vocab_digest,
     )
 
 
@@ -197,19 +256,18 @@ def gguf_shape(path: str | Path) -> GGUFShape:
 def _read_shape(parts: tuple[Path, ...], stamps: tuple[tuple[int, int], ...], arch: str) -> GGUFShape:
     # Keyed on every part's size and mtime, like _read_info.
     path = parts[0]
-    reader = _HeaderReader(path)  # check_gguf has already read this header once without error
-    fields = reader.fields
-    tensors = list(reader.tensors)
-    for part in parts[1:]:  # a split model: the keys are in part 1, the tensors in every part
+    header = _read_header(path.resolve(), *stamps[0])  # check_gguf has already read this header without error
+    tensors = list(header.tensors)
+    for part, stamp in zip(parts[1:], stamps[1:], strict=True):  # split: the keys are in part 1, tensors in all
         try:
-            tensors += _HeaderReader(part).tensors
+            tensors += _read_header(part.resolve(), *stamp).tensors
         except (_Truncated, ValueError, KeyError, OSError):
             raise UserError(f"{part} is not a complete GGUF part; download the model again") from None
 
     def key(suffix: str, default: int | None = None) -> int:
-        value = _scalar(fields, f"{arch}.{suffix}")
+        value = _scalar(header.scalars, f"{arch}.{suffix}")
         if value is None:
-            value = _array_max(fields, f"{arch}.{suffix}")  # per-layer arrays (some archs vary kv heads by layer)
+            value = header.array_max.get(f"{arch}.{suffix}")  # per-layer arrays (some archs vary kv heads by layer)
         if value is None and default is None:
             raise UserError(f"{path.name}: GGUF key {arch}.{suffix} is missing; convert it again with llama.cpp")
         return int(default if value is None else value)
@@ -243,6 +301,47 @@ def _later_parts(path: Path) -> list[Path]:
     return parts
 
 
+def vocab_tokens(path: Path) -> list[bytes]:
+    """The vocabulary's token strings as stored (tokenizer.ggml.tokens), read from the header."""
+    reader = _HeaderReader(Path(path))
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return []
+    blob, count = field.parts[-1].tobytes(), int(field.parts[-2][0])
+    host_big = sys.byteorder == "big"
+    order = "big" if (reader.byte_order == "S") != host_big else "little"  # "S": the file's order is not the host's
+    tokens, offset = [], 0
+    for _ in range(count):
+        length = int.from_bytes(blob[offset : offset + 8], order)
+        tokens.append(blob[offset + 8 : offset + 8 + length])
+        offset += 8 + length
+    return tokens
+
+
+def check_same_vocab(target: Path, drafter: Path) -> None:
+    """The drafter must speak the target's token ids; padding past the shorter vocabulary is tolerated.
+
+    Two files whose stored vocabularies are byte for byte the same (a drafter made from its target, a model family's
+    sizes) pass on their header digests alone; only files that differ are compared token by token."""
+    if check_gguf(target).vocab_digest == check_gguf(drafter).vocab_digest:
+        return
+    t, d = vocab_tokens(target), vocab_tokens(drafter)
+    common = min(len(t), len(d))
+    differing = [i for i in range(common) if t[i] != d[i]]
+    extra = t if len(t) > len(d) else d
+    unused = [i for i in range(common, len(extra)) if not _is_padding(extra[i])]
+    if differing or unused:
+        shown = ", ".join(f"{i} ({t[i]!r} vs {d[i]!r})" for i in differing[:3])
+        detail = f"{len(differing)} tokens differ, first {shown}" if differing else (
+            f"sizes differ ({len(t)} vs {len(d)}) beyond padding")
+        raise UserError(f"drafter {Path(drafter).name} does not share the target's vocabulary ({detail}); "
+                        "pick a drafter from the same model family")
+
+
+def _is_padding(text: bytes) -> bool:
+    return text.startswith((b"[PAD", b"<pad", b"<|reserved", b"<unused", b"<|PAD"))
+
+
 def lossless_guarantee(info: GGUFInfo, kv_type: str = "bf16") -> str | None:
     """None when the target's weights and KV cache are batch-invariant here, else one line saying why not."""
     if kv_type not in BATCH_INVARIANT_KV:
@@ -260,35 +359,22 @@ def lossless_guarantee(info: GGUFInfo, kv_type: str = "bf16") -> str | None:
     )
 
 
-def _matmul_weight_types(reader: GGUFReader) -> frozenset[str]:
+def _matmul_weight_types(tensors: tuple[HeaderTensor, ...]) -> frozenset[str]:
     # 1-D tensors (norms, biases) are not matmuls; nor is the token embedding when a separate output head
     # exists (then it is only a row lookup). Tied, it is the LM head and counts.
-    names = {tensor.name for tensor in reader.tensors}
+    names = {tensor.name for tensor in tensors}
     lookup_only = {"token_embd.weight"} if "output.weight" in names else set()
-    return frozenset(
-        t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2 and t.name not in lookup_only
-    )
+    return frozenset(t.type_name for t in tensors if len(t.shape) >= 2 and t.name not in lookup_only)
 
 
-def _string(fields: dict[str, ReaderField], key: str) -> str | None:
-    field = fields.get(key)
-    if field is None or field.types != [GGUFValueType.STRING]:
-        return None
-    return str(field.contents())
+def _string(fields: dict[str, Any], key: str) -> str | None:
+    value = fields.get(key)
+    return value if isinstance(value, str) else None
 
 
-def _scalar(fields: dict[str, ReaderField], key: str) -> Any:
-    field = fields.get(key)
-    if field is None or field.types[0] in (GGUFValueType.STRING, GGUFValueType.ARRAY):
-        return None
-    return field.contents()
-
-
-def _array_max(fields: dict[str, ReaderField], key: str) -> int | None:
-    field = fields.get(key)
-    if field is None or field.types[:1] != [GGUFValueType.ARRAY] or not field.parts[-1].size:
-        return None
-    return int(np.max(field.parts[-1]))
+def _scalar(fields: dict[str, Any], key: str) -> Any:
+    value = fields.get(key)
+    return None if isinstance(value, str) else value
 
 
 def _file_type_name(value: int | None) -> str | None:

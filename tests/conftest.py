@@ -2,48 +2,44 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from cli.loading import LoadedPair, load_pair
-from edge.registry import load_registry
+import edge
+from models.pair import Pair
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT_PROMPTS = (REPO / "benchmarks" / "chat-prompts.txt").read_text().splitlines()
 TEXT_PROMPTS = (REPO / "benchmarks" / "text-prompts.txt").read_text().splitlines()
 
 
-def _load(name: str, ctx: int = 1024) -> LoadedPair:
+def _load(name: str, ctx: int = 1024) -> Pair:
     """The pair with llama.cpp's drafter on a Q4_0 requantization, whatever models.toml chooses: test_lossless
     checks llama.cpp's own seq-id bookkeeping with a drafter that is often wrong (the target's own weights would
     rarely be), on the fastest llama.cpp kernels here; tests/test_onnx.py checks the onnx drafter on the same pairs."""
-    spec = replace(load_registry().pair(name), ctx=ctx)
-    spec = replace(spec, drafter=replace(spec.drafter, runtime="llama_cpp", vocab=None, quantize="q4_0"))
-    return load_pair(spec, report=lambda message: print(message, flush=True))
+    return edge.load(name, ctx=ctx, gpu_layers=0, drafter_runtime="llama_cpp", drafter_quantize="q4_0",
+                     report=lambda message: print(message, flush=True))
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> LoadedPair:
+def smollm2() -> Pair:
     return _load("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
-def gemma3() -> LoadedPair:
+def gemma3() -> Pair:
     return _load("gemma3-270m")
 
 
 @pytest.fixture(scope="session", params=["smollm2-135m", "gemma3-270m"])
-def pair(request: pytest.FixtureRequest) -> LoadedPair:
+def pair(request: pytest.FixtureRequest) -> Pair:
     return request.getfixturevalue("smollm2" if request.param == "smollm2-135m" else "gemma3")
 
 
-def prompts_for(pair: LoadedPair) -> list[str]:
+def prompts_for(pair: Pair) -> list[str]:
     return CHAT_PROMPTS if pair.template is not None else TEXT_PROMPTS
 
 
-def prompt_tokens(pair: LoadedPair, text: str) -> list[int]:
-    from cli.main import prompt_for
-
-    return prompt_for(pair, text, raw=pair.template is None)
+def prompt_tokens(pair: Pair, text: str) -> list[int]:
+    return pair.prompt_tokens(text)

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.loading import LoadedPair, model_path
 from cli.main import app
 from edge.chat import ChatSession
 from edge.generate import Decoder
 from edge.grow import GrowConfig
-from edge.registry import load_registry
+from models.pair import Pair
+from models.registry import load_registry
+from models.sources import model_path
 
 runner = CliRunner()
 
@@ -34,13 +35,13 @@ def assert_one_line_error(result, *fragments: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def files(smollm2: LoadedPair, gemma3: LoadedPair) -> dict[str, Path]:
+def files(smollm2: Pair, gemma3: Pair) -> dict[str, Path]:
     registry = load_registry()
     return {"smol": model_path(registry.pair("smollm2-135m").target),
             "gemma": model_path(registry.pair("gemma3-270m").target)}
 
 
-def test_generate_json(smollm2: LoadedPair) -> None:
+def test_generate_json(smollm2: Pair) -> None:
     result = run("generate", "What is 2 + 2?", "--max-tokens", "24", "--json")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
@@ -57,14 +58,14 @@ def test_generate_json(smollm2: LoadedPair) -> None:
     assert tree["stats"]["target_passes"] < plain["stats"]["target_passes"]
 
 
-def test_generate_streams_text_and_stats(smollm2: LoadedPair) -> None:
+def test_generate_streams_text_and_stats(smollm2: Pair) -> None:
     result = run("generate", "Say hello.", "-n", "12", "--budget", "16")
     assert result.exit_code == 0
     assert result.stdout.strip()
     assert "tokens/pass" in result.stderr
 
 
-def test_piped_chat_transcript(smollm2: LoadedPair) -> None:
+def test_piped_chat_transcript(smollm2: Pair) -> None:
     result = run("chat", "--max-tokens", "20", input="What is the capital of France?\n/stats\nAnd of Italy?\n")
     assert result.exit_code == 0, result.output
     replies = [line for line in result.stdout.splitlines() if line.strip()]
@@ -72,7 +73,7 @@ def test_piped_chat_transcript(smollm2: LoadedPair) -> None:
     assert result.stderr.count("tokens/pass") == 3  # two replies and /stats
 
 
-def test_models_json(smollm2: LoadedPair, gemma3: LoadedPair) -> None:
+def test_models_json(smollm2: Pair, gemma3: Pair) -> None:
     out = json.loads(run("models", "--json").stdout)
     assert out["smollm2-135m"]["default"] is True
     for name in ("smollm2-135m", "gemma3-270m"):
@@ -81,7 +82,7 @@ def test_models_json(smollm2: LoadedPair, gemma3: LoadedPair) -> None:
     assert out["llama3.1-70b"]["target"]["source"].startswith("hf ")
 
 
-def test_bench_json(smollm2: LoadedPair, tmp_path: Path) -> None:
+def test_bench_json(smollm2: Pair, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Say hello.\nCount to five.\n")
     result = run("bench", "--prompts", str(prompts), "--budgets", "1,8", "--max-tokens", "16", "--json")
@@ -96,7 +97,7 @@ def test_bench_json(smollm2: LoadedPair, tmp_path: Path) -> None:
         assert row["grow_s_per_round"] <= row["draft_s_per_round"]
 
 
-def test_bench_methods_auto_and_plot(smollm2: LoadedPair, tmp_path: Path) -> None:
+def test_bench_methods_auto_and_plot(smollm2: Pair, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Say hello.\n")
     plot = tmp_path / "bench.png"
@@ -158,22 +159,22 @@ def test_broken_models_toml(tmp_path: Path) -> None:
     (["--budget", "0"], "--budget"),
     (["--max-tokens", "0"], "--max-tokens"),
 ])
-def test_invalid_sampling_values(smollm2: LoadedPair, flags: list[str], fragment: str) -> None:
+def test_invalid_sampling_values(smollm2: Pair, flags: list[str], fragment: str) -> None:
     assert_one_line_error(run("generate", "hi", *flags), fragment)
 
 
-def test_prompt_longer_than_the_context(smollm2: LoadedPair) -> None:
+def test_prompt_longer_than_the_context(smollm2: Pair) -> None:
     # llama.cpp rounds small contexts up to 256 tokens; the message names the real size.
     assert_one_line_error(run("generate", "word " * 400, "--ctx", "64"), "context holds 256", "--ctx")
 
 
-def test_base_model_needs_raw(gemma3: LoadedPair) -> None:
+def test_base_model_needs_raw(gemma3: Pair) -> None:
     assert_one_line_error(run("generate", "hi", "--pair", "gemma3-270m"), "no chat template", "--raw")
     result = run("generate", "The sky is", "--pair", "gemma3-270m", "--raw", "-n", "8", "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["stats"]["new_tokens"] == 8
 
 
-def test_bad_bench_budgets(smollm2: LoadedPair) -> None:
+def test_bad_bench_budgets(smollm2: Pair) -> None:
     assert_one_line_error(run("bench", "--budgets", "1,x"), "--budgets")
     assert_one_line_error(run("bench", "--methods", "plain,beam"), "--methods")
     assert_one_line_error(run("generate", "hi", "--budget", "fast"), "--budget", "auto")
@@ -195,7 +196,7 @@ def test_drafters_name_a_runtime_a_head_and_a_requantization() -> None:
     assert [c.label for c in choices] == ["llama_cpp@q4_0", "onnx", "onnx:32768@q8_0"]
 
 
-def test_ctrl_c_stops_the_reply_and_keeps_the_session(smollm2: LoadedPair) -> None:
+def test_ctrl_c_stops_the_reply_and_keeps_the_session(smollm2: Pair) -> None:
     """A real SIGINT mid-reply: the reply ends 'interrupted', the chat and its caches stay usable."""
     from cli.repl import _interruptible
 

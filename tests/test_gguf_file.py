@@ -1,5 +1,6 @@
 """check_gguf on tiny GGUF files written here: metadata, and one clear error per kind of bad file."""
 
+import hashlib
 from pathlib import Path
 
 import gguf
@@ -8,25 +9,25 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from edge.errors import UserError
-from runtimes.gguf_file import GGUFInfo, check_gguf, lossless_guarantee
+from runtimes.gguf_file import GGUFInfo, check_gguf, check_same_vocab, lossless_guarantee, vocab_tokens
 
 TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 TOKENS = ["<unk>", "<s>", "</s>", *(f"tok{i}" for i in range(61))]
 
 
-def write_gguf(path: Path, q6k: bool = False, tied: bool = True) -> Path:
+def write_gguf(path: Path, q6k: bool = False, tied: bool = True, tokens: list[str] = TOKENS) -> Path:
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(path, arch="llama")
     writer.add_name("tiny")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(TOKENS)
-    writer.add_token_scores([0.0] * len(TOKENS))
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_chat_template(TEMPLATE)
-    embedding = rng.standard_normal((len(TOKENS), 64), dtype=np.float32)  # [n_vocab, n_embd]
+    embedding = rng.standard_normal((len(tokens), 64), dtype=np.float32)  # [n_vocab, n_embd]
     writer.add_tensor(
         "token_embd.weight",
         quants.quantize(embedding, GGMLQuantizationType.Q4_0),
@@ -68,7 +69,22 @@ def test_reads_metadata(tiny: Path) -> None:
         file_type="MOSTLY_Q4_0",
         n_params=len(TOKENS) * 64 + 64,
         file_size=tiny.stat().st_size,
+        vocab_digest=hashlib.sha256(b"".join(len(t).to_bytes(8, "little") + t.encode() for t in TOKENS)).hexdigest(),
     )
+    assert vocab_tokens(tiny) == [token.encode() for token in TOKENS]
+
+
+def test_a_drafter_must_share_the_targets_vocabulary(tmp_path: Path) -> None:
+    target = write_gguf(tmp_path / "target.gguf")
+    check_same_vocab(target, write_gguf(tmp_path / "same.gguf", q6k=True))  # other weights, the same vocabulary
+    check_same_vocab(target, write_gguf(tmp_path / "padded.gguf", tokens=[*TOKENS, "[PAD0]", "[PAD1]"]))
+    other = write_gguf(tmp_path / "other.gguf", tokens=[*TOKENS[:5], "other", *TOKENS[6:]])
+    with pytest.raises(UserError, match=r"other.gguf does not share the target's vocabulary \(1 tokens differ, "
+                                        r"first 5 \(b'tok2' vs b'other'\)\)"):
+        check_same_vocab(target, other)
+    longer = write_gguf(tmp_path / "longer.gguf", tokens=[*TOKENS, "more"])
+    with pytest.raises(UserError, match="sizes differ"):
+        check_same_vocab(target, longer)
 
 
 def test_untied_embedding_is_a_lookup_not_a_matmul(tmp_path: Path) -> None:
@@ -129,7 +145,7 @@ def test_directory(tmp_path: Path) -> None:
 
 def _info(*weight_types: str) -> GGUFInfo:
     types = frozenset(weight_types)
-    return GGUFInfo(Path("m.gguf"), "llama", None, 8, None, None, None, None, types, None, 0, 0)
+    return GGUFInfo(Path("m.gguf"), "llama", None, 8, None, None, None, None, types, None, 0, 0, "")
 
 
 def test_lossless_guarantee() -> None:

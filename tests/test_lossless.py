@@ -7,11 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cli.loading import LoadedPair
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.invariance import check_batch_invariance, sequential_logits
 from edge.sampling import SamplingConfig, distribution
+from models.pair import Pair
 from runtimes.llama_cpp._native import MAX_SEQ
 from tests.conftest import prompt_tokens, prompts_for
 
@@ -26,7 +26,7 @@ GROW = {1: GrowConfig.for_budget(1), 16: replace(GrowConfig.for_budget(16), exte
         255: GrowConfig(budget=255, beams=12, width=8, max_depth=16, max_steps=7)}
 
 
-def test_tree_logits_equal_sequential_decoding(pair: LoadedPair) -> None:
+def test_tree_logits_equal_sequential_decoding(pair: Pair) -> None:
     """Chain, 255 leaves, and a drafter-grown 255-node tree: every checked node bit-identical."""
     tokens = prompt_tokens(pair, prompts_for(pair)[0])
     results = check_batch_invariance(pair.target, pair.drafter, tokens)
@@ -37,7 +37,7 @@ def test_tree_logits_equal_sequential_decoding(pair: LoadedPair) -> None:
     assert results[1].nodes == MAX_SEQ
 
 
-def generate(pair: LoadedPair, tokens: list[int], budget: int | None, sampling: SamplingConfig | None = None,
+def generate(pair: Pair, tokens: list[int], budget: int | None, sampling: SamplingConfig | None = None,
              max_tokens: int = MAX_TOKENS) -> tuple[list[int], Decoder]:
     decoder = Decoder(pair.target, pair.drafter, GROW[budget] if budget else None, sampling)
     decoder.reset()
@@ -61,7 +61,7 @@ def plain_outputs() -> dict:
     return {}
 
 
-def test_greedy_speculation_equals_plain_decoding(pair: LoadedPair, plain_outputs: dict) -> None:
+def test_greedy_speculation_equals_plain_decoding(pair: Pair, plain_outputs: dict) -> None:
     prompts = prompts_for(pair)
     assert len(prompts) >= 8
     for i, text in enumerate(prompts):
@@ -76,7 +76,7 @@ def test_greedy_speculation_equals_plain_decoding(pair: LoadedPair, plain_output
             assert_caches_hold_exactly(pair, decoder)
 
 
-def assert_caches_hold_exactly(pair: LoadedPair, decoder: Decoder) -> None:
+def assert_caches_hold_exactly(pair: Pair, decoder: Decoder) -> None:
     """After many rounds each KV cache holds the committed text but its newest token, and nothing else."""
     n = len(decoder.context) - 1
     for runner in (pair.target, pair.drafter):
@@ -85,7 +85,7 @@ def assert_caches_hold_exactly(pair: LoadedPair, decoder: Decoder) -> None:
         assert all(runner.ctx.seq_pos_max(seq) == -1 for seq in range(1, MAX_SEQ))
 
 
-def test_plain_decoding_equals_llama_cpp_python(pair: LoadedPair, plain_outputs: dict,
+def test_plain_decoding_equals_llama_cpp_python(pair: Pair, plain_outputs: dict,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """An independent greedy decoder: llama-cpp-python's own Llama class, same file and KV settings."""
     import llama_cpp.llama_cpp as native
@@ -120,14 +120,14 @@ def test_plain_decoding_equals_llama_cpp_python(pair: LoadedPair, plain_outputs:
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.8, top_p=0.95, seed=3),
                                       SamplingConfig(temperature=1.0, top_k=40, min_p=0.02, repeat_penalty=1.1,
                                                      seed=9)])
-def test_sampled_speculation_with_a_seed_is_plain_sampling(pair: LoadedPair, sampling: SamplingConfig) -> None:
+def test_sampled_speculation_with_a_seed_is_plain_sampling(pair: Pair, sampling: SamplingConfig) -> None:
     """Each emitted token uses exactly one uniform in both decoders, so a seed reproduces plain sampling."""
     for text in prompts_for(pair)[:2]:
         tokens = prompt_tokens(pair, text)
         assert generate(pair, tokens, 16, sampling, 48)[0] == generate(pair, tokens, None, sampling, 48)[0]
 
 
-def test_sampled_first_tokens_follow_the_targets_distribution(smollm2: LoadedPair) -> None:
+def test_sampled_first_tokens_follow_the_targets_distribution(smollm2: Pair) -> None:
     """Two-token continuations over 400 draws vs their exact probabilities from the target's logits.
 
     Bound: 5 standard deviations per outcome; with at most 25 outcomes a correct sampler fails with

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli.loading import LoadedPair, materialize
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.invariance import compare
-from edge.registry import load_registry
 from edge.tree import TokenTree
+from models.pair import Pair, materialize
+from models.registry import load_registry
 from quant.vocab import count_tokens, select
 from runtimes.llama_cpp._native import Batch, Context, Model, quantize
 from runtimes.onnx import OnnxOptions, load_drafter, load_quantspec
@@ -73,7 +73,7 @@ def test_reference_graph_matches_llama_cpp(name: str, weights: str, tmp_path: Pa
     np.testing.assert_allclose(second["logits"], out["logits"][half:], atol=1e-3, rtol=1e-3)
 
 
-def _trimmed_head(pair: LoadedPair, size: int) -> np.ndarray:
+def _trimmed_head(pair: Pair, size: int) -> np.ndarray:
     """A frequency-ranked head from the target's own greedy completions of the text prompts."""
     decoder = Decoder(pair.target)
     sequences = []
@@ -85,7 +85,7 @@ def _trimmed_head(pair: LoadedPair, size: int) -> np.ndarray:
     return select(counts, size, pair.target.model.special_tokens())
 
 
-def _onnx_drafter(pair: LoadedPair, vocab: int | None, head: np.ndarray | None = None):
+def _onnx_drafter(pair: Pair, vocab: int | None, head: np.ndarray | None = None):
     model = replace(_spec(pair.name).drafter, runtime="onnx", vocab=None)  # models.toml's, not the fixture's
     drafter_file = materialize(model, print)
     if vocab is not None:
@@ -94,7 +94,7 @@ def _onnx_drafter(pair: LoadedPair, vocab: int | None, head: np.ndarray | None =
 
 
 @pytest.mark.parametrize("vocab", [None, 16384])
-def test_onnx_drafter_is_lossless(pair: LoadedPair, vocab: int | None) -> None:
+def test_onnx_drafter_is_lossless(pair: Pair, vocab: int | None) -> None:
     """int4 weights, 4-bit KV, full or trimmed head: greedy speculation == the target's plain greedy output."""
     drafter = _onnx_drafter(pair, vocab)
     # without the extension passes past max_steps, as in test_lossless.py: they only add drafting time here
@@ -117,7 +117,7 @@ def test_onnx_drafter_is_lossless(pair: LoadedPair, vocab: int | None) -> None:
     tree.reset()
 
 
-def test_onnx_drafter_commit_keeps_the_accepted_path(smollm2: LoadedPair) -> None:
+def test_onnx_drafter_commit_keeps_the_accepted_path(smollm2: Pair) -> None:
     drafter = _onnx_drafter(smollm2, None)
     tokens = prompt_tokens(smollm2, prompts_for(smollm2)[0])
     drafter.prefill(tokens[:-1])
@@ -136,7 +136,7 @@ def test_onnx_drafter_commit_keeps_the_accepted_path(smollm2: LoadedPair) -> Non
     assert drafter.n_tree == 0 and (drafter.node_slot < 0).all()
 
 
-def test_a_node_drafts_what_a_chain_drafts_there_whatever_its_siblings(smollm2: LoadedPair) -> None:
+def test_a_node_drafts_what_a_chain_drafts_there_whatever_its_siblings(smollm2: Pair) -> None:
     """A node's pass reads its ancestors' keys alone: with a sibling already run (its slot masked for the node), the
     node's children and log-probs are bit-identical to the same node's in a chain, so a tree's top path is the
     chain's token for token."""
@@ -161,7 +161,7 @@ def test_a_node_drafts_what_a_chain_drafts_there_whatever_its_siblings(smollm2: 
     drafter.truncate(0)
 
 
-def test_trimmed_head_drafts_the_contexts_tokens_it_lacks(smollm2: LoadedPair,
+def test_trimmed_head_drafts_the_contexts_tokens_it_lacks(smollm2: Pair,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A word the trimmed head does not keep is still drafted once the context holds it (extra_ids)."""
     model = smollm2.target.model
@@ -202,7 +202,7 @@ def test_trimmed_head_drafts_the_contexts_tokens_it_lacks(smollm2: LoadedPair,
 
 
 @pytest.fixture(scope="module")
-def quantspec(smollm2: LoadedPair):
+def quantspec(smollm2: Pair):
     spec = _spec("smollm2-135m")
     source = materialize(spec.target, print)
     drafter_file = materialize(spec.drafter, print)
@@ -219,7 +219,7 @@ def test_quantspec_cache_is_shared_and_at_most_8_5_bits(quantspec) -> None:
 
 
 @pytest.mark.parametrize("prefix", [0, 250], ids=["short prompt", "crossing a quantization point"])
-def test_quantspec_target_is_batch_invariant(smollm2: LoadedPair, quantspec, prefix: int) -> None:
+def test_quantspec_target_is_batch_invariant(smollm2: Pair, quantspec, prefix: int) -> None:
     """A branched tree verified in one pass gives the logits of one-token-at-a-time decoding, bit for bit; at
     250 committed tokens its deeper nodes lie past the point (256) where plain decoding quantizes a group."""
     target, _ = quantspec

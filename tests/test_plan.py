@@ -16,10 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 import offload.probe as probe
-from cli.loading import model_path
 from cli.main import app
 from edge.errors import UserError
-from edge.registry import ModelFacts, load_registry
+from models.registry import ModelFacts, load_registry
+from models.sources import model_path
 from offload.plan import (
     GIB,
     GPU_RESERVE,

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from edge.errors import UserError
-from edge.registry import PairSpec, Registry, default_models_path, load_registry
+from models.registry import PairSpec, Registry, default_models_path, load_registry
 
 GOOD_PAIR = """
 [pairs.x]

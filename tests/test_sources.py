@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from edge import sources
 from edge.errors import UserError
-from edge.registry import ModelSpec, Source
-from edge.sources import atomic_path, cache_dir, fetch, prepared_path, quant_files, sha256_file, source_path
+from models import sources
+from models.cache import atomic_path, cache_dir, sha256_file
+from models.registry import ModelSpec, Source
+from models.sources import fetch, prepared_path, quant_files, source_path
 
 PART0, PART1 = b"first part, " * 1000, b"second part" * 700
 WHOLE = PART0 + PART1

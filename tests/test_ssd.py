@@ -10,10 +10,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cli.loading import _on_ssd, materialize
 from edge.errors import UserError
-from edge.registry import load_registry
 from edge.tree import TokenTree
+from models.pair import materialize, on_ssd
+from models.registry import load_registry
 from offload.ssd import SsdStreamer, SsdTarget, TensorRange, read_bytes, readahead_order, resident_fraction
 from runtimes.llama_cpp import RunOptions, load_target
 
@@ -36,7 +36,7 @@ def test_every_pass_reads_the_weights_and_logits_stay_the_same(f16_file) -> None
         target.prefill([1, 2, 3, 4])
         in_ram = target.verify(chain([5, 6, 7])).copy()
         target.truncate(0)
-        ssd = _on_ssd(target, f16_file, readahead=False)  # checks that a pass reads the mapping (and empties the cache)
+        ssd = on_ssd(target, f16_file, readahead=False)  # checks that a pass reads the mapping (and empties the cache)
         ssd.prefill([1, 2, 3, 4])
         size = f16_file.stat().st_size
         for _ in range(2):
@@ -65,7 +65,7 @@ def test_repacked_target_is_refused(f16_file) -> None:
     q4_0 = materialize(replace(spec.drafter, quantize="q4_0"), lambda message: None)  # repacked by llama.cpp on x86
     target = load_target(q4_0, RunOptions(n_ctx=256, kv_type="bf16"))
     try:
-        wrapped = _on_ssd(target, q4_0, readahead=False)
+        wrapped = on_ssd(target, q4_0, readahead=False)
     except UserError as error:
         assert "--target-dtype f16" in str(error)
     else:  # a CPU without repacked Q4_0 kernels maps the weights: then streaming them must work
@@ -107,7 +107,7 @@ def test_auto_measures_passes_started_with_the_reading(f16_file) -> None:
     target = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16"))
     drafter = load_drafter(materialize(replace(spec.drafter, quantize="q4_0"), lambda message: None),
                            RunOptions(n_ctx=256))
-    ssd = _on_ssd(target, f16_file, readahead=True)
+    ssd = on_ssd(target, f16_file, readahead=True)
     try:
         costs = measure_costs(ssd, drafter, list(range(1, 12)), max_tree=16)
         assert set(costs.target_ms) == set(costs.warm_ms) == set(costs.overlap_ms) == {1, 16}

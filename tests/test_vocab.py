@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.benchmark import benchmark_file
-from cli.calibration import ScoringTarget
-from cli.loading import LoadedPair
-from cli.main import app, prompt_for
+from cli.main import app
 from edge.errors import UserError
 from edge.generate import Decoder
-from edge.registry import ModelSpec, Source, load_registry
-from edge.sources import cache_dir, prepared_path, vocab_path
 from edge.tree import TokenTree
+from models.bench import benchmark_file
+from models.cache import cache_dir
+from models.pair import Pair
+from models.registry import ModelSpec, Source, load_registry
+from models.sources import prepared_path, vocab_path
+from models.vocabulary import ScoringTarget
 from quant.vocab import RankedVocab, count_tokens, coverage, expected_counts, select
 
 runner = CliRunner()
@@ -175,7 +176,7 @@ def test_calibration_prompt_sets(name: str) -> None:
 
 
 @pytest.fixture
-def model_cache(smollm2: LoadedPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def model_cache(smollm2: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh EDGE_SPEC_CACHE whose model files link to the already-fetched ones: new files land in tmp_path."""
     real, cache = cache_dir(), tmp_path / "cache"
     for folder in ("models", "prepared"):
@@ -187,7 +188,7 @@ def model_cache(smollm2: LoadedPair, tmp_path: Path, monkeypatch: pytest.MonkeyP
     return cache
 
 
-def test_prepare_vocab(smollm2: LoadedPair, model_cache: Path, tmp_path: Path) -> None:
+def test_prepare_vocab(smollm2: Pair, model_cache: Path, tmp_path: Path) -> None:
     prompts = ["What is 2 + 2?", "Name a colour."]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     result = runner.invoke(app, ["prepare", "--vocab", "512", "--prompts", str(tmp_path / "prompts.txt"),
@@ -208,7 +209,7 @@ def test_prepare_vocab(smollm2: LoadedPair, model_cache: Path, tmp_path: Path) -
     # The counts are exactly the target's own greedy completions, the prompt not included.
     decoder, completions = Decoder(smollm2.target), []
     for prompt in prompts:
-        tokens = prompt_for(smollm2, prompt, raw=False)
+        tokens = smollm2.prompt_tokens(prompt, raw=False)
         decoder.load(tokens)
         steps = list(decoder.generate(8))
         stop = [decoder.context[-1]] if steps[-1].finish_reason == "stop" else []  # counted too: it is drafted
@@ -217,7 +218,7 @@ def test_prepare_vocab(smollm2: LoadedPair, model_cache: Path, tmp_path: Path) -
     # The unseen ids are those the target found likeliest at the same positions, scored here token by token.
     target, expected = smollm2.target, np.zeros(model.n_vocab)
     for prompt, completion in zip(prompts, completions, strict=True):
-        tokens = prompt_for(smollm2, prompt, raw=False)
+        tokens = smollm2.prompt_tokens(prompt, raw=False)
         target.truncate(0)
         target.prefill(tokens[:-1])
         for token in [tokens[-1], *completion[:-1]]:
@@ -240,7 +241,7 @@ def test_prepare_vocab(smollm2: LoadedPair, model_cache: Path, tmp_path: Path) -
     (["--vocab", "512", "--calibration-tokens", "0"], "--calibration-tokens must be at least 1"),
     (["--calibration-tokens", "8"], "add --vocab K"),
 ])
-def test_prepare_vocab_errors(smollm2: LoadedPair, model_cache: Path, flags: list[str], fragment: str) -> None:
+def test_prepare_vocab_errors(smollm2: Pair, model_cache: Path, flags: list[str], fragment: str) -> None:
     result = runner.invoke(app, ["prepare", *flags])
     assert result.exit_code == 1, result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge.errors import UserError
 from runtimes.gguf_file import check_gguf
-from runtimes.llama_cpp._native import MAX_SEQ, Context, Model, quantize
+from runtimes.llama_cpp._native import KV_TYPES, MAX_SEQ, Context, Model, default_threads, quantize
 from runtimes.llama_cpp.models import LlamaDrafter, LlamaTarget
 
-__all__ = ["LlamaDrafter", "LlamaTarget", "RunOptions", "check_same_vocab", "load_drafter", "load_target",
-           "quantize"]
+__all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "default_threads", "load_drafter",
+           "load_target", "quantize"]
 
 
 @dataclass(frozen=True)
@@ -42,25 +41,4 @@ def load_drafter(path: Path, options: RunOptions) -> LlamaDrafter:
     # Room past the target's context for the round's expanded nodes, which the drafter caches until commit.
     ctx = Context(model, options.n_ctx + MAX_SEQ, n_batch=MAX_SEQ, kv_type=options.kv_type,
                   n_threads=options.n_threads)
-    drafter = LlamaDrafter(model, ctx)
-    drafter.kv_type = options.kv_type
-    return drafter
-
-
-def check_same_vocab(target: LlamaTarget, drafter: LlamaDrafter) -> None:
-    """The drafter must speak the target's token ids; padding past the shorter vocabulary is tolerated."""
-    t, d = target.model, drafter.model
-    common = min(t.n_vocab, d.n_vocab)
-    differing = [i for i in range(common) if t.token_text(i) != d.token_text(i)]
-    extra = t if t.n_vocab > d.n_vocab else d
-    unused = [i for i in range(common, extra.n_vocab) if not _is_padding(extra.token_text(i))]
-    if differing or unused:
-        shown = ", ".join(f"{i} ({t.token_text(i)!r} vs {d.token_text(i)!r})" for i in differing[:3])
-        detail = f"{len(differing)} tokens differ, first {shown}" if differing else (
-            f"sizes differ ({t.n_vocab} vs {d.n_vocab}) beyond padding")
-        raise UserError(f"drafter {d.path.name} does not share the target's vocabulary ({detail}); "
-                        "pick a drafter from the same model family")
-
-
-def _is_padding(text: bytes) -> bool:
-    return text.startswith((b"[PAD", b"<pad", b"<|reserved", b"<unused", b"<|PAD"))
+    return LlamaDrafter(model, ctx, options.kv_type)

@@ -1,7 +1,8 @@
 """Thin owners of llama.cpp's native objects (model, context, batch).
 
-The only module in edge-spec that touches ctypes. Each class frees what it allocates and turns llama.cpp's
-error codes into exceptions; everything above works with ints, bytes and numpy arrays.
+The only module in edge-spec that calls llama.cpp's C API (through llama-cpp-python's ctypes bindings). Each class
+frees what it allocates and turns llama.cpp's error codes into exceptions; everything above works with ints, bytes
+and numpy arrays.
 """
 
 from __future__ import annotations

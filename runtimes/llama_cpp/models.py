@@ -21,6 +21,8 @@ class _Runner:
     `_pending` holds committed tokens not run yet; they join the next pass (prefill, tree or root).
     """
 
+    runtime = "llama_cpp"
+
     def __init__(self, model: Model, ctx: Context):
         self.model = model
         self.ctx = ctx
@@ -56,7 +58,9 @@ class _Runner:
         self.passes += 1
 
     def close(self) -> None:
+        """Frees the context (its KV cache) and the model's weights; the object is unusable afterwards."""
         self.ctx.close()
+        self.model.close()
 
 
 class LlamaTarget(_Runner):
@@ -117,8 +121,10 @@ class LlamaDrafter(_Runner):
     next root pass: the committed cells stay in order, so its drafts match a fresh run of the same text.
     """
 
-    def __init__(self, model: Model, ctx: Context):
+    def __init__(self, model: Model, ctx: Context, kv_type: str):
         super().__init__(model, ctx)
+        self.kv_type = kv_type
+        self.vocab = model.n_vocab  # llama.cpp always computes the full head
         self.expand_capacity = MAX_SEQ - 1
         self._base = 0  # position of this round's root
         self._node_seq: dict[int, int] = {}  # tree node -> the seq holding its path
@@ -126,6 +132,14 @@ class LlamaDrafter(_Runner):
     def truncate(self, n: int) -> None:
         super().truncate(n)
         self._node_seq.clear()
+
+    def kv_bytes_per_token(self) -> float:
+        """Bytes one committed token takes in the KV cache (keys + values, all layers)."""
+        from runtimes.gguf_file import gguf_shape
+
+        shape = gguf_shape(self.model.path)
+        bits = {"q4_0": 4.5, "q8_0": 8.5, "f16": 16, "bf16": 16, "f32": 32}[self.kv_type]
+        return shape.n_layers * shape.n_kv_heads * shape.head_dim * 2 * bits / 8
 
     def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if len(self._node_seq) + len(nodes) > self.expand_capacity:

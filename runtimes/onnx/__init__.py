@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from quant.kv import QuantSpecKV, value_group
-from runtimes.onnx.arch import GGUFWeights
+from runtimes.onnx.arch import GGUFWeights, file_arch
 from runtimes.onnx.graph import GraphOptions, build_graph
 from runtimes.onnx.models import OnnxDrafter, OnnxTarget
 from runtimes.onnx.session import PROVIDERS, DecoderSession, provider_name
@@ -80,12 +80,11 @@ def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, rep
 
 def load_drafter(gguf: Path, options: OnnxOptions, head_ids: np.ndarray | None = None, report=None) -> OnnxDrafter:
     """The drafter with its own 4-bit KV cache."""
-    arch = GGUFWeights(gguf).arch
+    arch = file_arch(gguf)
     session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report), options.provider, options.threads)
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=4,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
     drafter = OnnxDrafter(session, arch, kv)
-    drafter.vocab = arch.n_vocab if head_ids is None else len(head_ids)
     if head_ids is not None:
         drafter.trim_head(head_ids, arch.n_vocab)
     return drafter
@@ -95,7 +94,7 @@ def load_quantspec(target_gguf: Path, drafter_gguf: Path, options: OnnxOptions, 
                    stop_tokens: frozenset[int], head_ids: np.ndarray | None = None,
                    report=None) -> tuple[OnnxTarget, OnnxDrafter]:
     """A self-speculative pair on one hierarchical cache: the target writes it, the drafter reads nibbles."""
-    arch = GGUFWeights(target_gguf).arch
+    arch = file_arch(target_gguf)
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=8,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
     target_session = DecoderSession(prepare_graph(target_gguf, "target", None, report), options.provider,
@@ -103,8 +102,7 @@ def load_quantspec(target_gguf: Path, drafter_gguf: Path, options: OnnxOptions, 
     drafter_session = DecoderSession(prepare_graph(drafter_gguf, "shared-drafter", head_ids, report),
                                      options.provider, options.threads)
     target = OnnxTarget(target_session, arch, kv, tokenizer, stop_tokens, options.n_ctx)
-    drafter = OnnxDrafter(drafter_session, GGUFWeights(drafter_gguf).arch, kv, shared=True)
-    drafter.vocab = arch.n_vocab if head_ids is None else len(head_ids)
+    drafter = OnnxDrafter(drafter_session, file_arch(drafter_gguf), kv, shared=True)
     if head_ids is not None:
         drafter.trim_head(head_ids, arch.n_vocab)
     return target, drafter

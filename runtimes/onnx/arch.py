@@ -54,13 +54,10 @@ class GGUFWeights:
     """Lazily dequantized float32 tensors of one GGUF file, in [out_features, in_features] layout."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
+        from runtimes.gguf_file import open_reader
 
         self.path = path
-        try:
-            self.reader = GGUFReader(path)
-        except (ValueError, OSError, IndexError) as e:
-            raise UserError(f"{path} is not a readable GGUF file ({e}); fetch it again") from None
+        self.reader = open_reader(path)  # skips the vocabulary's strings: nothing here reads them
         self.tensors = {t.name: t for t in self.reader.tensors}
 
     def field(self, key: str, default=None):
@@ -88,7 +85,26 @@ class GGUFWeights:
         return read_arch(self)
 
 
-def read_arch(weights: GGUFWeights) -> Arch:
+class _HeaderOnly:
+    """What read_arch reads of a file (its path, header keys, the embedding's shape), from the cached header."""
+
+    def __init__(self, path: Path):
+        from runtimes.gguf_file import gguf_header
+
+        self.path = path
+        self.header = gguf_header(path)
+        self.tensors = {t.name: t for t in self.header.tensors}
+
+    def field(self, key: str, default=None):
+        return self.header.field(key, default)
+
+
+def file_arch(path: Path) -> Arch:
+    """A GGUF file's architecture from its header alone: what a drafter needs to load once its graph is built."""
+    return read_arch(_HeaderOnly(path))
+
+
+def read_arch(weights: GGUFWeights | _HeaderOnly) -> Arch:
     name = weights.field("general.architecture")
     if name not in ARCHITECTURES:
         raise UserError(f"{weights.path.name}: architecture {name!r} has no ONNX graph builder "

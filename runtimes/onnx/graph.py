@@ -43,7 +43,7 @@ NEG_INF = float("-inf")
 class GraphOptions:
     weights: str = "int4"  # "int4", "int8" (MatMulNBits) or "f32" (plain MatMul, the reference graph)
     block: int = 32  # quantization group of MatMulNBits
-    accuracy_level: int = 4  # int8 compute in MatMulNBits: fastest here, and batch-invariant (DESIGN.md)
+    accuracy_level: int = 4  # int8 compute in MatMulNBits: fastest here, and batch-invariant (docs/drafter.md)
     head_ids: np.ndarray | None = field(default=None, compare=False)  # kept vocabulary rows, None = full head
     kv: str = "upper4"  # "upper4" (draft-only 4-bit cache), "hier8" (shared hierarchical cache) or "f32"
     kv_reader: str = "draft"  # on "hier8": "draft" reads the upper nibble, "full" both nibbles

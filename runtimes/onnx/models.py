@@ -30,8 +30,11 @@ MAX_EXTRA = 512
 
 
 class _OnnxModel:
+    runtime = "onnx"
+
     def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, shared: bool):
         self.session, self.arch, self.kv, self.shared = session, arch, kv, shared
+        self.vocab = arch.n_vocab  # the head's rows: fewer once trim_head keeps the frequent tokens only
         shape = (MAX_TREE, arch.n_layers, arch.n_kv_heads, arch.head_dim)
         self.tree_k = np.zeros(shape, np.float16)  # this round's nodes, in run order
         self.tree_v = np.zeros(shape, np.float16)
@@ -48,6 +51,7 @@ class _OnnxModel:
         """The graph's head keeps only `head_ids`; the context's other tokens are scored beside them (extra_ids)."""
         self.in_head = np.zeros(n_vocab, bool)
         self.in_head[head_ids] = True
+        self.vocab = len(head_ids)
         self._pad = np.asarray(head_ids[:1], np.int64)  # E >= 1: a padding column, masked out
 
     def _note(self, tokens: np.ndarray) -> None:
@@ -67,6 +71,18 @@ class _OnnxModel:
     @property
     def n_past(self) -> int:
         return self.kv.n_tokens
+
+    def kv_bytes_per_token(self) -> float:
+        """Bytes one committed token takes in the KV cache (keys + values, all layers): QuantSpec codes plus one
+        float16 scale and min per group."""
+        kv = self.kv
+        elements = kv.n_layers * kv.n_kv_heads * kv.head_dim
+        return elements * (2 * kv.bits + 32 / kv.group + 32 / kv.value_group) / 8
+
+    def close(self) -> None:
+        """Frees the onnxruntime session and the tree slots (the KV cache goes with the last model holding it)."""
+        self.session = None
+        self.tree_k = self.tree_v = np.zeros(0, np.float16)
 
     def _run(self, tokens: np.ndarray, positions: np.ndarray, sees_slots: np.ndarray, sees_new: np.ndarray,
              rows: np.ndarray, top_k: int = 0, quantized: np.ndarray | None = None,

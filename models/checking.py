@@ -1,4 +1,4 @@
-"""`edge-spec check`: is this target batch-invariant on this machine, with this KV cache type?"""
+"""`edge-spec check` as a library call: is this target batch-invariant on this machine, with this KV cache type?"""
 
 from __future__ import annotations
 
@@ -16,18 +16,22 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 
 def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str, Any]:
+    from runtimes import runtime
     from runtimes.gguf_file import check_gguf, lossless_guarantee
-    from runtimes.llama_cpp import RunOptions, load_drafter, load_target
-    from runtimes.llama_cpp._native import KV_TYPES
 
-    if kv_type not in KV_TYPES:
-        raise UserError(f"--kv-type must be one of {', '.join(KV_TYPES)} (got {kv_type!r})")
+    llama = runtime("llama_cpp")
+    if kv_type not in llama.KV_TYPES:
+        raise UserError(f"--kv-type must be one of {', '.join(llama.KV_TYPES)} (got {kv_type!r})")
     info = check_gguf(path)
-    target = load_target(path, RunOptions(n_ctx=1024, kv_type=kv_type, n_threads=threads))
-    drafter = load_drafter(path, RunOptions(n_ctx=1024, kv_type="q4_0", n_threads=threads))
-    tokens = target.tokenizer.tokenize(TEXT, add_special=True, parse_special=False)[:160]
-    report(f"checking {path.name}: {len(tokens)} tokens of context, three tree shapes")
-    shapes = [dataclasses.asdict(r) for r in check_batch_invariance(target, drafter, tokens)]
+    target = llama.load_target(path, llama.RunOptions(n_ctx=1024, kv_type=kv_type, n_threads=threads))
+    drafter = llama.load_drafter(path, llama.RunOptions(n_ctx=1024, kv_type="q4_0", n_threads=threads))
+    try:
+        tokens = target.tokenizer.tokenize(TEXT, add_special=True, parse_special=False)[:160]
+        report(f"checking {path.name}: {len(tokens)} tokens of context, three tree shapes")
+        shapes = [dataclasses.asdict(r) for r in check_batch_invariance(target, drafter, tokens)]
+    finally:
+        drafter.close()
+        target.close()
     return {
         "file": str(path),
         "weight_types": sorted(info.weight_types),

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.errors import UserError
+from edge.options import PROVIDERS, RUNTIMES
 
 KV_TYPES = ("f16", "q8_0", "q4_0", "f32", "bf16")
 FTYPES = (
@@ -20,8 +21,6 @@ FTYPES = (
 FACT_KEYS = ("size_gb", "layers", "embd", "kv_heads", "head_dim", "params_b")
 MODEL_KEYS = ("path", "hf", "pypi", "files", "sha256", "name", "quantize", "kv_type", "from", "runtime", "vocab",
               "provider", *FACT_KEYS)
-RUNTIMES = ("llama_cpp", "onnx")
-PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
 PAIR_KEYS = ("about", "ctx", "budget", "target", "drafter")
 TOP_KEYS = ("default", "pairs")
 SOURCE_KEYS = ("path", "hf", "pypi", "from")

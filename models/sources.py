@@ -13,61 +13,18 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
 from edge.errors import UserError
-from edge.registry import ModelSpec, Source
+from models.cache import atomic_path, cache_dir, sha256_file
+from models.registry import ModelSpec, Source
 
 Report = Callable[[str], None]
 
 _CHUNK = 1 << 20
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$", re.IGNORECASE)
-
-
-def cache_dir() -> Path:
-    """edge-spec's own cache: $EDGE_SPEC_CACHE, else $XDG_CACHE_HOME/edge-spec, else ~/.cache/edge-spec."""
-    if os.environ.get("EDGE_SPEC_CACHE"):
-        return Path(os.environ["EDGE_SPEC_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(base).expanduser() / "edge-spec"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-@contextmanager
-def atomic_path(dest: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `dest`: renamed to `dest` if the block succeeds, removed otherwise."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object cached on disk; {} when the file is missing or not an object."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Write a JSON object atomically (a reader never sees half a file)."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1))
 
 
 def source_path(source: Source) -> Path | None:
@@ -84,6 +41,11 @@ def prepared_path(spec: ModelSpec) -> Path | None:
     if spec.quantize is None:
         return None
     return cache_dir() / "prepared" / f"{_tagged_stem(spec.source)}.{spec.quantize}.gguf"
+
+
+def model_path(spec: ModelSpec) -> Path | None:
+    """The file the runtime loads (the prepared one when the spec requantizes), without fetching."""
+    return prepared_path(spec) if spec.quantize else source_path(spec.source)
 
 
 def vocab_path(spec: ModelSpec, k: int) -> Path:

@@ -11,17 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from cli.benchmark import benchmark_file, read_prompts
-from cli.loading import LoadedPair
 from edge.errors import UserError
 from edge.generate import Decoder
 from edge.protocols import Target
-from edge.registry import ModelSpec
-from edge.sources import sha256_file, vocab_path
 from edge.tree import TokenTree
+from models.bench import benchmark_file, read_prompts
+from models.cache import atomic_path, sha256_file
+from models.pair import Pair
+from models.registry import ModelSpec
+from models.sources import vocab_path
 from quant.vocab import RankedVocab, count_tokens, expected_counts, select
 
 
@@ -45,42 +44,42 @@ def parse_vocab_sizes(values: list[str]) -> list[int]:
     return sorted(sizes)
 
 
-def default_prompts(loaded: LoadedPair) -> Path:
+def default_prompts(pair: Pair) -> Path:
     """Chat prompts in the template for chat models; openings of plain text for base models."""
-    return benchmark_file("calibration-chat.txt" if loaded.template is not None else "calibration-text.txt")
+    return benchmark_file("calibration-chat.txt" if pair.template is not None else "calibration-text.txt")
 
 
-def build_vocabs(loaded: LoadedPair, target: ModelSpec, sizes: list[int], prompts_path: Path | None,
-                 n_tokens: int, console: Console) -> list[BuiltVocab]:
-    """One calibration run, one file per size (written to vocab_path(target, k))."""
-    model = loaded.target.model
+def build_vocabs(pair: Pair, target: ModelSpec, sizes: list[int], prompts_path: Path | None, n_tokens: int,
+                 progress: Callable[[int, int], None] = lambda done, total: None) -> list[BuiltVocab]:
+    """One calibration run, one file per size (written to vocab_path(target, k)); `progress(done, total)` after
+    each calibration prompt."""
+    model = pair.target.model
     special = model.special_tokens()
     for k in sizes:
         if k > model.n_vocab:
-            raise UserError(f"--vocab {k} is larger than {loaded.name}'s vocabulary of {model.n_vocab} tokens")
+            raise UserError(f"--vocab {k} is larger than {pair.name}'s vocabulary of {model.n_vocab} tokens")
         if k < len(special):
-            raise UserError(f"--vocab {k} cannot hold {loaded.name}'s {len(special)} special tokens, "
+            raise UserError(f"--vocab {k} cannot hold {pair.name}'s {len(special)} special tokens, "
                             "which are always kept; ask for more")
-    prompts_path = prompts_path or default_prompts(loaded)
+    prompts_path = prompts_path or default_prompts(pair)
     prompts = read_prompts(prompts_path)
-    columns = (TextColumn("calibrating {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    scoring = ScoringTarget(loaded.target)
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task(f"{loaded.name} ({n_tokens} tokens per prompt)", total=len(prompts))
-        sequences = completions(loaded, prompts, n_tokens, lambda: progress.advance(task), scoring)
-        counts = count_tokens(sequences, model.n_vocab)
+    scoring = ScoringTarget(pair.target)
+    done = iter(range(1, len(prompts) + 1))
+    sequences = completions(pair, prompts, n_tokens, lambda: progress(next(done), len(prompts)), scoring)
+    counts = count_tokens(sequences, model.n_vocab)
     if scoring.positions != counts.sum():
         raise RuntimeError(f"the target scored {scoring.positions} positions for {counts.sum()} generated tokens: "
                            "plain decoding no longer verifies one token per pass")
     source = (f"{n_tokens} greedy tokens per prompt of {prompts_path.name} (sha256 {sha256_file(prompts_path)}, "
-              f"{len(prompts)} prompts, {'chat template' if loaded.template else 'raw text'}), "
+              f"{len(prompts)} prompts, {'chat template' if pair.template else 'raw text'}), "
               f"target {target.source.describe()}{f' as {target.quantize}' if target.quantize else ''}; "
               "unseen tokens ranked by the target's expected counts and the tokenizer's order in turn")
     built, broad = [], model.tokenizer_order()
     for k in sizes:
         vocab = RankedVocab(select(counts, k, special, scoring.expected, broad), counts, model.n_vocab, source)
         path = vocab_path(target, k)
-        vocab.save(path)
+        with atomic_path(path) as tmp:
+            vocab.save(tmp)
         built.append(BuiltVocab(k, path, vocab.coverage, int(counts.sum()), int(np.count_nonzero(counts))))
     return built
 
@@ -107,17 +106,15 @@ class ScoringTarget:
         return getattr(self._target, name)
 
 
-def completions(loaded: LoadedPair, prompts: list[str], n_tokens: int, done: Callable[[], None],
+def completions(pair: Pair, prompts: list[str], n_tokens: int, done: Callable[[], None],
                 target: Target | None = None) -> Iterator[list[int]]:
     """The target's own greedy continuation of each prompt, up to n_tokens (an end-of-generation token included).
 
-    `target`, when given, decodes in place of loaded.target: build_vocabs passes a ScoringTarget around it.
+    `target`, when given, decodes in place of pair.target: build_vocabs passes a ScoringTarget around it.
     """
-    from cli.main import prompt_for
-
-    decoder = Decoder(target or loaded.target)  # no drafter: plain decoding
+    decoder = Decoder(target or pair.target)  # no drafter: plain decoding
     for prompt in prompts:
-        tokens = prompt_for(loaded, prompt, raw=loaded.template is None)
+        tokens = pair.prompt_tokens(prompt)
         decoder.load(tokens)
         for _ in decoder.generate(n_tokens):
             pass

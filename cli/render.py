@@ -1,0 +1,34 @@
+"""What the command prints besides replies: progress lines, errors, warnings and the stats line, on stderr, so
+that stdout carries only the text (or JSON) a script reads."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+
+from edge.generate import Stats
+
+err = Console(stderr=True, highlight=False)
+
+
+def report(message: str) -> None:
+    """A progress line from the library (downloads, preparing files, building graphs)."""
+    err.print(f"[dim]{escape(message)}[/]", soft_wrap=True)
+
+
+def error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
+def warning(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+def note(message: str) -> None:
+    err.print(f"[dim]{escape(message)}[/]", soft_wrap=True)
+
+
+def stats_line(stats: Stats) -> str:
+    """One reply's (or a session's) figures: the one way edge-spec renders Stats as text."""
+    return (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tok/s · {stats.tokens_per_pass:.2f} tokens/pass · "
+            f"draft {stats.draft_s:.2f}s · verify {stats.verify_s:.2f}s · {stats.target_passes} target passes")

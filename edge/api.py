@@ -1,0 +1,95 @@
+"""The library's face: load a pair, generate from it, or stream the generation step by step.
+
+    import edge
+    with edge.load("smollm2-135m") as pair:
+        print(edge.generate(pair, "Name three colors.", max_tokens=32).text)
+        for step in edge.stream_generate(pair, [{"role": "user", "content": "Hi!"}], temperature=0.8, seed=1):
+            print(step.text, end="", flush=True)
+
+The command line, the benchmarks and the tests use these same calls. Loading is library code above the engine
+(models/pair.py), imported only when `load` runs, so that `import edge` stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from edge.chat import Prompt
+from edge.generate import Stats, Step
+from edge.options import LoadOptions
+from edge.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from models.pair import Pair
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]  # the new tokens (a stop token that ended the reply is not among them)
+    finish_reason: str  # "stop", "length", "context" or "interrupted"
+    stats: Stats
+    lossless_warning: str | None  # why this target's output may differ from plain decoding, if it may
+
+    @classmethod
+    def from_steps(cls, steps: Iterable[Step], lossless_warning: str | None = None) -> Generation:
+        """The reply a stream of steps makes (stream_generate's, run to its end)."""
+        pieces, tokens = [], []
+        for step in steps:
+            pieces.append(step.text)
+            if step.token is not None and step.finish_reason is None:
+                tokens.append(step.token)
+        assert step.finish_reason is not None, "a step stream ends with a finish reason"
+        return cls("".join(pieces), tokens, step.finish_reason, step.stats, lossless_warning)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+                "lossless_warning": self.lossless_warning, "stats": self.stats.as_dict()}
+
+
+def load(pair: str | LoadOptions | None = None, *, report: Callable[[str], None] | None = None,
+         **options: Any) -> Pair:
+    """Load a pair of models.toml by name (None: the default pair), or `target=` / `drafter=` GGUF paths; every
+    other keyword is a field of LoadOptions (ctx, budget, threads, placement, ...). `report` receives progress lines
+    (downloads, preparing files, building the drafter's graph; default: the "edge" logger at INFO level). Close the
+    pair, or use it in a `with` block."""
+    from models.pair import open_pair
+
+    load_options = replace(pair, **options) if isinstance(pair, LoadOptions) else LoadOptions(pair=pair, **options)
+    return open_pair(load_options, report or logging.getLogger("edge").info)
+
+
+def stream_generate(pair: Pair, prompt: Prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int | None = None,
+                    sampling: SamplingConfig | None = None, speculate: bool = True, budget: int | str | None = None,
+                    raw: bool | None = None, should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
+    """Yield one Step per new token, then a final Step whose `finish_reason` says why generation ended and whose
+    `stats` cover the whole reply (prefill included).
+
+    `prompt`: text (rendered with the pair's chat template unless `raw`; a base model completes it as-is), chat
+    messages, or token ids. Sampling: temperature 0 is greedy; `sampling` replaces the separate fields. Output is the
+    target's own whatever `speculate` and `budget`: they change only how many tokens each target pass yields.
+    """
+    from edge.options import parse_budget
+
+    if max_tokens < 1:
+        from edge.errors import UserError
+
+        raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
+    sampling = sampling or SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                          repeat_penalty=repeat_penalty, seed=seed)
+    tokens = pair.prompt_tokens(prompt, raw)
+    decoder = pair.reused_decoder(sampling, speculate, parse_budget(budget))
+    prefill_s = decoder.load(tokens)
+    for step in decoder.generate(max_tokens, should_stop=should_stop):
+        if step.finish_reason is not None:
+            step.stats.prefill_s = prefill_s
+        yield step
+
+
+def generate(pair: Pair, prompt: Prompt, **kwargs: Any) -> Generation:
+    """The whole reply at once: text, tokens, finish reason and stats. Takes stream_generate's keywords."""
+    return Generation.from_steps(stream_generate(pair, prompt, **kwargs), pair.lossless_warning)

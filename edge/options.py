@@ -1,0 +1,83 @@
+"""How a pair is loaded: one dataclass of every load option, shared by the library, the CLI, the benchmarks and
+the tests. Checked as it is made, so a bad value is one clear line before anything loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge.errors import UserError
+
+PLACEMENTS = ("ram", "ssd")
+TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
+PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
+RUNTIMES = ("llama_cpp", "onnx")
+MAX_BUDGET = 255  # one target pass holds at most 256 nodes (llama.cpp's sequence ids), the root included
+MIN_CTX = 16
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    pair: str | None = None  # a pair of models.toml; None: its default (or `target` below)
+    target: Path | None = None  # a target GGUF file instead of a pair
+    drafter: Path | None = None  # with `target`: the drafter's GGUF file (default: the target drafts for itself)
+    models_file: Path | None = None  # models.toml to read pairs from (default: the packaged one)
+    ctx: int | None = None  # context size in tokens (default: the pair's)
+    budget: int | str | None = None  # draft nodes per tree, or "auto" (default: the pair's, auto unless it says)
+    threads: int | None = None  # CPU threads (default: all; the drafter one fewer while an SSD target reads ahead)
+    gpu_layers: int | None = None  # target layers on a GPU (default: the plan's where a GPU is visible, else 0)
+    provider: str | None = None  # onnxruntime execution provider for ONNX models (default: models.toml's)
+    placement: str = "ram"  # "ram", or "ssd": the target read from its file every pass, as for one larger than RAM
+    readahead: bool = True  # ssd: read the next pass's weights while the drafter works
+    mlock: bool = False  # lock the target's weights in RAM
+    target_dtype: str | None = None  # rewrite the target with llama.cpp's quantizer first (cached); "as-is": the source
+    drafter_runtime: str | None = None  # run the pair's drafter file on "llama_cpp" or "onnx" (default: models.toml's)
+    drafter_vocab: int | None = None  # an onnx drafter's head of this many frequency-ranked tokens (0: the full head)
+    drafter_quantize: str | None = None  # the drafter's file requantized first (a llama.cpp ftype, cached)
+
+    def __post_init__(self) -> None:
+        for name in ("target", "drafter", "models_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
+        if self.drafter is not None and self.target is None:
+            raise UserError("--drafter needs --target too (or pick a pair with --pair)")
+        if self.ctx is not None and self.ctx < MIN_CTX:
+            raise UserError(f"--ctx must be at least {MIN_CTX} tokens (got {self.ctx})")
+        object.__setattr__(self, "budget", parse_budget(self.budget))
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"--threads must be at least 1 (got {self.threads})")
+        if self.gpu_layers is not None and self.gpu_layers < 0:
+            raise UserError(f"--gpu-layers must be 0 or more (got {self.gpu_layers})")
+        if self.provider is not None:
+            if self.provider.lower() not in PROVIDERS:
+                raise UserError(f"--provider must be one of {', '.join(PROVIDERS)} (got {self.provider!r})")
+            object.__setattr__(self, "provider", self.provider.lower())
+        if self.placement not in PLACEMENTS:
+            raise UserError(f"--placement must be ram or ssd (got {self.placement!r})")
+        if self.placement == "ssd" and self.mlock:
+            raise UserError("--placement ssd streams the target from its file: not with --mlock")
+        if self.target_dtype is not None and self.target_dtype not in TARGET_DTYPES:
+            raise UserError(f"--target-dtype must be one of {', '.join(TARGET_DTYPES)} (got {self.target_dtype!r})")
+        if self.drafter_runtime is not None and self.drafter_runtime not in RUNTIMES:
+            raise UserError(f"the drafter's runtime must be one of {', '.join(RUNTIMES)} "
+                            f"(got {self.drafter_runtime!r})")
+        if self.drafter_vocab is not None and self.drafter_vocab < 0:
+            raise UserError(f"the drafter's vocabulary must be 0 (the full head) or more (got {self.drafter_vocab})")
+
+
+def parse_budget(value: int | str | None) -> int | str | None:
+    """None (the pair's), "auto", or draft nodes per tree in 1..MAX_BUDGET; a string of digits counts as a number."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, str):
+        if not value.isdigit():
+            raise UserError(f"--budget takes a number of draft nodes or auto (got {value!r})")
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"--budget takes a number of draft nodes or auto (got {value!r})")
+    if value < 1:
+        raise UserError(f"--budget must be at least 1 (got {value}); use --no-spec for plain decoding")
+    if value > MAX_BUDGET:
+        raise UserError(f"--budget can be at most {MAX_BUDGET} (one target pass holds {MAX_BUDGET + 1} nodes)")
+    return value

@@ -1,0 +1,188 @@
+"""`edge-spec bench` as a library call: plain decoding, chains and trees over the same prompts in one run, each row
+checked against plain decoding token for token; the result is one JSON-ready dict."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge.errors import UserError
+from edge.generate import Decoder, Stats
+from edge.grow import GrowConfig
+from edge.protocols import Drafter
+from edge.sampling import SamplingConfig
+from models.sources import model_path
+from offload.tuning import expand_ms, json_table, pass_ms
+
+if TYPE_CHECKING:
+    from models.pair import Pair
+
+Report = Callable[[str], None]
+
+
+def _quiet(_message: str) -> None:
+    pass
+
+
+def benchmark_file(name: str) -> Path:
+    """A file of benchmarks/: inside the package in an installed wheel, at the repo root otherwise."""
+    package_dir = Path(__file__).resolve().parent
+    packaged = package_dir / "benchmarks" / name
+    return packaged if packaged.exists() else package_dir.parent / "benchmarks" / name
+
+
+DEFAULT_PROMPTS = benchmark_file("chat-prompts.txt")
+METHODS = ("plain", "chain", "tree")
+
+
+def read_prompts(path: Path | None) -> list[str]:
+    path = path or DEFAULT_PROMPTS
+    try:
+        prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as error:
+        raise UserError(f"cannot read prompts file {path}: {error.strerror}") from None
+    if not prompts:
+        raise UserError(f"prompts file {path} has no prompts (one per line)")
+    return prompts
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    runtime: str  # "llama_cpp" or "onnx"
+    vocab: int | None = None  # a trimmed head's size (onnx), None: the full head
+    quantize: str | None = None  # prepare it from the target's source requantized (llama.cpp ftype), None: the pair's
+
+    @property
+    def label(self) -> str:
+        return self.runtime + (f":{self.vocab}" if self.vocab else "") + (f"@{self.quantize}" if self.quantize else "")
+
+
+def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_tokens: int, sampling: SamplingConfig,
+              raw: bool = False, report: Report = _quiet, drafters: list[DrafterChoice] | None = None,
+              methods: tuple[str, ...] = ("plain", "tree")) -> dict[str, Any]:
+    """Plain decoding (the reference every row is checked against) and each method x budget, prompt by prompt: each
+    prompt runs through every row in turn, so a slow spell of a shared machine falls on all rows alike. With
+    `drafters`, the rows run once per drafter (the pair's drafter file on another runtime, head or quantization)."""
+    from offload.probe import probe_machine
+    from offload.tuning import AutoBudget, measure_costs
+
+    prompt_tokens = [pair.prompt_tokens(prompt, raw=raw or None) for prompt in prompts]
+    pass_ms = target_pass_times(pair, prompt_tokens[0], report)
+    rows, drafter_info, reference, costs = [], [], None, None
+    for drafter, label in _drafters(pair, drafters, report):
+        expand = json_table(expand_ms(drafter, prompt_tokens[0]))
+        drafter_info.append({"drafter": label, "vocab": drafter.vocab, "expand_ms": expand,
+                             "kv_bytes_per_token": round(drafter.kv_bytes_per_token(), 1)})
+        runs = [] if reference is not None else [("plain", None, Decoder(pair.target, None, None, sampling))]
+        costs = None
+        for method in (m for m in methods if m != "plain"):
+            for budget in budgets:
+                if budget == "auto" and method == "chain":
+                    continue  # auto chooses tree shapes
+                policy, grow = None, None
+                if budget == "auto":
+                    costs = costs or measure_costs(pair.target, drafter, prompt_tokens[0], pair.target.max_tree)
+                    policy = AutoBudget(costs)
+                else:
+                    grow = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
+                runs.append((method, budget, Decoder(pair.target, drafter, grow, sampling, policy=policy)))
+        report(f"{label}: {', '.join(f'{m} {b}' if b is not None else m for m, b, _ in runs)}; "
+               f"{len(prompts)} prompts, each through every row in turn")
+        results = _decode_interleaved([decoder for _, _, decoder in runs], prompt_tokens, max_tokens, sampling)
+        for (method, budget, _), (outputs, stats, read) in zip(runs, results, strict=True):
+            if method == "plain":
+                reference = outputs
+                rows.insert(0, _row("plain", None, stats, True, read))
+            else:
+                row = _row(method, budget, stats, outputs == reference, read)
+                rows.append({"drafter": label, "vocab": drafter.vocab, **row})
+    plain = rows[0]
+    for row in rows:
+        row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0
+    target_file = model_path(pair.spec.target)
+    return {"pair": pair.name, "machine": probe_machine(), "placement": pair.placement,
+            "target": target_file.name if target_file is not None else None, "prompts": len(prompts),
+            "max_tokens": max_tokens, "temperature": sampling.temperature, "lossless_warning": pair.lossless_warning,
+            "target_pass_ms": pass_ms, "auto_costs": None if costs is None else costs.to_json(),
+            "drafters": drafter_info, "rows": rows}
+
+
+def _decode_interleaved(decoders: list[Decoder], prompt_tokens: list[list[int]], max_tokens: int,
+                        sampling: SamplingConfig) -> list[tuple[list[list[int]], Stats, int | None]]:
+    """Every prompt through every decoder in turn; per decoder its outputs, its stats and the bytes the process
+    read from storage while it ran (prefill included)."""
+    from offload.ssd import read_bytes
+
+    outputs: list[list[list[int]]] = [[] for _ in decoders]
+    totals = [Stats() for _ in decoders]
+    reads: list[int | None] = [0 for _ in decoders]
+    for tokens in prompt_tokens:
+        for i, decoder in enumerate(decoders):
+            decoder.set_sampling(sampling)  # the same seed for every method: sampled runs are comparable
+            before = read_bytes()
+            decoder.load(tokens)
+            steps = list(decoder.generate(max_tokens))
+            after = read_bytes()
+            decoder.reset()  # the next row starts from an empty cache (they share the target and drafter)
+            outputs[i].append([s.token for s in steps if s.token is not None and s.finish_reason is None])
+            totals[i].add(steps[-1].stats)
+            reads[i] = None if reads[i] is None or before is None or after is None else reads[i] + after - before
+    return list(zip(outputs, totals, reads, strict=True))
+
+
+def _drafters(pair: Pair, choices: list[DrafterChoice] | None, report: Report) -> Iterator[tuple[Drafter, str]]:
+    """(drafter, label) for each choice, one open at a time; the pair's own drafter when none are given."""
+    if choices is None:
+        if pair.drafter is None:
+            raise UserError(f"{pair.name} has no drafter to compare")
+        trimmed = pair.drafter.runtime == "onnx" and pair.spec.drafter.vocab
+        yield pair.drafter, pair.drafter.runtime + (f":{pair.drafter.vocab}" if trimmed else "")
+        return
+    from models.pair import head_ids
+
+    for choice in choices:  # a missing vocabulary fails now, not after the drafters before it have run
+        head_ids(pair.spec, replace(pair.spec.drafter, runtime=choice.runtime, vocab=choice.vocab))
+    for choice in choices:
+        yield pair.swap_drafter(choice.runtime, choice.vocab or 0, choice.quantize, report), choice.label
+
+
+def target_pass_times(pair: Pair, prefix: list[int], report: Report = _quiet) -> dict[str, dict[str, float]]:
+    """Pass times of the pair's target; a QuantSpec (onnx) target is timed beside llama.cpp on the same file."""
+    times = {pair.target.runtime: json_table(pass_ms(pair.target, prefix))}
+    if pair.spec.target.runtime == "onnx":
+        from models.pair import materialize
+        from runtimes import runtime
+
+        report("llama.cpp target on the same file, for its pass times")
+        llama = runtime("llama_cpp")
+        options = llama.RunOptions(n_ctx=pair.spec.ctx, kv_type=pair.spec.target.kv_type,
+                                   n_threads=pair.options.threads)
+        other = llama.load_target(materialize(pair.spec.target, report), options)
+        try:
+            times["llama_cpp"] = json_table(pass_ms(other, prefix))
+        finally:
+            other.close()
+    return times
+
+
+def _row(method: str, budget: int | str | None, stats: Stats, matches_plain: bool, read: int | None) -> dict[str, Any]:
+    figures = stats.as_dict()
+    return {
+        "method": method,
+        "budget": budget or 0,
+        **{key: figures[key] for key in ROW_FIGURES},
+        "bytes_read_per_pass": None if read is None else round(read / max(stats.target_passes, 1)),
+        "target_passes": stats.target_passes,
+        "rounds": stats.rounds,
+        "new_tokens": stats.new_tokens,
+        "drafter_passes_per_round": figures["drafter_passes_per_round"],
+        "tree_nodes_per_round": figures["tree_nodes_per_round"],
+        "mean_budget": figures["mean_budget"],
+        "plain_rounds": stats.plain_rounds if budget == "auto" else 0,
+        "matches_plain": matches_plain,
+    }
+
+
+ROW_FIGURES = ("tokens_per_pass", "grow_s_per_round", "draft_s_per_round", "verify_s_per_round", "tokens_per_s")

@@ -1,0 +1,55 @@
+"""edge-spec's cache folder and the way files are written into it: atomically, so a reader never sees half a file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+_CHUNK = 1 << 20
+
+
+def cache_dir() -> Path:
+    """edge-spec's own cache: $EDGE_SPEC_CACHE, else $XDG_CACHE_HOME/edge-spec, else ~/.cache/edge-spec."""
+    if os.environ.get("EDGE_SPEC_CACHE"):
+        return Path(os.environ["EDGE_SPEC_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(base).expanduser() / "edge-spec"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextmanager
+def atomic_path(dest: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `dest`: renamed to `dest` if the block succeeds, removed otherwise."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object cached on disk; {} when the file is missing or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write a JSON object atomically (a reader never sees half a file)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))

@@ -1,0 +1,437 @@
+"""Assembling a pair: from load options (a pair of models.toml, or GGUF paths) to a target and a drafter loaded,
+checked against each other and placed where the plan puts them. `edge.load` is `open_pair` here.
+
+Runtimes are looked up by name (runtimes.runtime) and imported only when a model of theirs loads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field, replace
+from numbers import Integral
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge.chat import Prompt, prompt_tokens
+from edge.chat_template import ChatTemplate
+from edge.errors import UserError
+from edge.generate import Decoder
+from edge.grow import GrowConfig
+from edge.options import LoadOptions
+from edge.protocols import Drafter, Target
+from edge.sampling import SamplingConfig
+from models.cache import atomic_path, cache_dir, read_json, write_json
+from models.registry import ModelSpec, PairSpec, Source, load_registry
+from models.sources import fetch, model_path, prepared_path, vocab_path
+from runtimes import runtime
+
+if TYPE_CHECKING:
+    from offload.tuning import AutoBudget, Costs
+
+Report = Callable[[str], None]
+
+NESTED = "· "  # load_seconds keys of phases that ran inside the one before (their times overlap)
+COSTS_VERSION = "costs 3"  # bumped when what the cached pass times measure changes (tree shapes, eviction)
+# Timing passes for --budget auto needs some context; what it says does not matter.
+CALIBRATION_TEXT = "The committee met on Tuesday to review the budget, and after a long discussion it agreed to"
+
+
+def _quiet(_message: str) -> None:
+    pass
+
+
+@dataclass(eq=False)
+class Pair:
+    """A loaded target and drafter, ready to decode. Close it (or use `with`) to free their native memory."""
+
+    name: str
+    target: Target
+    drafter: Drafter | None
+    template: ChatTemplate | None  # None: a base model, prompts are completed as they are
+    budget: int | str  # draft nodes per tree, or "auto"
+    lossless_warning: str | None  # why this target's output may differ from plain decoding, if it may
+    spec: PairSpec
+    options: LoadOptions
+    models_file: Path | None = None  # the models.toml the pair came from
+    drafter_threads: int | None = None  # None: all cores
+    costs: Costs | None = None  # measured pass times for --budget auto, once per load
+    load_seconds: dict[str, float] = field(default_factory=dict)  # where loading took its time, by phase
+    report: Report = field(default=_quiet, repr=False)
+    _decoder: Decoder | None = field(default=None, repr=False)
+    _decoder_key: tuple | None = field(default=None, repr=False)
+
+    @property
+    def placement(self) -> str:
+        return self.options.placement
+
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the models' native memory (llama.cpp contexts and weights, onnxruntime sessions)."""
+        for model in (self.drafter, self.target):
+            if model is not None:
+                model.close()
+        self.drafter = None
+        self._decoder = self._decoder_key = None
+
+    def prompt_tokens(self, prompt: Prompt, raw: bool | None = None) -> list[int]:
+        """Token ids for a prompt: chat messages rendered with the pair's template; text in the template too, unless
+        `raw` (completed as it is; None: raw only for a base model, which has no template); token ids as they are."""
+        tokenizer = self.target.tokenizer
+        if not isinstance(prompt, str) and all(isinstance(token, Integral) for token in prompt):
+            return [int(token) for token in prompt]  # type: ignore[arg-type]
+        if isinstance(prompt, str):
+            if raw or (raw is None and self.template is None):
+                return tokenizer.tokenize(prompt, add_special=True, parse_special=True)
+            messages: list[Mapping[str, str]] = [{"role": "user", "content": prompt}]
+        else:
+            messages = list(prompt)  # type: ignore[arg-type]
+            if raw:
+                raise UserError("chat messages are rendered with the pair's chat template; give text to complete raw")
+        if self.template is None:
+            raise UserError(f"{self.name} has no chat template (a base model): pass --raw to complete the prompt "
+                            "as-is (raw=True in Python)")
+        return prompt_tokens(tokenizer, self.template.render(_messages(messages)), self.template.bos_token)
+
+    def decoder(self, sampling: SamplingConfig, speculate: bool = True, budget: int | str | None = None) -> Decoder:
+        """A new Decoder for this pair: plain without `speculate`, a fixed budget, or --budget auto's policy."""
+        budget = self.budget if budget is None else budget
+        if not speculate or self.drafter is None:
+            return Decoder(self.target, None, None, sampling)
+        if budget != "auto":
+            return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling)
+        return Decoder(self.target, self.drafter, None, sampling, policy=self.auto_budget())
+
+    def reused_decoder(self, sampling: SamplingConfig, speculate: bool = True,
+                       budget: int | str | None = None) -> Decoder:
+        """The pair's decoder, kept from call to call while the tree policy stays the same: the KV caches still hold
+        the last prompt and reply, so a prompt that extends them (a chat's next turn) runs only its new tokens."""
+        key = (speculate, self.budget if budget is None else budget)
+        if self._decoder is None or key != self._decoder_key:
+            self._decoder, self._decoder_key = self.decoder(sampling, speculate, budget), key
+        else:
+            self._decoder.set_sampling(sampling)
+        return self._decoder
+
+    def auto_budget(self) -> AutoBudget:
+        """--budget auto's policy; its pass times are measured once per machine, placement and pair (cached)."""
+        from offload.tuning import AutoBudget, Costs, measure_costs
+
+        if self.costs is None:
+            with _phase(self.load_seconds, "pass times (--budget auto)"):
+                key, cache = self._costs_key(), cache_dir() / "pass-times.json"
+                known = read_json(cache)
+                if key is not None and key in known:
+                    self.costs = Costs.from_json(known[key])
+                else:
+                    self.report("timing the target's and the drafter's passes for --budget auto (once for this "
+                                "machine and pair; kept in the cache)")
+                    prefix = self.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
+                    self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree)
+                    if key is not None:
+                        write_json(cache, {**known, key: self.costs.to_json()})
+        return AutoBudget(self.costs)
+
+    def swap_drafter(self, runtime_name: str | None = None, vocab: int | None = None, quantize: str | None = None,
+                     report: Report = _quiet) -> Drafter:
+        """Close the pair's drafter and open the same file as another drafter: on another runtime, with a
+        `vocab`-token head (onnx; 0: the full head), or requantized. One drafter at a time: idle llama.cpp thread
+        pools slow the others down. Benchmarks compare drafters this way."""
+        if self.spec.target.runtime == "onnx":
+            raise UserError("another drafter needs a pair with a llama.cpp target (QuantSpec pairs have one drafter)")
+        model = _drafter_model(self.spec.drafter, runtime_name, vocab, quantize)
+        head_ids(self.spec, model)  # a missing vocabulary fails before the pair's drafter is closed
+        if self.drafter is not None:
+            self.drafter.close()
+            self.drafter = None
+        self._decoder = self._decoder_key = None
+        self.costs = None
+        self.drafter = open_drafter(self.spec, model, self.target.model.path, self.drafter_threads, 0, report)
+        return self.drafter
+
+    def _costs_key(self) -> str | None:
+        from offload.probe import machine_key
+
+        path = model_path(self.spec.target)
+        if path is None or not path.is_file() or self.drafter is None:
+            return None
+        stat = path.stat()
+        drafter = f"{type(self.drafter).__name__}:{self.drafter.vocab}"
+        streamer = getattr(self.target, "streamer", None)  # offload.ssd.SsdTarget
+        readahead = None if streamer is None else streamer.readahead
+        return (f"{machine_key(path)}|{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{self.placement}|"
+                f"readahead {readahead}|drafter threads {self.drafter_threads}|{COSTS_VERSION}")
+
+
+def _messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Chat messages as the template expects them: role and content strings."""
+    checked = []
+    for message in messages:
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise UserError("a chat message is a {\"role\": ..., \"content\": ...} mapping of strings "
+                            f"(got {message!r:.80})")
+        checked.append({"role": message["role"], "content": message["content"]})
+    return checked
+
+
+def open_pair(options: LoadOptions, report: Report = _quiet) -> Pair:
+    """Load the pair that `options` names, where the plan puts it (edge.load)."""
+    times: dict[str, float] = {}
+    with _phase(times, "models.toml and plan"):
+        spec, models_file = resolve_spec(options)
+        gpu_layers = options.gpu_layers
+        if gpu_layers is None:
+            gpu_layers = planned_gpu_layers(spec, models_file, report)
+    return load_pair(spec, replace(options, gpu_layers=gpu_layers), report, models_file, times)
+
+
+@contextmanager
+def _phase(times: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the block's wall time to times[name]: start-up is measured by phase (benchmarks/startup.py)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] = times.get(name, 0.0) + time.perf_counter() - start
+
+
+def is_base_model(options: LoadOptions) -> bool:
+    """Whether the target `options` names has no chat template, read from its header without loading anything
+    (False while its file is not here yet: loading fetches it, and the template is known then)."""
+    from runtimes.gguf_file import check_gguf
+
+    path = model_path(resolve_spec(options)[0].target)
+    return path is not None and path.is_file() and not check_gguf(path).chat_template
+
+
+def resolve_spec(options: LoadOptions) -> tuple[PairSpec, Path | None]:
+    """The pair `options` names (from models.toml, or made from --target/--drafter paths), with the options that
+    rewrite it applied; and the models.toml it came from."""
+    if options.target is not None:
+        spec, models_file = spec_for_paths(options.target, options.drafter, options.ctx or 4096), None
+    else:
+        registry = load_registry(options.models_file)
+        spec, models_file = registry.pair(options.pair), registry.path
+    if options.ctx:
+        spec = replace(spec, ctx=options.ctx)
+    if options.provider is not None:  # overrides models.toml for every ONNX model of the pair
+        spec = replace(spec, target=replace(spec.target, provider=options.provider),
+                       drafter=replace(spec.drafter, provider=options.provider))
+    if options.target_dtype is not None:
+        quantize = None if options.target_dtype == "as-is" else options.target_dtype
+        spec = replace(spec, target=replace(spec.target, quantize=quantize))
+    if options.drafter_runtime or options.drafter_vocab is not None or options.drafter_quantize:
+        spec = replace(spec, drafter=_drafter_model(spec.drafter, options.drafter_runtime, options.drafter_vocab,
+                                                    options.drafter_quantize))
+    if options.placement == "ssd" and spec.target.runtime == "onnx":
+        raise UserError("--placement ssd streams a llama.cpp target from its file: not with an onnx target")
+    return spec, models_file
+
+
+def _drafter_model(model: ModelSpec, runtime_name: str | None, vocab: int | None, quantize: str | None) -> ModelSpec:
+    runtime_name = runtime_name or model.runtime
+    if vocab is None:
+        vocab = model.vocab if runtime_name == "onnx" else None
+    if vocab and runtime_name != "onnx":
+        raise UserError("a trimmed drafter head (a vocabulary size) needs the onnx drafter runtime")
+    return replace(model, runtime=runtime_name, vocab=vocab or None, quantize=quantize or model.quantize)
+
+
+def spec_for_paths(target: Path, drafter: Path | None, ctx: int) -> PairSpec:
+    """A pair made from --target/--drafter paths; without a drafter, the target drafts for itself."""
+    target_spec = ModelSpec(Source(path=target.expanduser()), kv_type="bf16")
+    drafter_spec = ModelSpec(Source(path=(drafter or target).expanduser()), kv_type="q4_0")
+    return PairSpec(name=target.name, about="from the command line", target=target_spec, drafter=drafter_spec,
+                    ctx=ctx)
+
+
+def planned_gpu_layers(spec: PairSpec, models_file: Path | None, report: Report = _quiet) -> int:
+    """Apply `edge-spec plan`: refuse a pair that cannot run here (with the numbers), and give the target's GPU
+    layers when a GPU is visible. The rest of the plan is what loading does anyway (mmap'd weights, the kernel
+    streams what RAM cannot hold). Skipped while a model file is not here yet (it is fetched first)."""
+    if any(path is None or not path.is_file() for path in (model_path(spec.target), model_path(spec.drafter))):
+        return 0
+    from models.planning import make_plan
+    from offload.probe import probe_gpus
+
+    plan = make_plan(spec, None, models_file)
+    if not probe_gpus():
+        return 0
+    report(f"plan: {plan.target.n_gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
+    return plan.target.n_gpu_layers
+
+
+def materialize(spec: ModelSpec, report: Report = _quiet) -> Path:
+    """Fetch the model's source and prepare it if needed; returns the file to load."""
+    source = fetch(spec.source, report)
+    if not spec.quantize:
+        return source
+    dest = prepared_path(spec)
+    assert dest is not None
+    if not dest.exists():
+        report(f"preparing {dest.name} ({spec.quantize}, llama.cpp quantizer)")
+        with atomic_path(dest) as tmp:
+            runtime("llama_cpp").quantize(source, tmp, spec.quantize)
+    return dest
+
+
+def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, models_file: Path | None = None,
+              times: dict[str, float] | None = None) -> Pair:
+    """Load `spec` (already resolved: resolve_spec) with `options`' placement, threads and budget; `times` gathers
+    the seconds of each phase.
+
+    placement "ssd": the target is mmap'd and its pages evicted after every pass (offload/ssd.py)."""
+    from runtimes.gguf_file import check_gguf, lossless_guarantee
+
+    times = {} if times is None else times
+    with _phase(times, "model files"):
+        target_file = materialize(spec.target, report)
+        info = check_gguf(target_file)
+        materialize(spec.drafter, report)  # fetched here, not beside the target's load: downloads stay one at a time
+    draft_threads = drafter_threads(options.threads, options.placement, options.readahead)
+    if spec.target.runtime == "onnx":
+        with _phase(times, "target and drafter (QuantSpec)"):
+            target, drafter = _load_quantspec(spec, target_file, options.threads, report)
+        warning = None
+    else:
+        target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times)
+        if options.placement == "ssd":
+            try:
+                with _phase(times, "ssd placement check"):
+                    target = on_ssd(target, target_file, options.readahead)
+            except BaseException:
+                drafter.close()
+                raise
+        warning = lossless_guarantee(info, spec.target.kv_type)
+    with _phase(times, "chat template"):
+        template = _template(info.chat_template, target)
+    budget = spec.budget if options.budget is None else options.budget
+    return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
+                load_seconds=times, report=report)
+
+
+def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, draft_threads: int | None,
+                       report: Report, times: dict[str, float]) -> tuple[Any, Drafter]:
+    """The llama.cpp target and the drafter, the drafter loading on a thread while the target loads: both spend
+    their time in native code (llama.cpp mapping weights and allocating its KV cache, onnxruntime reading and
+    packing the drafter's), so on a machine with two cores or more the slower of the two is what start-up waits."""
+    llama = runtime("llama_cpp")
+    run = llama.RunOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, n_threads=options.threads,
+                           n_gpu_layers=options.gpu_layers or 0, use_mlock=options.mlock)
+    beside: dict[str, float] = {}  # the two sides' own times, shown under the block's wall time
+    with _phase(times, "target and drafter, side by side"), \
+            ThreadPoolExecutor(1, thread_name_prefix="edge-spec-drafter") as pool:
+        future = pool.submit(open_drafter, spec, spec.drafter, target_file, draft_threads, options.gpu_layers or 0,
+                             report, beside)
+        try:
+            with _phase(beside, "target"):
+                target = llama.load_target(target_file, run)
+        except BaseException:
+            _close_when_loaded(future)
+            raise
+        try:
+            drafter = future.result()
+        except BaseException:
+            target.close()
+            raise
+    times.update({f"{NESTED}{name}": seconds for name, seconds in beside.items()})
+    return target, drafter
+
+
+def _close_when_loaded(future: Future) -> None:
+    with suppress(BaseException):  # the drafter failed too: the target's error is the one to report
+        future.result().close()
+
+
+def drafter_threads(threads: int | None, placement: str, readahead: bool) -> int | None:
+    """The drafter's CPU threads: with the target streamed from the SSD and read ahead while the tree grows, one
+    core is left to the readahead (on 2 cores, a drafter on both grew its trees no faster and delayed the reading
+    into the target's pass; docs/performance.md)."""
+    if threads is not None or placement != "ssd" or not readahead:
+        return threads
+    return max(1, runtime("llama_cpp").default_threads() - 1)
+
+
+def on_ssd(target: Any, path: Path, readahead: bool) -> Any:
+    """The target streamed from its file; refused when a pass does not read its weights from the mapping
+    (llama.cpp copies weights it repacks for faster kernels, e.g. Q4_0 on x86, and leaves the file mapped)."""
+    from edge.tree import TokenTree
+    from offload.ssd import SsdStreamer, SsdTarget, resident_fraction
+
+    probe = SsdStreamer(path, readahead=False)
+    probe.evict()
+    target.verify(TokenTree.root(max(target.model.bos, 0)))  # a pass with logits: the head is read too
+    touched = resident_fraction(path)
+    target.truncate(0)
+    probe.close()
+    if touched < 0.5:
+        target.close()
+        raise UserError(f"--placement ssd: a pass of {path.name} read only {touched:.0%} of the file (llama.cpp "
+                        "copied its weights into repacked buffers); use --target-dtype f16 or q8_0")
+    return SsdTarget(target, path, readahead)
+
+
+def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: int | None, gpu_layers: int,
+                 report: Report = _quiet, times: dict[str, float] | None = None) -> Drafter:
+    """The drafter `model` (the pair's, or another for a comparison) for the llama.cpp target in `target_file`,
+    refused when it does not speak the target's token ids."""
+    from runtimes.gguf_file import check_same_vocab
+
+    times = {} if times is None else times
+    drafter_file = materialize(model, report)
+    with _phase(times, "vocabulary check"):
+        check_same_vocab(target_file, drafter_file)
+    with _phase(times, "drafter"):
+        if model.runtime == "onnx":
+            onnx = runtime("onnx")
+            options = onnx.OnnxOptions(provider=model.provider, threads=threads, n_ctx=spec.ctx + 256)
+            return onnx.load_drafter(drafter_file, options, head_ids(spec, model), report)
+        llama = runtime("llama_cpp")
+        options = llama.RunOptions(n_ctx=spec.ctx, kv_type=model.kv_type, n_threads=threads, n_gpu_layers=gpu_layers)
+        return llama.load_drafter(drafter_file, options)
+
+
+def head_ids(spec: PairSpec, model: ModelSpec) -> Any:
+    """The frequency-ranked token ids a trimmed drafter head keeps (None: the full head)."""
+    if not model.vocab:
+        return None
+    from quant.vocab import RankedVocab
+
+    path = vocab_path(spec.target, model.vocab)
+    if not path.exists():
+        raise UserError(f"pair {spec.name}: no {model.vocab}-token vocabulary yet; "
+                        f"run `edge-spec prepare {spec.name} --vocab {model.vocab}` (one target run over the "
+                        "calibration prompts)")
+    return RankedVocab.load(path).ids
+
+
+def _load_quantspec(spec: PairSpec, target_file: Path, threads: int | None, report: Report) -> tuple[Any, Any]:
+    """QuantSpec mode: ONNX target and drafter sharing one hierarchical KV cache."""
+    if spec.drafter.runtime != "onnx":
+        raise UserError(f"pair {spec.name}: an onnx target (QuantSpec mode) needs an onnx drafter "
+                        "(drafter.runtime = \"onnx\")")
+    drafter_file = materialize(spec.drafter, report)
+    onnx = runtime("onnx")
+    tokenizer = runtime("llama_cpp").Model(target_file)  # tokenizer and chat-template tokens; weights stay unused
+    options = onnx.OnnxOptions(provider=spec.target.provider, threads=threads, n_ctx=spec.ctx)
+    target, drafter = onnx.load_quantspec(target_file, drafter_file, options, tokenizer, tokenizer.eog_tokens(),
+                                          head_ids(spec, spec.drafter), report)
+    target.model = tokenizer
+    return target, drafter
+
+
+def _template(source: str | None, target: Any) -> ChatTemplate | None:
+    if not source:
+        return None
+    model = target.model
+    text = model.token_bytes(model.bos, special=True).decode("utf-8", "replace") if model.bos >= 0 else ""
+    eos = model.token_bytes(model.eos, special=True).decode("utf-8", "replace") if model.eos >= 0 else ""
+    return ChatTemplate(source, text, eos)

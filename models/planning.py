@@ -1,0 +1,44 @@
+"""`edge-spec plan` as a library call: a pair's shapes (GGUF headers of files already here, else models.toml facts),
+the machine (probed or described), and the plan. Nothing is loaded or downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edge.errors import UserError
+from models.cache import cache_dir
+from models.registry import ModelSpec, PairSpec
+from models.sources import model_path, source_path
+from offload.plan import Machine, Plan, Shape, parse_machine, plan_pair, probe_here
+
+
+def make_plan(pair: PairSpec, machine: str | None, models_file: Path) -> Plan:
+    target_file = _local_file(pair.target)
+    target = model_shape(pair, "target", pair.target, models_file)
+    drafter = model_shape(pair, "drafter", pair.drafter, models_file)
+    if machine is not None:
+        here: Machine = parse_machine(machine)
+    else:
+        here = probe_here(target_file or cache_dir() / "models", cache_dir() / "machine.json")
+    return plan_pair(pair, target, drafter, here)
+
+
+def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) -> Shape:
+    """The model's shape from its file when it is here, else from models.toml facts; never downloads."""
+    path = _local_file(model)
+    if path is not None:
+        return Shape.from_gguf(path)
+    if model.facts is not None:
+        return Shape.from_facts(model.facts)
+    source = source_path(model.source)
+    if model.quantize and source is not None and source.is_file():
+        raise UserError(f"pair {pair.name}: the {role} is not prepared yet ({model.quantize} of {source.name}); "
+                        f"run `edge-spec prepare {pair.name}` first")
+    raise UserError(f"pair {pair.name}: the {role} file is not here and {models_file} gives no facts about it; "
+                    f"run `edge-spec prepare {pair.name}` (downloads it), or add {role}.size_gb, {role}.layers, "
+                    f"{role}.embd, {role}.kv_heads and {role}.head_dim to the pair")
+
+
+def _local_file(model: ModelSpec) -> Path | None:
+    path = model_path(model)
+    return path if path is not None and path.is_file() else None

@@ -1,0 +1,63 @@
+"""The C library's memory calls (mmap, munmap, madvise, mincore): the one module in edge-spec that calls libc
+through ctypes. Linux only.
+
+Addresses are plain ints, so no caller holds a ctypes pointer; a failed call raises OSError with its errno.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+MADV_DONTNEED = 4  # unmap the pages from this process (a read-only file mapping: nothing is lost)
+MADV_POPULATE_READ = 22  # Linux >= 5.14: fault the pages in (reading them), as a read of each would
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _error(call: str) -> OSError:
+    errno = ctypes.get_errno()
+    return OSError(errno, f"{call} failed: {os.strerror(errno)}")
+
+
+def madvise(address: int, length: int, advice: int) -> None:
+    """madvise(2) on this process's memory [address, address + length); address page-aligned."""
+    if _libc().madvise(address, length, advice) != 0:
+        raise _error("madvise")
+
+
+@contextmanager
+def mapped(fd: int, length: int) -> Iterator[int]:
+    """A read-only shared mapping of the file `fd`'s first `length` bytes, as its address; unmapped on exit."""
+    address = _libc().mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _MAP_FAILED):
+        raise _error("mmap")
+    try:
+        yield address
+    finally:
+        _libc().munmap(address, length)
+
+
+def resident_pages(address: int, length: int) -> np.ndarray:
+    """bool [pages]: which pages of [address, address + length) are in RAM (mincore(2)); address page-aligned."""
+    pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vector = (ctypes.c_ubyte * pages)()
+    if _libc().mincore(address, length, vector) != 0:
+        raise _error("mincore")
+    return (np.frombuffer(vector, np.uint8) & 1).astype(bool)  # the other bits are reserved

@@ -1,0 +1,102 @@
+"""The library's face (edge.load / edge.generate / edge.stream_generate) on the real default pair, against the
+command line, and its load options."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import edge
+from cli.main import app
+from edge.errors import UserError
+from models.pair import Pair
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def default_pair() -> Pair:
+    """The default pair as a user loads it: models.toml's drafter (the ONNX one), --budget auto."""
+    with edge.load("smollm2-135m") as pair:
+        yield pair
+
+
+def test_generate_equals_the_command_line(default_pair: Pair) -> None:
+    text = edge.generate(default_pair, "Name three colors.", max_tokens=16, temperature=0).text
+    result = CliRunner().invoke(app, ["generate", "Name three colors.", "-n", "16", "--temperature", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    assert text and text == json.loads(result.stdout)["text"]
+
+
+def test_stream_generate_yields_steps_then_a_finish(default_pair: Pair) -> None:
+    steps = list(edge.stream_generate(default_pair, "Name three colors.", max_tokens=5))
+    assert [s.finish_reason for s in steps] == [None] * 5 + ["length"]
+    assert all(s.token is not None for s in steps[:-1]) and steps[-1].token is None
+    reply = edge.generate(default_pair, "Name three colors.", max_tokens=5)
+    assert reply.tokens == [s.token for s in steps[:-1]] and reply.text == "".join(s.text for s in steps)
+    assert reply.finish_reason == "length" and reply.stats.new_tokens == 5 and reply.stats.prefill_s > 0
+
+
+def test_chat_messages_are_rendered_with_the_template(default_pair: Pair) -> None:
+    messages = [{"role": "user", "content": "Name three colors."}]
+    assert edge.generate(default_pair, messages, max_tokens=8).tokens == \
+        edge.generate(default_pair, "Name three colors.", max_tokens=8).tokens
+    raw = default_pair.prompt_tokens("Name three colors.", raw=True)
+    assert edge.generate(default_pair, raw, max_tokens=4).tokens == \
+        edge.generate(default_pair, "Name three colors.", max_tokens=4, raw=True).tokens
+    with pytest.raises(UserError, match="chat message"):
+        edge.generate(default_pair, [{"role": "user"}], max_tokens=4)
+
+
+def test_a_chats_next_turn_runs_only_its_new_tokens(default_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = [{"role": "user", "content": "Name three colors."}]
+    reply = edge.generate(default_pair, first, max_tokens=12).text
+    second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "And two more?"}]
+    prefilled: list[int] = []
+    target = default_pair.target
+    real_prefill = type(target).prefill
+    monkeypatch.setattr(target, "prefill", lambda tokens: prefilled.append(len(tokens)) or real_prefill(target, tokens))
+    again = edge.generate(default_pair, second, max_tokens=12)
+    kept = len(default_pair.prompt_tokens(second)) - 1 - prefilled[0]
+    assert kept >= len(default_pair.prompt_tokens(first))  # the first turn stayed in the caches
+    fresh = default_pair.decoder(edge.SamplingConfig())  # a decoder of its own starts from empty caches
+    fresh.load(default_pair.prompt_tokens(second))
+    assert prefilled[-1] == len(default_pair.prompt_tokens(second)) - 1
+    assert [s.token for s in fresh.generate(12) if s.token is not None and s.finish_reason is None] == again.tokens
+
+
+def test_load_options_are_checked_before_anything_loads() -> None:
+    for options, fragment in [({"budget": "lots"}, "--budget takes"), ({"budget": 0}, "at least 1"),
+                              ({"placement": "cloud"}, "--placement must be"), ({"ctx": 8}, "--ctx must be"),
+                              ({"provider": "tpu"}, "--provider must be"), ({"target_dtype": "q3"}, "--target-dtype"),
+                              ({"drafter": "x.gguf"}, "--drafter needs --target"),
+                              ({"placement": "ssd", "mlock": True}, "not with --mlock")]:
+        with pytest.raises(UserError, match=re.escape(fragment)):
+            edge.load("smollm2-135m", **options)
+    with pytest.raises(UserError, match="unknown pair 'nope'"):
+        edge.load("nope")
+    with pytest.raises(UserError, match="not found"):
+        edge.load(target="/nonexistent/model.gguf")
+
+
+def test_close_frees_the_models(smollm2: Pair) -> None:
+    with edge.load("smollm2-135m", budget=4, gpu_layers=0) as pair:
+        assert edge.generate(pair, "Hi", max_tokens=3).stats.new_tokens == 3
+        target, drafter = pair.target, pair.drafter
+    assert pair.drafter is None and target.ctx._ptr is None and target.model._ptr is None
+    assert drafter.session is None
+
+
+def test_the_readme_python_example_runs() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    example = re.search(r"## Python\n.*?```python\n(.*?)```", readme, re.DOTALL)
+    assert example is not None, "README.md has no Python example"
+    run = subprocess.run([sys.executable, "-c", example.group(1)], capture_output=True, text=True, cwd=Path.cwd(),
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "tokens per target pass" in run.stdout
