@@ -15,12 +15,9 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cli.loading import CALIBRATION_TEXT, head_drafter, load_pair, resolve_pair
-from edge.registry import load_registry
+import edge
+from models.pair import CALIBRATION_TEXT
 from offload.tuning import CANDIDATES, AutoBudget, measure_costs
 
 
@@ -31,12 +28,11 @@ def main() -> None:
     parser.add_argument("--target-dtype", default="f16")
     args = parser.parse_args()
 
-    spec = resolve_pair(load_registry(), args.pair, None, None, None)
-    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), placement="ssd",
-                       target_dtype=args.target_dtype)
-    drafter = head_drafter(loaded, args.drafter_vocab)
-    prefix = loaded.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
-    costs = measure_costs(loaded.target, drafter, prefix, loaded.target.max_tree)
+    with edge.load(args.pair, report=lambda message: print(message, file=sys.stderr), placement="ssd",
+                   target_dtype=args.target_dtype, drafter_runtime="onnx" if args.drafter_vocab else None,
+                   drafter_vocab=args.drafter_vocab) as pair:
+        prefix = pair.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
+        costs = measure_costs(pair.target, pair.drafter, prefix, pair.target.max_tree)
     print(json.dumps(costs.to_json()))
     overlap, no_overlap = AutoBudget(costs), AutoBudget(replace(costs, overlap_ms=None))
     print(f"{'budget':>6s} {'prior tokens':>12s} {'round ms':>9s} {'old model':>10s}")
@@ -47,4 +43,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except edge.UserError as error:
+        sys.exit(f"error: {error}")

@@ -18,28 +18,27 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+import edge
 import runtimes.onnx as onnx_runtime
-from cli.loading import CALIBRATION_TEXT, load_pair, materialize, open_drafter, resolve_pair
-from cli.main import prompt_for
 from edge.generate import Decoder
 from edge.grow import GrowConfig
-from edge.registry import load_registry
 from edge.sampling import SamplingConfig
+from models.bench import read_prompts
+from models.pair import CALIBRATION_TEXT, Pair, materialize, open_drafter
 from offload.tuning import expand_ms
 from runtimes.onnx import graph
 
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0")
 
 
-def _dynamic_quantize_linear(self, x: str, name: str, w: np.ndarray | None = None, source: str | None = None) -> str:
+def _dynamic_quantize_linear(self, x: str, name: str, w: np.ndarray | None = None, source: str | None = None,
+                             grid=None) -> str:
     """DecoderBuilder.linear with DynamicQuantizeMatMul for 4-bit layers and the head."""
     w = self.w.get(name) if w is None else w
     kind = self.w.tensors[source or name].tensor_type.name
     head = (source or name) in ("output.weight", "token_embd.weight")
     if self.opt.weights != "int4" or (kind not in FOUR_BIT and not head):
-        return _int4_linear(self, x, name, w, source)
+        return _int4_linear(self, x, name, w, source, grid)
     scale = np.abs(w).max(axis=1) / 63
     scale[scale == 0] = 1
     quantized = np.ascontiguousarray(np.round(w / scale[:, None]).astype(np.int8).T)
@@ -52,6 +51,38 @@ def _dynamic_quantize_linear(self, x: str, name: str, w: np.ndarray | None = Non
 _int4_linear = graph.DecoderBuilder.linear
 
 
+def _grow_with_each(pair: Pair, texts: list[str], n: int) -> dict[str, list]:
+    """Prints each drafter's expand times; returns per drafter, summed over the prompts: [growth seconds, target
+    passes, tokens]."""
+    spec = pair.spec
+    int4 = pair.swap_drafter("onnx", 0, report=print)  # the pair's file as the int4 graph with its full head
+    llama = open_drafter(spec, replace(spec.drafter, runtime="llama_cpp", vocab=None), pair.target.model.path,
+                         pair.drafter_threads, 0, print)
+    graph.DecoderBuilder.linear = _dynamic_quantize_linear
+    variant = onnx_runtime._variant
+    onnx_runtime._variant = lambda role, head: variant(role, head) + ".dq7"
+    options = onnx_runtime.OnnxOptions(threads=pair.drafter_threads, n_ctx=spec.ctx + 256)
+    dq = onnx_runtime.load_drafter(materialize(spec.drafter, print), options, None, print)
+    drafters = {"llama_cpp": llama, "onnx int4": int4, "onnx dq7": dq}
+
+    prefix = pair.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
+    for name, drafter in drafters.items():
+        ms = expand_ms(drafter, prefix, sizes=(1, 4, 8, 32), repeats=7)
+        print(f"{name:10s} expand ms for 1 / 4 / 8 / 32 nodes: " + " / ".join(f"{v:.1f}" for v in ms.values()))
+    totals = {name: [0.0, 0, 0] for name in drafters}
+    for text in texts:  # prompt by prompt, every drafter in turn
+        for name, drafter in drafters.items():
+            decoder = Decoder(pair.target, drafter, GrowConfig.for_budget(64), SamplingConfig())
+            decoder.load(pair.prompt_tokens(text))
+            stats = list(decoder.generate(n))[-1].stats
+            totals[name][0] += stats.draft_s
+            totals[name][1] += stats.target_passes
+            totals[name][2] += stats.new_tokens
+    llama.close()
+    dq.close()
+    return totals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", required=True)
@@ -59,36 +90,14 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=64, help="tokens per prompt")
     args = parser.parse_args()
 
-    spec = resolve_pair(load_registry(), args.pair, None, None, None)
-    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), placement="ram")
-    int4 = open_drafter(loaded.spec, replace(spec.drafter, runtime="onnx", vocab=None), loaded.target,
-                        loaded.drafter_threads, 0, print)
-    llama = open_drafter(loaded.spec, replace(spec.drafter, runtime="llama_cpp", vocab=None), loaded.target,
-                         loaded.drafter_threads, 0, print)
-    graph.DecoderBuilder.linear = _dynamic_quantize_linear
-    variant = onnx_runtime._variant
-    onnx_runtime._variant = lambda role, head: variant(role, head) + ".dq7"
-    options = onnx_runtime.OnnxOptions(threads=loaded.drafter_threads, n_ctx=spec.ctx + 256)
-    dq = onnx_runtime.load_drafter(materialize(spec.drafter, print), options, None, print)
-    drafters = {"llama_cpp": llama, "onnx int4": int4, "onnx dq7": dq}
-
-    prefix = loaded.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
-    for name, drafter in drafters.items():
-        ms = expand_ms(drafter, prefix, sizes=(1, 4, 8, 32), repeats=7)
-        print(f"{name:10s} expand ms for 1 / 4 / 8 / 32 nodes: " + " / ".join(f"{v:.1f}" for v in ms.values()))
-    texts = [line for line in args.prompts.read_text().splitlines() if line.strip() and not line.startswith("#")]
-    totals = {name: [0.0, 0, 0] for name in drafters}
-    for text in texts:  # prompt by prompt, every drafter in turn
-        for name, drafter in drafters.items():
-            decoder = Decoder(loaded.target, drafter, GrowConfig.for_budget(64), SamplingConfig())
-            decoder.load(prompt_for(loaded, text, loaded.template is None))
-            stats = list(decoder.generate(args.n))[-1].stats
-            totals[name][0] += stats.draft_s
-            totals[name][1] += stats.target_passes
-            totals[name][2] += stats.new_tokens
+    with edge.load(args.pair, report=lambda message: print(message, file=sys.stderr), placement="ram") as pair:
+        totals = _grow_with_each(pair, read_prompts(args.prompts), args.n)
     for name, (draft_s, passes, tokens) in totals.items():
         print(f"{name:10s} budget 64: grow {draft_s / passes:.4f} s/round, {tokens / passes:.2f} tokens/pass")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except edge.UserError as error:
+        sys.exit(f"error: {error}")

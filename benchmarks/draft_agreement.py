@@ -21,13 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.tree_yield import plain_replies
-from cli.loading import head_drafter, load_pair, resolve_pair
-from edge.registry import load_registry
+import edge
+from edge.replay import plain_replies
 from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
+from models.bench import read_prompts
 
 EDGES = [0.0, 0.3, 0.5, 0.7, 0.9, 0.98, 1.0001]  # bins of the drafter's probability for its top token
 
@@ -59,12 +57,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4, help="children a tree scores per node")
     args = parser.parse_args()
 
-    spec = resolve_pair(load_registry(), args.pair, None, None, None)
-    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), target_dtype=args.target_dtype)
-    drafter = head_drafter(loaded, args.drafter_vocab)
-    prompts, replies = plain_replies(loaded, args.prompts, args.n, SamplingConfig())
-    rows = np.array([row for prompt, reply in zip(prompts, replies, strict=True)
-                     for row in teacher_forced(drafter, prompt, reply, args.width)])
+    with edge.load(args.pair, report=lambda message: print(message, file=sys.stderr), target_dtype=args.target_dtype,
+                   drafter_runtime="onnx" if args.drafter_vocab else None, drafter_vocab=args.drafter_vocab) as pair:
+        prompts = [pair.prompt_tokens(text) for text in read_prompts(args.prompts)]
+        replies = plain_replies(pair.target, prompts, args.n, SamplingConfig())
+        rows = np.array([row for prompt, reply in zip(prompts, replies, strict=True)
+                         for row in teacher_forced(pair.drafter, prompt, reply, args.width)])
     top_p, rank = rows[:, 0], rows[:, 1].astype(int)
     agreement = float(np.mean(rank == 0))
     print(f"{args.pair}, {len(prompts)} prompts x {args.n} tokens ({len(rows)} positions), greedy: the drafter's top "
@@ -85,4 +83,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except edge.UserError as error:
+        sys.exit(f"error: {error}")

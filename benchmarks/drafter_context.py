@@ -11,12 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cli.loading import CALIBRATION_TEXT, load_pair, open_drafter, resolve_pair
-from edge.registry import load_registry
+import edge
+from models.pair import CALIBRATION_TEXT, open_drafter
 from offload.tuning import expand_ms
 
 CONTEXTS = (20, 60, 120, 200)
@@ -27,17 +24,23 @@ def main() -> None:
     parser.add_argument("--pair", required=True)
     args = parser.parse_args()
 
-    spec = resolve_pair(load_registry(), args.pair, None, None, None)
-    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), placement="ram")
-    llama = open_drafter(loaded.spec, replace(spec.drafter, runtime="llama_cpp", vocab=None), loaded.target,
-                         loaded.drafter_threads, 0, print)
-    text = loaded.target.tokenizer.tokenize(CALIBRATION_TEXT * 20, add_special=True, parse_special=False)
-    print("context  drafter     ms for 1 / 4 / 8 nodes")
-    for n in CONTEXTS:
-        for name, drafter in ((spec.drafter.runtime, loaded.drafter), ("llama_cpp", llama)):
-            ms = expand_ms(drafter, text[:n], sizes=(1, 4, 8), repeats=7)
-            print(f"{n:7d}  {name:10s}  " + " / ".join(f"{v:.1f}" for v in ms.values()))
+    with edge.load(args.pair, report=lambda message: print(message, file=sys.stderr), placement="ram") as pair:
+        spec = pair.spec
+        llama = open_drafter(spec, replace(spec.drafter, runtime="llama_cpp", vocab=None), pair.target.model.path,
+                             pair.drafter_threads, 0, print)
+        try:
+            text = pair.target.tokenizer.tokenize(CALIBRATION_TEXT * 20, add_special=True, parse_special=False)
+            print("context  drafter     ms for 1 / 4 / 8 nodes")
+            for n in CONTEXTS:
+                for name, drafter in ((spec.drafter.runtime, pair.drafter), ("llama_cpp", llama)):
+                    ms = expand_ms(drafter, text[:n], sizes=(1, 4, 8), repeats=7)
+                    print(f"{n:7d}  {name:10s}  " + " / ".join(f"{v:.1f}" for v in ms.values()))
+        finally:
+            llama.close()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except edge.UserError as error:
+        sys.exit(f"error: {error}")

@@ -13,14 +13,11 @@ pairs of u8 x s8 products in int16, which saturates with full-range int8 weights
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from quant.int4 import quantize_weight
 from runtimes.onnx.graph import IR_VERSION, OPSET
@@ -112,5 +109,13 @@ def main(k: int, n: int) -> None:
               "of the largest output")
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("k", type=int, nargs="?", default=576, help="input width (default 576)")
+    parser.add_argument("n", type=int, nargs="?", default=3072, help="output width (default 3072)")
+    return parser.parse_args()
+
+
 if __name__ == "__main__":
-    main(*(int(x) for x in sys.argv[1:3])) if len(sys.argv) > 2 else main(576, 3072)
+    args = parse_args()
+    main(args.k, args.n)

@@ -8,17 +8,17 @@ and the time of a 1-token llama.cpp pass after it; and the time one eviction tak
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from edge.tree import TokenTree
-from offload.ssd import MADV_POPULATE_READ, READAHEAD_CHUNK, SsdStreamer, resident_fraction
+from offload import libc
+from offload.libc import MADV_POPULATE_READ
+from offload.ssd import READAHEAD_CHUNK, SsdStreamer, resident_fraction
 from runtimes.llama_cpp import RunOptions, load_target
 
 CHUNK_READAHEAD = 2 << 20
@@ -29,14 +29,14 @@ CHUNK_PREAD = 32 << 20
 def main(path: Path, repeats: int = 2) -> None:
     target = load_target(path, RunOptions(n_ctx=256))
     streamer = SsdStreamer(path, readahead=True)
-    libc = ctypes.CDLL(None)
-    libc.readahead.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_size_t]
+    native = ctypes.CDLL(None)  # readahead(2), which edge-spec itself does not call
+    native.readahead.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_size_t]
     fd, size = os.open(path, os.O_RDONLY), path.stat().st_size
     buffer = bytearray(CHUNK_PREAD)
     ways = {
         "none": lambda: None,
         "posix_fadvise(WILLNEED), whole file": lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED),
-        "readahead(2), 2 MB steps": lambda: [libc.readahead(fd, o, CHUNK_READAHEAD)
+        "readahead(2), 2 MB steps": lambda: [native.readahead(fd, o, CHUNK_READAHEAD)
                                              for o in range(0, size, CHUNK_READAHEAD)],
         "pread, 32 MB steps": lambda: [os.preadv(fd, [buffer], o) for o in range(0, size, CHUNK_PREAD)],
         "MADV_POPULATE_READ, 16 MB steps (edge-spec)": streamer._read_all,
@@ -75,22 +75,29 @@ def _populate_with_willneed(streamer: SsdStreamer, ahead: int) -> None:
     """Each step populated while madvise(MADV_WILLNEED) has queued the reading of the next `ahead`."""
     steps = _steps(streamer)
     for address, length in steps[:ahead]:
-        streamer._libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_WILLNEED)
+        libc.madvise(address, length, MADV_WILLNEED)
     for index, (address, length) in enumerate(steps):
         if index + ahead < len(steps):
             later, later_length = steps[index + ahead]
-            streamer._libc.madvise(ctypes.c_void_p(later), ctypes.c_size_t(later_length), MADV_WILLNEED)
-        streamer._libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_READ)
+            libc.madvise(later, later_length, MADV_WILLNEED)
+        libc.madvise(address, length, MADV_POPULATE_READ)
 
 
 def _populate_sequential(streamer: SsdStreamer) -> None:
     """The mapping marked sequential (the kernel then reads further ahead on faults) while it is populated."""
     for start, end, _ in streamer._maps:
-        streamer._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_SEQUENTIAL)
+        libc.madvise(start, end - start, MADV_SEQUENTIAL)
     streamer._read_all()
     for start, end, _ in streamer._maps:
-        streamer._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_NORMAL)
+        libc.madvise(start, end - start, MADV_NORMAL)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path, help="a target GGUF file, e.g. one `--target-dtype f16` prepared")
+    return parser.parse_args()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    args = parse_args()
+    main(args.path)

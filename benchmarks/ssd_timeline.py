@@ -18,14 +18,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cli.loading import head_drafter, load_pair, resolve_pair
-from cli.main import prompt_for
+import edge
 from edge.generate import Decoder
 from edge.grow import GrowConfig
-from edge.registry import load_registry
 from edge.sampling import SamplingConfig
+from models.bench import read_prompts
 from offload.ssd import embedding_table, pass_order
 
 COLUMNS = ("evict", "read_from", "read_to", "grow", "pass_to", "pass_after_read", "round")
@@ -78,28 +75,27 @@ def main() -> None:
                         help="where the readahead reads a tied embedding table (auto: offload.ssd.readahead_order)")
     args = parser.parse_args()
 
-    spec = resolve_pair(load_registry(), args.pair, None, None, None)
-    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr), placement="ssd",
-                       target_dtype=args.target_dtype)
-    drafter = head_drafter(loaded, args.drafter_vocab)
-    if args.table != "auto":
-        _place_table(loaded.target.streamer, first=args.table == "first")
     config = GrowConfig.for_budget(args.budget) if args.budget else None
     if config is not None and args.beams:
         config = replace(config, beams=args.beams)
     if config is not None and args.steps:
         config = replace(config, max_steps=args.steps, max_depth=max(config.max_depth, 2 * args.steps))
-    if args.grow_after_eviction:
-        _grow_after_eviction(loaded.target)
-    recorder = _Recorder(config, loaded.target.streamer)
-    decoder = Decoder(loaded.target, drafter, None, SamplingConfig(), policy=recorder)
-    texts = [line for line in args.prompts.read_text().splitlines() if line.strip() and not line.startswith("#")]
-    for text in texts:
-        decoder.reset()
-        decoder.load(prompt_for(loaded, text, loaded.template is None))
-        for _ in decoder.generate(args.n):
-            pass
-        recorder.rows.pop(0)  # a prompt's first round follows the prefill, not a round
+    texts = read_prompts(args.prompts)
+    with edge.load(args.pair, report=lambda message: print(message, file=sys.stderr), placement="ssd",
+                   target_dtype=args.target_dtype, drafter_runtime="onnx" if args.drafter_vocab else None,
+                   drafter_vocab=args.drafter_vocab) as pair:
+        if args.table != "auto":
+            _place_table(pair.target.streamer, first=args.table == "first")
+        if args.grow_after_eviction:
+            _grow_after_eviction(pair.target)
+        recorder = _Recorder(config, pair.target.streamer)
+        decoder = Decoder(pair.target, pair.drafter, None, SamplingConfig(), policy=recorder)
+        for text in texts:
+            decoder.reset()
+            decoder.load(pair.prompt_tokens(text))
+            for _ in decoder.generate(args.n):
+                pass
+            recorder.rows.pop(0)  # a prompt's first round follows the prefill, not a round
     rows = recorder.rows
     shape = f" ({config.beams} beams x {config.width} children, {config.max_steps} passes)" if config else ""
     print(f"{args.pair}, budget {args.budget or 'plain'}{shape}, {len(texts)} prompts x {args.n} tokens, "
@@ -140,4 +136,7 @@ def _median(values: list[float]) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except edge.UserError as error:
+        sys.exit(f"error: {error}")

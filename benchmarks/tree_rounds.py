@@ -1,5 +1,5 @@
 """Tree against chain round by round, from the same state: where a greedy tree of a budget yields less than a
-chain drafting as many tokens, replayed against the target's own text (as benchmarks/tree_yield.py does).
+chain drafting as many tokens, replayed against the target's own text (edge.replay, as benchmarks/tree_yield.py does).
 
     python benchmarks/tree_rounds.py --pair smollm2-135m --prompts benchmarks/chat-prompts.txt --budget 16
 
@@ -20,16 +20,42 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.tree_yield import accepted_path, plain_replies
-from cli.loading import load_pair, resolve_pair
-from edge.acceptance import Acceptance
-from edge.generate import GREEDY_DRAFT_TEMPERATURE
+import edge
+from edge.generate import GREEDY_DRAFT_TEMPERATURE, Decoder
 from edge.grow import GrowConfig, grow
-from edge.registry import load_registry
+from edge.protocols import Drafter
+from edge.replay import ReplayTarget, plain_replies, replay
 from edge.sampling import SamplingConfig
+from edge.speculative import RoundResult
 from edge.tree import TokenTree
+from models.bench import read_prompts
+
+
+class ChainBeside:
+    """The Decoder's budget policy: a tree of the budget every round, and before it, from the same drafter state, a
+    chain of as many tokens, scored against the replayed text. Keeps (tree accepted, chain accepted, the tree's
+    top-token depth) per round."""
+
+    def __init__(self, budget: int, target: ReplayTarget, drafter: Drafter):
+        self.tree_config = GrowConfig.for_budget(budget)
+        # scored as the Decoder scores the greedy tree (a chain keeps its top tokens whatever the temperature)
+        self.chain_config = replace(GrowConfig.chain(budget), draft_temperature=GREEDY_DRAFT_TEMPERATURE)
+        self.target, self.drafter = target, drafter
+        self.rounds: list[tuple[int, int, int]] = []
+        self._chain_accepted = self._wanted = 0
+
+    def choose(self, max_nodes: int) -> GrowConfig:
+        self._wanted = self.target.tokens_left
+        config = self.chain_config.within_reply(self._wanted)
+        chain, _ = grow(self.drafter, self.target.root, config, None, self.target.stop_tokens)
+        self._chain_accepted = len(self.target.accepted_path(chain)) - 1
+        self.drafter.truncate(self.target.n_past)  # forget the chain's slots; the tree grows from the root again
+        return self.tree_config
+
+    def observe(self, config: GrowConfig | None, result: RoundResult) -> None:
+        assert result.tree is not None and result.path is not None
+        accepted = min(len(result.path) - 1, self._wanted)  # nothing past the reply's end counts
+        self.rounds.append((accepted, self._chain_accepted, top_depth(result.tree)))
 
 
 def top_depth(tree: TokenTree) -> int:
@@ -78,32 +104,16 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=64, help="tokens per prompt")
     args = parser.parse_args()
 
-    spec = resolve_pair(load_registry(), args.pair, None, None, None)
-    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr))
-    drafter, stops = loaded.drafter, loaded.target.stop_tokens
-    prompts, references = plain_replies(loaded, args.prompts, args.n, SamplingConfig())
-    tree_config = replace(GrowConfig.for_budget(args.budget), draft_temperature=GREEDY_DRAFT_TEMPERATURE)
-    chain_config = replace(GrowConfig.chain(args.budget), draft_temperature=GREEDY_DRAFT_TEMPERATURE)
-    acceptance = Acceptance(greedy=True)
-    rounds = []  # (tree accepted, chain accepted, tree's top-token depth)
-    for prompt, reference in zip(prompts, references, strict=True):
-        drafter.truncate(0)
-        drafter.prefill(prompt[:-1])
-        context, done = list(prompt), 0
-        while done < len(reference):
-            wanted = len(reference) - done
-            chain, _ = grow(drafter, context[-1], chain_config.within_reply(wanted), None, stops)
-            chain_accepted = len(accepted_path(chain, reference, done)) - 1
-            drafter.truncate(len(context) - 1)  # forget the chain's slots; the next grow starts at the root again
-            tree, _ = grow(drafter, context[-1], tree_config.within_reply(wanted), acceptance, stops)
-            path = accepted_path(tree, reference, done)
-            rounds.append((len(path) - 1, chain_accepted, top_depth(tree)))
-            if done + len(path) - 1 < len(reference):
-                acceptance.observe(tree, path, reference[done + len(path) - 1])
-            drafter.commit(tree, path)
-            new = min(len(path), wanted)
-            context += reference[done: done + new]
-            done += new
+    with edge.load(args.pair, report=lambda message: print(message, file=sys.stderr)) as pair:
+        prompts = [pair.prompt_tokens(text) for text in read_prompts(args.prompts)]
+        references = plain_replies(pair.target, prompts, args.n, SamplingConfig())
+        target = ReplayTarget.like(pair.target)
+        policy = ChainBeside(args.budget, target, pair.drafter)
+        decoder = Decoder(target, pair.drafter, None, SamplingConfig(), policy=policy)
+        for prompt, reference in zip(prompts, references, strict=True):
+            replay(decoder, prompt, reference)
+        shifts = [masked_slot_shift(pair.drafter, prompt) for prompt in prompts]
+    rounds = policy.rounds
     tree_won = sum(t > c for t, c, _ in rounds)
     chain_won = sum(c > t for t, c, _ in rounds)
     print(f"{args.pair}, budget {args.budget}, {len(prompts)} prompts x {args.n} tokens, greedy, {len(rounds)} rounds")
@@ -111,10 +121,12 @@ def main() -> None:
     print(f"  accepted per round: tree {tree_mean:.2f}, chain {chain_mean:.2f} (from the same state); "
           f"rounds won: tree {tree_won}, chain {chain_won}")
     print(f"  tree's top-token depth: {np.mean([r[2] for r in rounds]):.1f} (the chain's: up to {args.budget})")
-    shifts = [masked_slot_shift(drafter, prompt) for prompt in prompts]
     print(f"  a node's log-probs with a masked sibling slot in its pass against alone: largest shift "
           f"{max(shifts):.4f}, median {np.median(shifts):.4f} over {len(prompts)} prompts")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except edge.UserError as error:
+        sys.exit(f"error: {error}")

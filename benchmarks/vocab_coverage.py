@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.tree_yield import plain_replies
-from cli.loading import load_pair, resolve_pair
-from edge.errors import UserError
-from edge.registry import load_registry
+import edge
+from edge.replay import plain_replies
 from edge.sampling import SamplingConfig
-from edge.sources import vocab_path
-from quant.vocab import RankedVocab
+from models.bench import read_prompts
+from models.pair import head_ids, resolve_spec
 
 
 def main() -> None:
@@ -34,11 +31,14 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=128, help="tokens per prompt")
     args = parser.parse_args()
 
-    spec = resolve_pair(load_registry(), args.pair, None, None, None)
-    sizes = [int(k) for k in args.vocab.split(",")]
-    vocabs = {k: set(RankedVocab.load(vocab_path(spec.target, k)).ids.tolist()) for k in sizes}
-    loaded = load_pair(spec, lambda message: print(message, file=sys.stderr))
-    prompts, replies = plain_replies(loaded, args.prompts, args.n, SamplingConfig())
+    spec, _ = resolve_spec(edge.LoadOptions(pair=args.pair))
+    sizes = [int(k) for k in args.vocab.split(",")]  # a missing vocabulary fails before the pair loads
+    vocabs = {k: set(head_ids(spec, replace(spec.drafter, vocab=k)).tolist()) for k in sizes}
+    # the drafter is not used: llama.cpp's opens without building an onnx graph
+    with edge.load(args.pair, report=lambda message: print(message, file=sys.stderr),
+                   drafter_runtime="llama_cpp") as pair:
+        prompts = [pair.prompt_tokens(text) for text in read_prompts(args.prompts)]
+        replies = plain_replies(pair.target, prompts, args.n, SamplingConfig())
     tokens = [token for reply in replies for token in reply]
     print(f"{args.pair}: {len(tokens)} greedy tokens of the target over {len(prompts)} prompts")
     for k, ids in vocabs.items():
@@ -49,5 +49,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except UserError as error:
+    except edge.UserError as error:
         sys.exit(f"error: {error}")

@@ -1,0 +1,172 @@
+"""A target that answers from a known reply: the real round loop with the real drafter, and no target pass.
+
+With greedy decoding the target's answer at every node of a tree is its plain greedy text, so decoding a prompt
+plainly once tells what any tree would yield: acceptance walks the tree along that text, and the next token of the
+text is the one the target draws. Sampling with a seed works the same way: acceptance draws each token with the same
+random number plain sampling used for it (one uniform per emitted token), so a tree yields the plain text too.
+
+    replies = plain_replies(pair.target, prompts, 64, sampling)        # the real target, plainly, once
+    decoder = Decoder(ReplayTarget.like(pair.target), pair.drafter, GrowConfig.for_budget(64), sampling)
+    stats = replay(decoder, prompts[0], replies[0])                      # growth, acceptance learning, stop tokens
+
+The figures are what a run of the real target measures as long as its tree passes give the same tokens as its plain
+passes (a batch-invariant target, docs/lossless.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from edge.generate import Decoder, Stats
+from edge.protocols import Target, Tokenizer
+from edge.sampling import SamplingConfig
+from edge.tree import TokenTree
+
+DEFAULT_MAX_TREE = 256  # llama.cpp's sequence ids: the most nodes one pass holds
+
+
+class ReplyRows:
+    """verify's answer, one [n_vocab] float32 row per node, built when read: 0 at the token the reply has after the
+    node, -inf elsewhere, so greedy argmax and seeded sampling (edge.sampling.draw) both pick it, the latter still
+    consuming one uniform. Acceptance reads only the rows of one path; the whole block would be [n_nodes, n_vocab]
+    (256 MB for a 256-node tree over Gemma's 262144 tokens)."""
+
+    def __init__(self, answers: np.ndarray, n_vocab: int):
+        self.answers = answers  # [n_nodes] int64: the reply's token after each node
+        self.n_vocab = n_vocab
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.answers), self.n_vocab
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+    def __getitem__(self, node: int) -> np.ndarray:
+        row = np.full(self.n_vocab, -np.inf, np.float32)
+        row[self.answers[node]] = 0.0
+        return row
+
+
+class ReplayTarget:
+    """A Target (edge.protocols) that replays `prompt + reply` (set with `expect`) instead of running a model.
+
+    Its "KV cache" is a count: it holds text[:n_past], and every tree it verifies must be rooted at text[n_past]
+    (a Decoder's context that strays from the text is a bug, and raises). Past the reply's end there is no known
+    answer: those rows put everything on `end_token` (the smallest stop token, or 0 without any), so a decoder asked
+    for more than the reply ends there rather than inventing text. It counts passes as a real target does: one per
+    verify, and one per `max_tree` tokens of prefill.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, stop_tokens: frozenset[int] = frozenset(),
+                 n_ctx: int = 1 << 20, max_tree: int = DEFAULT_MAX_TREE):
+        self.tokenizer = tokenizer
+        self.n_vocab = n_vocab
+        self.stop_tokens = frozenset(stop_tokens)
+        self.n_ctx = n_ctx
+        self.max_tree = max_tree
+        self.end_token = min(self.stop_tokens, default=0)
+        self.n_past = 0
+        self.passes = 0
+        self.text = np.zeros(0, np.int64)  # the prompt, then the reply
+
+    @classmethod
+    def like(cls, target: Target) -> ReplayTarget:
+        """A replay with `target`'s vocabulary, tokenizer, stop tokens, context and tree limit."""
+        return cls(target.tokenizer, target.n_vocab, target.stop_tokens, target.n_ctx, target.max_tree)
+
+    def expect(self, prompt: Sequence[int], reply: Sequence[int]) -> None:
+        """Replay `reply` (the target's own tokens after `prompt`) from now on; the cache starts empty."""
+        self.text = np.asarray([*prompt, *reply], np.int64)
+        self.n_past = 0
+
+    @property
+    def root(self) -> int:
+        """The token the next tree grows from: the newest committed one, which the cache does not hold yet."""
+        return int(self.text[self.n_past])
+
+    @property
+    def tokens_left(self) -> int:
+        """Reply tokens after the root: the most a round from here can still emit."""
+        return max(len(self.text) - self.n_past - 1, 0)
+
+    def accepted_path(self, tree: TokenTree) -> list[int]:
+        """The nodes from the root along the reply, as far as the tree and the reply go: what a pass would accept."""
+        self._check_root(tree)
+        path, ahead = [0], self.text[self.n_past + 1:]
+        while len(path) <= len(ahead):
+            child = tree.child(path[-1], int(ahead[len(path) - 1]))
+            if child is None:
+                break
+            path.append(child)
+        return path
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        if not tokens:
+            return
+        known = self.text[self.n_past: self.n_past + len(tokens)]
+        if len(known) != len(tokens) or (known != np.asarray(tokens)).any():
+            raise ValueError(f"prefill of tokens {self.n_past}.. is not the text this target replays (expect first)")
+        self.n_past += len(tokens)
+        self.passes += -(-len(tokens) // self.max_tree)
+
+    def verify(self, tree: TokenTree) -> ReplyRows:
+        """One pass: node v's row answers with the text's token at position n_past + depth(v) + 1. Only nodes on
+        the reply's path are ever read (acceptance leaves the tree at the first token off it), so depth suffices.
+        Rows, not an ndarray: `logits[v]` is all edge.speculative.accept reads."""
+        if len(tree) > self.max_tree:
+            raise ValueError(f"tree of {len(tree)} nodes exceeds the verify batch of {self.max_tree}")
+        self._check_root(tree)
+        self.passes += 1
+        positions = self.n_past + tree.depth.astype(np.int64) + 1
+        known = positions < len(self.text)
+        answers = np.where(known, self.text[np.where(known, positions, 0)], self.end_token)
+        return ReplyRows(answers, self.n_vocab)
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None:
+        self.n_past += len(path)  # the root and the accepted nodes
+
+    def truncate(self, n: int) -> None:
+        self.n_past = min(self.n_past, n)
+
+    def close(self) -> None:
+        self.text, self.n_past = np.zeros(0, np.int64), 0
+
+    def _check_root(self, tree: TokenTree) -> None:
+        if self.n_past >= len(self.text) or int(tree.tokens[0]) != self.text[self.n_past]:
+            raise ValueError(f"a tree rooted at token {int(tree.tokens[0])} where the replayed text has "
+                             f"{self.text[self.n_past] if self.n_past < len(self.text) else 'ended'}")
+
+
+def plain_replies(target: Target, prompts: Sequence[Sequence[int]], max_tokens: int,
+                  sampling: SamplingConfig) -> list[list[int]]:
+    """The target's plain reply to each prompt, up to `max_tokens` tokens, each sampled from the same seed (as
+    edge-spec bench does); a stop token that ends a reply is part of it, as it is a new token in a run."""
+    plain, replies = Decoder(target, sampling=sampling), []
+    for prompt in prompts:
+        plain.set_sampling(sampling)
+        plain.reset()
+        plain.load(prompt)
+        for _ in plain.generate(max_tokens):
+            pass
+        replies.append(plain.context[len(prompt):])
+    plain.reset()
+    return replies
+
+
+def replay(decoder: Decoder, prompt: Sequence[int], reply: Sequence[int]) -> Stats:
+    """Decode `prompt` with `decoder`, whose target is a ReplayTarget, answering with `reply` (plain_replies'), from
+    empty caches and the sampling seed, as plain_replies decoded it. Returns the run's stats."""
+    target = decoder.target
+    if not isinstance(target, ReplayTarget):
+        raise TypeError(f"replay needs a decoder over a ReplayTarget, not {type(target).__name__}")
+    target.expect(prompt, reply)
+    decoder.set_sampling(decoder.sampling)  # restart the seed's random numbers, as plain_replies did
+    decoder.reset()
+    decoder.load(prompt)
+    *_, last = decoder.generate(len(reply))
+    if decoder.context[len(prompt):] != list(reply):  # acceptance is lossless: a bug if this ever happens
+        raise RuntimeError("the replayed decoding strayed from the reply")
+    return last.stats
