@@ -53,3 +53,16 @@ def write_json(path: Path, data: dict) -> None:
     """Write a JSON object atomically (a reader never sees half a file)."""
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=1))
+
+
+class JsonFile:
+    """A JSON object kept in a file (offload.probe.JsonStore): what a measurement stores between runs."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self) -> dict:
+        return read_json(self.path)
+
+    def write(self, data: dict) -> None:
+        write_json(self.path, data)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from edge.errors import UserError
-from models.cache import cache_dir
+from models.cache import JsonFile, cache_dir
 from models.registry import ModelSpec, PairSpec
 from models.sources import model_path, source_path
 from offload.plan import Machine, Plan, Shape, parse_machine, plan_pair, probe_here
@@ -19,7 +19,7 @@ def make_plan(pair: PairSpec, machine: str | None, models_file: Path) -> Plan:
     if machine is not None:
         here: Machine = parse_machine(machine)
     else:
-        here = probe_here(target_file or cache_dir() / "models", cache_dir() / "machine.json")
+        here = probe_here(target_file or cache_dir() / "models", JsonFile(cache_dir() / "machine.json"))
     return plan_pair(pair, target, drafter, here)
 
 

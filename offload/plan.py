@@ -18,6 +18,7 @@ from edge.errors import UserError
 
 if TYPE_CHECKING:
     from models.registry import ModelFacts, ModelSpec, PairSpec
+    from offload.probe import JsonStore
 
 GIB = 1024**3
 GB = 1e9
@@ -211,9 +212,9 @@ def parse_machine(text: str) -> Machine:
     )
 
 
-def probe_here(model_file: Path | None, cache_file: Path) -> Machine:
-    """This machine: free RAM and VRAM now, and the measured read speed of the drive holding the model (cached in
-    the JSON file `cache_file`)."""
+def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
+    """This machine: free RAM and VRAM now, and the measured read speed of the drive holding the model (kept in
+    `store` once measured)."""
     from offload.probe import GIB as PROBE_GIB
     from offload.probe import disk_read_gbps, probe_machine
 
@@ -223,7 +224,7 @@ def probe_here(model_file: Path | None, cache_file: Path) -> Machine:
         raise UserError("cannot tell how much RAM is free here; describe the machine: --machine ram=16G,disk=2GB/s")
     gpus = probed["gpus"]
     gpu = max(gpus, key=lambda g: g["vram_free_gb"]) if gpus else None  # one GPU: layers are not split across GPUs
-    disk = disk_read_gbps(_existing(model_file), cache_file) if model_file is not None else None
+    disk = disk_read_gbps(_existing(model_file), store) if model_file is not None else None
     assumed = ("rambw",) + (("pcie",) if gpu else ()) + (() if disk else ("disk",))
     name = probed["cpu"] + (f" + {gpu['name']}" if gpu else "")
     return Machine(ram_free=int(ram_gb * PROBE_GIB), vram_free=int(gpu["vram_free_gb"] * PROBE_GIB) if gpu else 0,

@@ -15,6 +15,7 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Protocol
 
 GIB = 1024**3
 MIB = 1024**2
@@ -64,16 +65,20 @@ def machine_key(path: Path) -> str:
     return f"{socket.gethostname()}|dev {os.stat(path).st_dev}|{_cpu_name()}"
 
 
-def disk_read_gbps(path: Path, cache_file: Path, sample_bytes: int = DISK_SAMPLE_BYTES,
+class JsonStore(Protocol):
+    """Where measurements are kept between runs (models.cache.JsonFile: a JSON object in edge-spec's cache)."""
+
+    def read(self) -> dict: ...
+    def write(self, data: dict) -> None: ...
+
+
+def disk_read_gbps(path: Path, store: JsonStore, sample_bytes: int = DISK_SAMPLE_BYTES,
                    refresh: bool = False) -> float | None:
     """Read speed in GB/s (10^9 bytes) of the drive holding `path` (a model file, or a folder models go to).
 
-    Measured once per machine and drive, then read from the JSON file `cache_file`; None when it cannot be
-    measured."""
-    from models.cache import read_json, write_json
-
+    Measured once per machine and drive, then read from `store`; None when it cannot be measured."""
     key = machine_key(path)
-    cached = read_json(cache_file)
+    cached = store.read()
     entry = cached.get(key)
     if not refresh and isinstance(entry, dict) and "disk_read_gbps" in entry and entry.get("method") == DISK_METHOD:
         return float(cached[key]["disk_read_gbps"])
@@ -83,7 +88,7 @@ def disk_read_gbps(path: Path, cache_file: Path, sample_bytes: int = DISK_SAMPLE
         return None
     cached[key] = {"disk_read_gbps": round(gbps, 3), "sample_bytes": sample_bytes, "measured": time.time(),
                    "method": DISK_METHOD}
-    write_json(cache_file, cached)
+    store.write(cached)
     return gbps
 
 

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 import offload.probe as probe
 from cli.main import app
 from edge.errors import UserError
+from models.cache import JsonFile
 from models.registry import ModelFacts, load_registry
 from models.sources import model_path
 from offload.plan import (
@@ -249,7 +250,7 @@ def test_disk_speed_is_measured_once_and_cached(tmp_path: Path, monkeypatch: pyt
     model = tmp_path / "model.gguf"
     model.write_bytes(os.urandom(4 << 20))
     cache = tmp_path / "machine.json"
-    speed = probe.disk_read_gbps(model, cache_file=cache, sample_bytes=4 << 20)
+    speed = probe.disk_read_gbps(model, store=JsonFile(cache), sample_bytes=4 << 20)
     assert speed is not None and speed > 0
     entry = json.loads(cache.read_text())[probe.machine_key(model)]
     assert entry["disk_read_gbps"] == round(speed, 3)
@@ -259,14 +260,14 @@ def test_disk_speed_is_measured_once_and_cached(tmp_path: Path, monkeypatch: pyt
 
     monkeypatch.setattr(probe, "_measure_disk", measure_again)
     # the same drive: any file on it, or the folder, reads the cache
-    assert probe.disk_read_gbps(model, cache_file=cache, sample_bytes=4 << 20) == round(speed, 3)
-    assert probe.disk_read_gbps(tmp_path, cache_file=cache) == round(speed, 3)
+    assert probe.disk_read_gbps(model, store=JsonFile(cache), sample_bytes=4 << 20) == round(speed, 3)
+    assert probe.disk_read_gbps(tmp_path, store=JsonFile(cache)) == round(speed, 3)
 
 
 def test_disk_speed_of_a_small_file_uses_a_temporary_one(tmp_path: Path) -> None:
     model = tmp_path / "small.gguf"
     model.write_bytes(b"GGUF" + bytes(1000))
-    speed = probe.disk_read_gbps(model, cache_file=tmp_path / "cache" / "machine.json", sample_bytes=2 << 20)
+    speed = probe.disk_read_gbps(model, store=JsonFile(tmp_path / "cache" / "machine.json"), sample_bytes=2 << 20)
     assert speed is not None and speed > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "small.gguf"]  # the temporary file is gone
 
