@@ -98,6 +98,13 @@ def sampling_config(temperature: float, top_k: int, top_p: float, min_p: float, 
                           repeat_penalty=repeat_penalty, seed=seed)
 
 
+def read_stdin() -> str:
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as problem:
+        raise UserError(f"standard input is not UTF-8 text (byte {problem.start}); convert it (iconv)") from None
+
+
 def load(command: typer.Context, **options: Any):
     """The pair the command's flags name (LoadOptions' fields), loaded where the plan puts it."""
     return load_pair(LoadOptions(models_file=command.obj, **options))
@@ -149,7 +156,7 @@ def generate(
     if max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
     sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    text = sys.stdin.read() if prompt == "-" else prompt
+    text = read_stdin() if prompt == "-" else prompt
     import edge
 
     options = LoadOptions(models_file=ctx.obj, pair=pair, target=target, drafter=drafter, ctx=ctx_size, budget=budget,

@@ -76,9 +76,14 @@ def _interruptible() -> Iterator:
 
 def _inputs(interactive: bool) -> Iterator[str]:
     if not interactive:
-        for line in sys.stdin:
+        for number, raw in enumerate(sys.stdin.buffer, 1):  # bytes: one undecodable line costs only itself
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                report_error(f"line {number} of standard input is not UTF-8 text; skipped")
+                continue
             if line.strip():
-                yield line.rstrip("\n")
+                yield line.rstrip("\r\n")
         return
     while True:
         try:

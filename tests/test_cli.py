@@ -152,12 +152,33 @@ def test_broken_models_toml(tmp_path: Path) -> None:
     assert_one_line_error(run("--models", str(wrong_key), "models"), "pair 'x'", "quantise")
 
 
+def test_broken_inputs_get_one_line(tmp_path: Path) -> None:
+    """Mistakes that used to end in a traceback (issue 20): each is one line and exit 1."""
+    assert_one_line_error(run("--models", str(tmp_path), "models"), "is a directory")
+    latin = tmp_path / "latin1.toml"
+    latin.write_bytes('[pairs.caf\xe9]\ntarget.path = "a.gguf"\ndrafter.from = "target"\n'.encode("latin-1"))
+    assert_one_line_error(run("--models", str(latin), "models"), "not UTF-8 text")
+    dots = tmp_path / "dots.toml"
+    dots.write_text('[pairs.x]\ntarget.pypi = ["p==1"]\ntarget.files = ["p/m.gguf"]\ntarget.name = ".."\n'
+                    'drafter.from = "target"\n')
+    assert_one_line_error(run("--models", str(dots), "models"), "'name' must be a plain file name")
+    escape = tmp_path / "escape.toml"
+    escape.write_text('[pairs.x]\ntarget.hf = "a/b:../../x.gguf"\ndrafter.from = "target"\n')
+    assert_one_line_error(run("--models", str(escape), "models"), "a path inside the repo")
+    result = runner.invoke(app, ["generate", "-"], input=b"caf\xe9\n")
+    assert_one_line_error(result, "standard input is not UTF-8 text")
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (["--temperature", "-1"], "--temperature"),
     (["--top-p", "2"], "--top-p"),
     (["--min-p", "1.5"], "--min-p"),
     (["--budget", "0"], "--budget"),
     (["--max-tokens", "0"], "--max-tokens"),
+    (["--seed", "-1"], "--seed must be 0 or more"),
+    (["--temperature", "inf"], "finite"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--gpu-layers", "-5"], "--gpu-layers must be 0 or more"),
 ])
 def test_invalid_sampling_values(smollm2: Pair, flags: list[str], fragment: str) -> None:
     assert_one_line_error(run("generate", "hi", *flags), fragment)

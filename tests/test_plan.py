@@ -210,14 +210,14 @@ def test_refuses_a_kv_cache_that_does_not_fit() -> None:
 # --- GGUF headers ---
 
 
-def _write_part(path: Path, first: bool, tensors: dict[str, np.ndarray]) -> None:
+def _write_part(path: Path, first: bool, tensors: dict[str, np.ndarray], heads: int = 4) -> None:
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), "llama")
     if first:
         writer.add_block_count(2)
         writer.add_embedding_length(64)
-        writer.add_head_count(4)
+        writer.add_head_count(heads)
         writer.add_head_count_kv(2)
     for name, array in tensors.items():
         writer.add_tensor(name, array)
@@ -225,6 +225,12 @@ def _write_part(path: Path, first: bool, tensors: dict[str, np.ndarray]) -> None
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_a_header_with_zero_heads_is_one_line(tmp_path: Path) -> None:
+    _write_part(tmp_path / "zero.gguf", True, {"token_embd.weight": np.zeros((10, 64), np.float32)}, heads=0)
+    with pytest.raises(UserError, match=r"zero.gguf: GGUF key llama.attention.head_count is 0, not a positive count"):
+        Shape.from_gguf(tmp_path / "zero.gguf")
 
 
 def test_shape_of_a_split_gguf(tmp_path: Path) -> None:
