@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from edge.errors import UserError
@@ -56,9 +57,9 @@ def parse_drafters(text: str | None) -> list[DrafterChoice] | None:
 def render_table(result: dict[str, Any], console: Console) -> None:
     table = Table("method", "drafter", "budget", "tokens/pass", "draft s/round", "verify s/round", "tokens/s",
                   "speedup", "MB read/pass", "passes", "same as plain",
-                  title=f"{result['pair']} ({result.get('target')}, placement {result.get('placement')}) on "
+                  title=escape(f"{result['pair']} ({result.get('target')}, placement {result.get('placement')}) on "
                   f"{result['machine']['cpu']} ({result['prompts']} prompts x {result['max_tokens']} tokens, "
-                  f"T={result['temperature']})")
+                  f"T={result['temperature']})"))
     for row in result["rows"]:
         budget = str(row["budget"] or "-")
         if row["budget"] == "auto":

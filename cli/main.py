@@ -11,6 +11,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from cli.render import err, error, report, stats_line, warning
 from edge.errors import UserError
@@ -240,11 +241,12 @@ def models(
         return
     from rich.table import Table
 
-    table = Table("pair", "target", "drafter", "here", "about", title=f"pairs in {reg.path}")
+    table = Table("pair", "target", "drafter", "here", "about", title=escape(f"pairs in {reg.path}"))
     for name, entry in listing.items():
         here = "yes" if entry["target"]["present"] and entry["drafter"]["present"] else "no"
         label = f"{name} (default)" if entry["default"] else name
-        table.add_row(label, entry["target"]["source"], entry["drafter"]["source"], here, entry["about"])
+        table.add_row(*(escape(cell) for cell in (label, entry["target"]["source"], entry["drafter"]["source"], here,
+                                                  entry["about"])))
     Console().print(table)
 
 
@@ -377,7 +379,8 @@ def check(
     from rich.table import Table
 
     table = Table("tree", "nodes", "nodes checked", "max |logit diff|", "argmax differences",
-                  title=f"{target.name}, {kv_type} KV: {'bit-exact' if result['bit_exact'] else 'NOT bit-exact'}")
+                  title=escape(f"{target.name}, {kv_type} KV: "
+                               f"{'bit-exact' if result['bit_exact'] else 'NOT bit-exact'}"))
     for row in result["shapes"]:
         table.add_row(row["shape"], str(row["nodes"]), str(row["nodes_checked"]), f"{row['max_abs_diff']:.4g}",
                       str(row["argmax_differences"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from offload.plan import GIB, Plan
@@ -12,7 +13,7 @@ from offload.plan import GIB, Plan
 def render_plan(plan: Plan, console: Console) -> None:
     table = Table("", "GiB", "layers", "placement", "GPU layers", "KV GiB", "RAM/VRAM GiB", box=box.SIMPLE_HEAD,
                   pad_edge=False,
-                  title=f"plan for {plan.pair}: ctx {plan.ctx}, budget {_budget(plan)}")
+                  title=escape(f"plan for {plan.pair}: ctx {plan.ctx}, budget {_budget(plan)}"))
     for model in (plan.target, plan.drafter):
         table.add_row(model.role, _gib(model.shape.file_bytes), str(model.shape.n_layers), model.placement,
                       str(model.n_gpu_layers), f"{_gib(model.kv_bytes)} {model.kv_type}",

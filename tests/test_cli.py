@@ -167,6 +167,13 @@ def test_broken_inputs_get_one_line(tmp_path: Path) -> None:
     assert_one_line_error(run("--models", str(escape), "models"), "a path inside the repo")
     result = runner.invoke(app, ["generate", "-"], input=b"caf\xe9\n")
     assert_one_line_error(result, "standard input is not UTF-8 text")
+    # user-supplied text is printed as it is, never read as rich markup
+    marked = tmp_path / "[/x]" / "[bold]m.gguf"
+    assert_one_line_error(run("generate", "hi", "--target", str(marked)), "[/x]/[bold]m.gguf", "not found")
+    named = tmp_path / "named.toml"
+    named.write_text('[pairs."[bold]x"]\nabout = "[red]a"\ntarget.path = "[/]t.gguf"\ndrafter.from = "target"\n')
+    listing = run("--models", str(named), "models")
+    assert listing.exit_code == 0 and "[bold]x" in listing.stdout and "[red]a" in listing.stdout
 
 
 @pytest.mark.parametrize("flags, fragment", [
