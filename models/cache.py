@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 _CHUNK = 1 << 20
@@ -56,7 +56,8 @@ def write_json(path: Path, data: dict) -> None:
 
 
 class JsonFile:
-    """A JSON object kept in a file (offload.probe.JsonStore): what a measurement stores between runs."""
+    """A JSON object kept in a file (offload.probe.JsonStore): what a measurement stores between runs. A cache on
+    a read-only or full drive keeps nothing new: the measurement is used, and made again next time."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -65,4 +66,5 @@ class JsonFile:
         return read_json(self.path)
 
     def write(self, data: dict) -> None:
-        write_json(self.path, data)
+        with suppress(OSError):
+            write_json(self.path, data)

@@ -23,7 +23,7 @@ from edge.grow import GrowConfig
 from edge.options import LoadOptions
 from edge.protocols import Drafter, Target
 from edge.sampling import SamplingConfig
-from models.cache import atomic_path, cache_dir, read_json, write_json
+from models.cache import JsonFile, atomic_path, cache_dir
 from models.registry import ModelSpec, PairSpec, Source, load_registry
 from models.sources import fetch, model_path, prepared_path, vocab_path
 from runtimes import runtime
@@ -126,8 +126,8 @@ class Pair:
 
         if self.costs is None:
             with _phase(self.load_seconds, "pass times (--budget auto)"):
-                key, cache = self._costs_key(), cache_dir() / "pass-times.json"
-                known = read_json(cache)
+                key, cache = self._costs_key(), JsonFile(cache_dir() / "pass-times.json")
+                known = cache.read()
                 if key is not None and key in known:
                     self.costs = Costs.from_json(known[key])
                 else:
@@ -136,7 +136,7 @@ class Pair:
                     prefix = self.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
                     self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree)
                     if key is not None:
-                        write_json(cache, {**known, key: self.costs.to_json()})
+                        cache.write({**known, key: self.costs.to_json()})
         return AutoBudget(self.costs)
 
     def swap_drafter(self, runtime_name: str | None = None, vocab: int | None = None, quantize: str | None = None,

@@ -257,3 +257,42 @@ def test_help_does_not_load_llama_cpp() -> None:
     code = "import sys, cli.main; cli.main.app(['--help'], standalone_mode=False); print('llama_cpp' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("False")
+
+
+@pytest.fixture
+def read_only_cache(smollm2: Pair, tmp_path: Path):
+    """A cache holding the default pair's prepared files and nothing else, mounted read-only (a shared or read-only
+    mount): hard links into a folder bound read-only over itself. Skipped where this process cannot mount."""
+    import shutil
+    import subprocess
+
+    import edge
+    from models.cache import cache_dir
+
+    with edge.load("smollm2-135m", budget=4, gpu_layers=0):  # its drafter's graph is built and cached
+        pass
+    folder = tmp_path / "cache"
+    for sub in ("models", "prepared"):
+        source = cache_dir() / sub
+        if source.is_dir():
+            shutil.copytree(source, folder / sub, copy_function=os.link)
+    mount = ["mount", "--bind", str(folder), str(folder)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount(8) to bind a folder read-only")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("cannot remount the bound folder read-only here")
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def test_a_read_only_cache_serves_what_is_prepared(read_only_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """machine.json and pass-times.json cannot be written: the plan and --budget auto measure, and the reply comes."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(read_only_cache))
+    with pytest.raises(OSError):
+        (read_only_cache / "probe").write_text("x")
+    result = run("generate", "Name three colors.", "-n", "8", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stats"]["new_tokens"] == 8
+    assert not (read_only_cache / "pass-times.json").exists() and not (read_only_cache / "machine.json").exists()
