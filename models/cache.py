@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -38,6 +41,49 @@ def atomic_path(dest: Path) -> Iterator[Path]:
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+STALE_AFTER_S = 24 * 3600  # a temporary whose process still seems alive is someone else's after this long
+_TEMPORARY = re.compile(r"^(?:.+\.tmp-(?P<pid>\d+)|\.pip-(?P<pip>\d+)-.*)$")
+
+
+def clean_stale(folder: Path) -> list[Path]:
+    """Remove what killed runs left in `folder`: a file or folder named `NAME.tmp-PID` (atomic_path, graph builds)
+    or `.pip-PID-...` (downloads) whose process is gone, or which is older than STALE_AFTER_S (its PID reused).
+    Returns what was removed; what cannot be removed (a read-only cache) is left."""
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMPORARY.match(entry.name)
+        if match is None:
+            continue
+        pid = int(match["pid"] or match["pip"])
+        try:
+            old = time.time() - entry.lstat().st_mtime > STALE_AFTER_S
+        except OSError:
+            continue
+        if pid == os.getpid() or (_alive(pid) and not old):
+            continue
+        with suppress(OSError):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def read_json(path: Path) -> dict:

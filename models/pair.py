@@ -23,7 +23,7 @@ from edge.grow import GrowConfig
 from edge.options import LoadOptions
 from edge.protocols import Drafter, Target
 from edge.sampling import SamplingConfig
-from models.cache import JsonFile, atomic_path, cache_dir
+from models.cache import JsonFile, atomic_path, cache_dir, clean_stale
 from models.registry import ModelSpec, PairSpec, Source, load_registry
 from models.sources import fetch, model_path, prepared_path, vocab_path
 from runtimes import runtime
@@ -270,7 +270,10 @@ def planned_gpu_layers(spec: PairSpec, models_file: Path | None, report: Report 
 
 
 def materialize(spec: ModelSpec, report: Report = _quiet) -> Path:
-    """Fetch the model's source and prepare it if needed; returns the file to load."""
+    """Fetch the model's source and prepare it if needed; returns the file to load. What killed runs left behind
+    (temporary files, half-built graphs) is cleaned first."""
+    for folder in ("models", "prepared"):
+        clean_stale(cache_dir() / folder)
     source = fetch(spec.source, report)
     if not spec.quantize:
         return source

