@@ -58,3 +58,23 @@ def test_sandbox_is_immutable() -> None:
     with pytest.raises(UserError):
         template.render(messages)
     assert messages == [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("source, fragment", [
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recurses without end"),
+    ("{{ 'x' * 10**14 }}", "builds a value"),
+    ("{{ [1] * 100000000 }}", "builds a value"),
+    ("{{ 2 ** 100000 }}", "raises to the power"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
+    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "writes more than"),
+    ("{% for a in 'x' * 4000 %}{% for b in 'x' * 4000 %}{% for c in 'x' * 4000 %}{% endfor %}{% endfor %}"
+     "{% endfor %}", "ran for more than"),
+])
+def test_a_hostile_template_is_stopped_in_bounded_time(source: str, fragment: str) -> None:
+    """A template ships inside a model file: it may not spin the CPU, fill the memory or recurse forever."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(UserError, match=f"chat template was stopped: .*{fragment}.*--raw"):
+        ChatTemplate(source, "", "").render(MESSAGES)
+    assert time.perf_counter() - start < 5
