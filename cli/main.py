@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from cli.render import err, error, report, stats_line, warning
 from edge.errors import UserError
-from edge.options import LoadOptions
+from edge.options import MIN_CTX, LoadOptions
 from models.registry import Registry, load_registry
 
 app = typer.Typer(
@@ -405,8 +405,8 @@ def plan(
     from cli.planning import render_plan
     from models.planning import make_plan
 
-    if ctx_size is not None and ctx_size < 16:
-        raise UserError(f"--ctx must be at least 16 tokens (got {ctx_size})")
+    if ctx_size is not None and ctx_size < MIN_CTX:
+        raise UserError(f"--ctx must be at least {MIN_CTX} tokens (got {ctx_size})")
     reg = registry(ctx)
     spec = reg.pair(pair)
     result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, reg.path)

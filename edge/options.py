@@ -13,7 +13,7 @@ TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
 PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
 RUNTIMES = ("llama_cpp", "onnx")
 MAX_BUDGET = 255  # one target pass holds at most 256 nodes (llama.cpp's sequence ids), the root included
-MIN_CTX = 16
+MIN_CTX = 256  # llama.cpp sizes a context in steps of 256 tokens: a smaller one would silently hold 256
 
 
 @dataclass(frozen=True)

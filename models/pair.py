@@ -314,6 +314,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
                 drafter.close()
                 raise
         warning = lossless_guarantee(info, spec.target.kv_type)
+        if target.n_ctx != spec.ctx:
+            report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
     with _phase(times, "chat template"):
         template = _template(info.chat_template, target)
     budget = spec.budget if options.budget is None else options.budget

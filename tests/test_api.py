@@ -72,7 +72,8 @@ def test_a_chats_next_turn_runs_only_its_new_tokens(default_pair: Pair, monkeypa
 
 def test_load_options_are_checked_before_anything_loads() -> None:
     for options, fragment in [({"budget": "lots"}, "--budget takes"), ({"budget": 0}, "at least 1"),
-                              ({"placement": "cloud"}, "--placement must be"), ({"ctx": 8}, "--ctx must be"),
+                              ({"placement": "cloud"}, "--placement must be"),
+                              ({"ctx": 64}, "--ctx must be at least 256"),
                               ({"provider": "tpu"}, "--provider must be"), ({"target_dtype": "q3"}, "--target-dtype"),
                               ({"drafter": "x.gguf"}, "--drafter needs --target"),
                               ({"placement": "ssd", "mlock": True}, "not with --mlock")]:

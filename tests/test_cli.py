@@ -192,8 +192,9 @@ def test_invalid_sampling_values(smollm2: Pair, flags: list[str], fragment: str)
 
 
 def test_prompt_longer_than_the_context(smollm2: Pair) -> None:
-    # llama.cpp rounds small contexts up to 256 tokens; the message names the real size.
-    assert_one_line_error(run("generate", "word " * 400, "--ctx", "64"), "context holds 256", "--ctx")
+    assert_one_line_error(run("generate", "word " * 400, "--ctx", "256"), "context holds 256", "--ctx")
+    # llama.cpp sizes contexts in steps of 256 tokens: a smaller one is refused rather than silently grown
+    assert_one_line_error(run("generate", "hi", "--ctx", "64"), "--ctx must be at least 256")
 
 
 def test_base_model_needs_raw(gemma3: Pair) -> None:
