@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import typer
 from rich.console import Console
 
 from cli.render import error as report_error
@@ -34,18 +35,22 @@ def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: i
         note(f"{loaded.name}: /help for commands, Ctrl-D to leave")
         if loaded.lossless_warning:
             warning(loaded.lossless_warning)
-    totals = Stats()
+    totals, asked, failed = Stats(), 0, 0
     for text in _inputs(interactive):
         if text.startswith("/"):
             if not _command(text, session, totals, err):
                 break
             continue
+        asked += 1
         try:
             stats = _reply(session, text, max_tokens, err, interactive)
         except UserError as error:  # e.g. the conversation no longer fits the context
             report_error(str(error))
+            failed += 1
             continue
         totals.add(stats)
+    if not interactive and asked and failed == asked:  # a script must see that nothing was answered
+        raise typer.Exit(1)
 
 
 def _reply(session: ChatSession, text: str, max_tokens: int, err: Console, interactive: bool) -> Stats:

@@ -97,6 +97,8 @@ def _is_model_with(name: str, token: re.Pattern[str]) -> bool:
 
 def _fetch_path(source: Source) -> Path:
     assert source.path is not None
+    if source.path.is_dir():
+        raise UserError(f"{source.path} is a directory, not a model file; give the path of the .gguf file inside it")
     if not source.path.is_file():
         where = f"check the path in {source.origin}" if source.origin else "check the path"
         raise UserError(f"model file {source.path} not found; {where} or pass an existing .gguf")

@@ -124,7 +124,9 @@ def check_gguf(path: str | Path) -> GGUFInfo:
     except OSError as error:
         raise UserError(f"cannot read {path}: {error.strerror}") from None
     if head != GGUF_MAGIC:
-        if head and GGUF_MAGIC.startswith(head):
+        if not head:
+            raise UserError(f"{path} is empty (0 bytes); download it again, or give the path of a .gguf model")
+        if GGUF_MAGIC.startswith(head):
             raise UserError(
                 f"{path} is truncated: {len(head)} bytes; download it again (edge-spec pull PAIR)"
             )

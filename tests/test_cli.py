@@ -65,6 +65,11 @@ def test_generate_streams_text_and_stats(smollm2: Pair) -> None:
     assert "tokens/pass" in result.stderr
 
 
+def test_piped_chat_fails_when_no_prompt_was_answered(smollm2: Pair) -> None:
+    result = run("chat", "--ctx", "256", input="word " * 400 + "\n" + "more " * 400 + "\n")
+    assert result.exit_code == 1 and result.stderr.count("error:") == 2, result.output
+
+
 def test_piped_chat_transcript(smollm2: Pair) -> None:
     result = run("chat", "--max-tokens", "20", input="What is the capital of France?\n/stats\nAnd of Italy?\n")
     assert result.exit_code == 0, result.output

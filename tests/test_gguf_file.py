@@ -126,10 +126,10 @@ def test_not_gguf(tmp_path: Path) -> None:
         check_gguf(path)
 
 
-def test_empty_file_is_not_gguf(tmp_path: Path) -> None:
+def test_empty_file_is_said_to_be_empty(tmp_path: Path) -> None:
     path = tmp_path / "empty.gguf"
     path.touch()
-    with pytest.raises(UserError, match="not a GGUF file"):
+    with pytest.raises(UserError, match=r"empty.gguf is empty \(0 bytes\)"):
         check_gguf(path)
 
 

@@ -181,6 +181,8 @@ def test_path_source(tmp_path: Path, cache: Path) -> None:
     missing = Source(path=tmp_path / "nope.gguf", origin=tmp_path / "models.toml")
     with pytest.raises(UserError, match=r"model file .*nope.gguf not found; check the path in .*models.toml"):
         fetch(missing)
+    with pytest.raises(UserError, match=r"is a directory, not a model file"):
+        fetch(Source(path=tmp_path))
     model = tmp_path / "m.gguf"
     model.write_bytes(b"weights")
     assert fetch(Source(path=model, sha256=hashlib.sha256(b"weights").hexdigest())) == model
