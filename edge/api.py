@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from edge.chat import Prompt
-from edge.generate import Stats, Step
+from edge.generate import Stats, Step, check_fits
 from edge.options import LoadOptions
 from edge.sampling import SamplingConfig
 
@@ -82,6 +82,7 @@ def stream_generate(pair: Pair, prompt: Prompt, *, max_tokens: int = 256, temper
     sampling = sampling or SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                           repeat_penalty=repeat_penalty, seed=seed)
     tokens = pair.prompt_tokens(prompt, raw)
+    check_fits(tokens, pair.target.n_ctx)  # before a first --budget auto times the passes (seconds, once)
     decoder = pair.reused_decoder(sampling, speculate, parse_budget(budget))
     prefill_s = decoder.load(tokens)
     for step in decoder.generate(max_tokens, should_stop=should_stop):

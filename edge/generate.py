@@ -125,11 +125,7 @@ class Decoder:
 
     def load(self, tokens: Sequence[int]) -> float:
         """Make `tokens` the context, running only what the KV caches do not already hold. Returns seconds."""
-        if not tokens:
-            raise UserError("the prompt is empty")
-        if len(tokens) >= self.target.n_ctx:
-            raise UserError(f"the prompt is {len(tokens)} tokens but the context holds {self.target.n_ctx}: "
-                            "shorten it, /clear the chat, or raise --ctx")
+        check_fits(tokens, self.target.n_ctx)
         start = time.perf_counter()
         last = _last_loader.get(self.target)
         if last is None or last() is not self:  # another decoder has used the caches since: start over
@@ -215,6 +211,15 @@ class Decoder:
 
     def _models(self) -> list:
         return [m for m in (self.target, self.drafter) if m is not None]
+
+
+def check_fits(tokens: Sequence[int], n_ctx: int) -> None:
+    """A prompt must leave room in the context for at least one new token."""
+    if not tokens:
+        raise UserError("the prompt is empty")
+    if len(tokens) >= n_ctx:
+        raise UserError(f"the prompt is {len(tokens)} tokens but the context holds {n_ctx}: "
+                        "shorten it, /clear the chat, or raise --ctx")
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -129,14 +129,15 @@ class Pair:
                 key, cache = self._costs_key(), JsonFile(cache_dir() / "pass-times.json")
                 known = cache.read()
                 if key is not None and key in known:
-                    self.costs = Costs.from_json(known[key])
-                else:
+                    with suppress(KeyError, TypeError, ValueError, AttributeError):  # a damaged entry is measured again
+                        self.costs = Costs.from_json(known[key])
+                if self.costs is None:
                     self.report("timing the target's and the drafter's passes for --budget auto (once for this "
                                 "machine and pair; kept in the cache)")
                     prefix = self.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
                     self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree)
                     if key is not None:
-                        cache.write({**known, key: self.costs.to_json()})
+                        cache.write(_newest({**known, key: {**self.costs.to_json(), "measured": time.time()}}))
         return AutoBudget(self.costs)
 
     def swap_drafter(self, runtime_name: str | None = None, vocab: int | None = None, quantize: str | None = None,
@@ -168,6 +169,18 @@ class Pair:
         readahead = None if streamer is None else streamer.readahead
         return (f"{machine_key(path)}|{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{self.placement}|"
                 f"readahead {readahead}|drafter threads {self.drafter_threads}|{COSTS_VERSION}")
+
+
+PASS_TIMES_KEPT = 64  # pass-times.json keeps the newest entries: one is made per machine, placement and file
+
+
+def _newest(entries: dict[str, Any]) -> dict[str, Any]:
+    """The PASS_TIMES_KEPT most recently measured entries (entries without a date count as oldest)."""
+    def measured(item: tuple[str, Any]) -> float:
+        value = item[1].get("measured") if isinstance(item[1], dict) else None
+        return float(value) if isinstance(value, int | float) else 0.0
+
+    return dict(sorted(entries.items(), key=measured)[-PASS_TIMES_KEPT:])
 
 
 def _messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:

@@ -101,3 +101,20 @@ def test_the_readme_python_example_runs() -> None:
                          timeout=300)
     assert run.returncode == 0, run.stderr
     assert "tokens per target pass" in run.stdout
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_passes_are_timed(default_pair: Pair,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(default_pair, "_decoder", None)
+    monkeypatch.setattr(Pair, "auto_budget", lambda self: pytest.fail("timed the passes for a prompt that cannot fit"))
+    with pytest.raises(UserError, match="context holds"):
+        edge.generate(default_pair, "word " * 5000, max_tokens=4)
+
+
+def test_pass_times_keep_the_newest_entries() -> None:
+    from models.pair import PASS_TIMES_KEPT, _newest
+
+    entries = {f"file {i}": {"target_ms": {}, "measured": float(i)} for i in range(PASS_TIMES_KEPT + 6)}
+    entries["undated"] = {"target_ms": {}}
+    kept = _newest(entries)
+    assert len(kept) == PASS_TIMES_KEPT and "undated" not in kept and "file 5" not in kept and f"file {69}" in kept
