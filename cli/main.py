@@ -165,19 +165,27 @@ def generate(
                           readahead=readahead, target_dtype=target_dtype)
     if not raw:
         refuse_base_model(options, "pass --raw to complete the prompt as-is")
-    with load_pair(options) as loaded:
+    from cli.repl import interruptible
+
+    with load_pair(options) as loaded, interruptible() as stopped:  # Ctrl-C: stop reading or replying, then exit
         if loaded.lossless_warning and not no_spec:
             warning(loaded.lossless_warning)
         steps = edge.stream_generate(loaded, text, max_tokens=max_tokens, sampling=sampling, speculate=not no_spec,
-                                     raw=raw)
+                                     raw=raw, should_stop=stopped)
         if as_json:
-            print(json.dumps(edge.Generation.from_steps(steps, loaded.lossless_warning).as_dict()))
-            return
-        for step in steps:
-            sys.stdout.write(step.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        err.print(f"[dim]{stats_line(step.stats)}[/]", soft_wrap=True)
+            reply = edge.Generation.from_steps(steps, loaded.lossless_warning)
+            print(json.dumps(reply.as_dict()))
+            finish = reply.finish_reason
+        else:
+            for step in steps:
+                sys.stdout.write(step.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            finish = step.finish_reason
+            note = " (interrupted)" if finish == "interrupted" else ""
+            err.print(f"[dim]{stats_line(step.stats)}{note}[/]", soft_wrap=True)
+    if finish == "interrupted":
+        raise typer.Exit(130)  # as a shell reports a command stopped by Ctrl-C
 
 
 @app.command()

@@ -54,7 +54,7 @@ def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: i
 
 
 def _reply(session: ChatSession, text: str, max_tokens: int, err: Console, interactive: bool) -> Stats:
-    with _interruptible() as stopped:
+    with interruptible() as stopped:
         for step in session.send(text, max_tokens, should_stop=stopped):
             sys.stdout.write(step.text)
             sys.stdout.flush()
@@ -65,11 +65,14 @@ def _reply(session: ChatSession, text: str, max_tokens: int, err: Console, inter
 
 
 @contextmanager
-def _interruptible() -> Iterator:
-    """While a reply streams, Ctrl-C asks it to stop after the current round instead of killing the chat."""
+def interruptible() -> Iterator:
+    """While a prompt is read or a reply streams, Ctrl-C asks it to stop at the next prefill chunk or round instead of
+    killing the process (and the chat)."""
     flag = {"stop": False}
 
     def on_sigint(signum, frame) -> None:
+        if flag["stop"]:  # a second Ctrl-C: the user means it now
+            raise KeyboardInterrupt
         flag["stop"] = True
 
     previous = signal.signal(signal.SIGINT, on_sigint)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from edge.chat import Prompt
+from edge.errors import Interrupted
 from edge.generate import Stats, Step, check_fits
 from edge.options import LoadOptions
 from edge.sampling import SamplingConfig
@@ -84,7 +85,11 @@ def stream_generate(pair: Pair, prompt: Prompt, *, max_tokens: int = 256, temper
     tokens = pair.prompt_tokens(prompt, raw)
     check_fits(tokens, pair.target.n_ctx)  # before a first --budget auto times the passes (seconds, once)
     decoder = pair.reused_decoder(sampling, speculate, parse_budget(budget))
-    prefill_s = decoder.load(tokens)
+    try:
+        prefill_s = decoder.load(tokens, should_stop)
+    except Interrupted:  # stopped while reading the prompt (the caches keep what was read)
+        yield Step(None, "", "interrupted", Stats(prompt_tokens=len(tokens)))
+        return
     for step in decoder.generate(max_tokens, should_stop=should_stop):
         if step.finish_reason is not None:
             step.stats.prefill_s = prefill_s

@@ -232,11 +232,11 @@ def test_drafters_name_a_runtime_a_head_and_a_requantization() -> None:
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(smollm2: Pair) -> None:
     """A real SIGINT mid-reply: the reply ends 'interrupted', the chat and its caches stay usable."""
-    from cli.repl import _interruptible
+    from cli.repl import interruptible
 
     decoder = Decoder(smollm2.target, smollm2.drafter, GrowConfig.for_budget(16))
     session = ChatSession(decoder, smollm2.template, smollm2.target.tokenizer)
-    with _interruptible() as stopped:
+    with interruptible() as stopped:
         steps = []
         for step in session.send("Write a long story about a dragon.", 400, should_stop=stopped):
             steps.append(step)
@@ -302,3 +302,26 @@ def test_a_read_only_cache_serves_what_is_prepared(read_only_cache: Path, monkey
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["stats"]["new_tokens"] == 8
     assert not (read_only_cache / "pass-times.json").exists() and not (read_only_cache / "machine.json").exists()
+
+
+def test_ctrl_c_stops_reading_a_long_prompt(smollm2: Pair, tmp_path: Path) -> None:
+    """SIGINT to a real `edge-spec generate` while it reads a long prompt: it stops at the next prefill chunk and exits
+    130, with no traceback (it used to read the whole prompt first: minutes for a few thousand tokens)."""
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-c", "from cli.main import main; main()", "generate", "-", "-n", "4", "--budget", "4"]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdin is not None and process.stderr is not None
+    process.stdin.write(("word " * 3700).encode())
+    process.stdin.close()
+    time.sleep(6)  # loaded (about a second here), and well into the prompt's 15 chunks
+    assert process.poll() is None, "the prompt was read before the interrupt: make it longer"
+    process.send_signal(signal.SIGINT)
+    sent = time.perf_counter()
+    code = process.wait(timeout=60)
+    waited = time.perf_counter() - sent
+    stderr = process.stderr.read().decode()
+    assert code == 130 and "(interrupted)" in stderr and "Traceback" not in stderr, stderr
+    assert waited < 10, f"took {waited:.1f} s to stop"

@@ -276,3 +276,28 @@ def test_prompt_longer_than_context() -> None:
     target.n_ctx = 8
     with pytest.raises(UserError, match="context holds 8"):
         Decoder(target).load(list(range(5)) * 2)
+
+
+def test_a_long_prompt_is_read_in_chunks_and_can_be_stopped_between_them() -> None:
+    """Ctrl-C while a prompt is read: Interrupted after the chunk in hand, the caches keep what was read, and loading
+    the same prompt again reads only the rest and decodes what an uninterrupted load decodes."""
+    from edge.errors import Interrupted
+    from edge.generate import PREFILL_CHUNK
+
+    target, drafter = TinyModel(n_vocab=12, seed=1), TinyModel(n_vocab=12, seed=3)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 12, 3 * PREFILL_CHUNK + 10)]
+    decoder = Decoder(target, drafter, GrowConfig.for_budget(8))
+    asked = iter([False, False, True])
+    with pytest.raises(Interrupted):
+        decoder.load(prompt, should_stop=lambda: next(asked))
+    assert len(target.cache) == len(drafter.cache) == 2 * PREFILL_CHUNK
+    assert decoder.context == prompt[: 2 * PREFILL_CHUNK + 1]
+    read: list[int] = []
+    real_prefill = target.prefill
+    target.prefill = lambda tokens: read.append(len(tokens)) or real_prefill(tokens)
+    decoder.load(prompt)
+    assert read == [PREFILL_CHUNK, 9]  # the rest (the last token is the first tree's root), not the whole prompt
+    resumed = [s.token for s in decoder.generate(20) if s.token is not None]
+    fresh = Decoder(TinyModel(n_vocab=12, seed=1), TinyModel(n_vocab=12, seed=3), GrowConfig.for_budget(8))
+    fresh.load(prompt)
+    assert resumed == [s.token for s in fresh.generate(20) if s.token is not None]
