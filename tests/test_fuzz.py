@@ -1,0 +1,173 @@
+"""Property-based fuzzing of what edge-spec reads from files a stranger may have written: GGUF headers and
+models.toml pairs files. Every input must end as a parsed value or one UserError, never another exception.
+
+Bounded for the suite (EDGE_SPEC_FUZZ_EXAMPLES inputs per property, 150 by default, derandomized so CI is
+repeatable); docs/security.md gives the figures of a longer run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from contextlib import suppress
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edge.errors import UserError
+from models.registry import Registry, load_registry
+from runtimes.gguf_file import GGUFInfo, check_gguf, gguf_header, gguf_shape
+from tests.test_gguf_file import write_gguf
+
+EXAMPLES = int(os.environ.get("EDGE_SPEC_FUZZ_EXAMPLES", "150"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+OUTCOMES: Counter[str] = Counter()  # what the inputs came to, for docs/security.md (printed with -s)
+
+
+@pytest.fixture(scope="module")
+def valid_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf").read_bytes()
+
+
+def _read(path: Path) -> str:
+    """check_gguf, then everything start-up reads of the header; the outcome's kind."""
+    try:
+        info = check_gguf(path)
+        gguf_header(path)
+    except UserError:
+        return "refused"
+    assert isinstance(info, GGUFInfo)
+    with suppress(UserError):  # the plan's read: this tiny file lacks a real model's keys, so mostly one clear line
+        gguf_shape(path)
+    return "read"
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_gguf_headers_are_read_or_refused(valid_gguf: bytes, tmp_path: Path, data: st.DataObject) -> None:
+    blob = bytearray(valid_gguf)
+    header = min(len(blob), 4096)  # the header and the first tensors: where the counts, lengths and offsets are
+    for _ in range(data.draw(st.integers(1, 8))):
+        at = data.draw(st.integers(0, header - 1))
+        blob[at] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        blob = blob[: data.draw(st.integers(0, len(blob)))]
+    path = tmp_path / f"m{data.draw(st.integers(0, 10**9))}.gguf"
+    path.write_bytes(bytes(blob))
+    OUTCOMES[f"gguf {_read(path)}"] += 1
+
+
+@FUZZ
+@given(tail=st.binary(max_size=512))
+def test_random_bytes_after_the_magic_are_refused(tail: bytes, tmp_path: Path) -> None:
+    path = tmp_path / "random.gguf"
+    path.write_bytes(b"GGUF" + tail)
+    OUTCOMES[f"gguf random {_read(path)}"] += 1
+
+
+SHIPPED = (Path(__file__).resolve().parent.parent / "models.toml").read_text(encoding="utf-8")
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_models_toml_is_parsed_or_refused(tmp_path: Path, data: st.DataObject) -> None:
+    text = list(SHIPPED)
+    for _ in range(data.draw(st.integers(1, 6))):
+        at = data.draw(st.integers(0, len(text) - 1))
+        action = data.draw(st.sampled_from(["replace", "delete", "insert"]))
+        char = data.draw(st.sampled_from(list('"=[].,#\n \\0123456789abcxyz-_:/\'{}')))
+        if action == "delete":
+            del text[at]
+        elif action == "insert":
+            text.insert(at, char)
+        else:
+            text[at] = char
+    OUTCOMES[f"models.toml {_load(tmp_path, ''.join(text))}"] += 1
+
+
+# Values of every kind TOML has, for every key a pair and a model may carry.
+VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats(allow_nan=True) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["a", "b", "path"]), inner, max_size=3),
+    max_leaves=8)
+MODEL_KEYS = ["path", "hf", "pypi", "files", "sha256", "name", "quantize", "kv_type", "from", "runtime", "vocab",
+              "provider", "size_gb", "layers", "embd", "kv_heads", "head_dim", "params_b", "nonsense"]
+PAIR_KEYS = ["about", "ctx", "budget", "target", "drafter", "nonsense"]
+
+
+@FUZZ
+@given(pair=st.dictionaries(st.sampled_from(PAIR_KEYS), VALUES, max_size=4),
+       target=st.dictionaries(st.sampled_from(MODEL_KEYS), VALUES, max_size=5),
+       drafter=st.dictionaries(st.sampled_from(MODEL_KEYS), VALUES, max_size=5),
+       default=st.none() | st.text(max_size=10))
+def test_random_pair_tables_are_parsed_or_refused(tmp_path: Path, pair: dict, target: dict, drafter: dict,
+                                                  default: str | None) -> None:
+    table = {**pair, "target": target, "drafter": drafter}
+    document = {"pairs": {"x": table}, **({"default": default} if default is not None else {})}
+    OUTCOMES[f"pair tables {_load(tmp_path, _toml(document))}"] += 1
+
+
+@FUZZ
+@given(data=st.data())
+def test_a_valid_pair_with_one_value_changed_is_parsed_or_refused(tmp_path: Path, data: st.DataObject) -> None:
+    table = {"about": "x", "ctx": 4096, "target": {"path": "t.gguf", "kv_type": "bf16"},
+             "drafter": {"from": "target", "runtime": "onnx", "vocab": 8192}}
+    for _ in range(data.draw(st.integers(1, 2))):
+        where = data.draw(st.sampled_from(["pair", "target", "drafter"]))
+        keys = PAIR_KEYS if where == "pair" else MODEL_KEYS
+        holder = table if where == "pair" else table[where]
+        if isinstance(holder, dict):  # a first change may have replaced the model's table itself
+            holder[data.draw(st.sampled_from(keys))] = data.draw(VALUES)
+    OUTCOMES[f"one value changed {_load(tmp_path, _toml({'pairs': {'x': table}}))}"] += 1
+
+
+def _load(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "models.toml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    try:
+        registry = load_registry(path)
+    except UserError as error:
+        assert "\n" not in str(error) and str(path) in str(error), error
+        return "refused"
+    assert isinstance(registry, Registry)
+    return "parsed"
+
+
+def _toml(value: object, key: str = "") -> str:
+    """A TOML document for nested dicts of basic values (None leaves the key out, as TOML has no null)."""
+    assert isinstance(value, dict)
+    lines, tables = [], []
+    for name, item in value.items():
+        if item is None:
+            continue
+        if isinstance(item, dict):
+            tables.append(_toml(item, f"{key}.{json.dumps(name)}" if key else json.dumps(name)))
+        else:
+            lines.append(f"{json.dumps(name)} = {_inline(item)}")
+    head = [f"[{key}]"] if key else []
+    return "\n".join([*head, *lines, *tables]) + "\n"
+
+
+def _inline(item: object) -> str:
+    if isinstance(item, bool):
+        return "true" if item else "false"
+    if isinstance(item, int):
+        return str(item)
+    if isinstance(item, float):
+        return "nan" if item != item else ("inf" if item > 0 else "-inf") if abs(item) == float("inf") else repr(item)
+    if isinstance(item, str):
+        return json.dumps(item)
+    if isinstance(item, list):
+        return "[" + ", ".join(_inline(x) for x in item if x is not None) + "]"
+    assert isinstance(item, dict)
+    return "{" + ", ".join(f"{json.dumps(k)} = {_inline(v)}" for k, v in item.items() if v is not None) + "}"
+
+
+def test_zz_outcomes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Prints what the fuzzed inputs came to (run with -s); docs/security.md quotes a longer run."""
+    with capsys.disabled():
+        print("\nfuzzing outcomes:", dict(sorted(OUTCOMES.items())))
