@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -11,6 +12,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+
+from edge.errors import UserError
 
 _CHUNK = 1 << 20
 
@@ -32,15 +35,40 @@ def sha256_file(path: Path) -> str:
 
 
 @contextmanager
-def atomic_path(dest: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `dest`: renamed to `dest` if the block succeeds, removed otherwise."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+def atomic_path(dest: Path, size: int = 0) -> Iterator[Path]:
+    """Yield a temporary path beside `dest`: renamed to `dest` if the block succeeds, removed otherwise. With the
+    `size` in bytes the file will take, refused first where the drive has not that much free; a drive that fills
+    up anyway ends in one line naming the path."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create {dest.parent}: {error.strerror}; set EDGE_SPEC_CACHE to a writable "
+                        "folder") from None
+    ensure_space(dest, size)
     tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
     try:
         yield tmp
         os.replace(tmp, dest)
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise UserError(f"the drive filled up writing {dest}; free some space (or set EDGE_SPEC_CACHE to another "
+                        "drive) and run again") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def ensure_space(dest: Path, size: int) -> None:
+    """Refuse, in one line, to write `size` bytes to `dest` on a drive with less free (and a 1% margin)."""
+    if size <= 0:
+        return
+    try:
+        free = shutil.disk_usage(dest.parent).free
+    except OSError:
+        return  # the write itself will tell
+    if free < size * 1.01:
+        raise UserError(f"{dest.name} needs {size / 1e9:.2f} GB but {dest.parent} has {free / 1e9:.2f} GB free; "
+                        "free some space, or set EDGE_SPEC_CACHE to another drive")
 
 
 STALE_AFTER_S = 24 * 3600  # a temporary whose process still seems alive is someone else's after this long

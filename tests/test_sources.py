@@ -338,3 +338,23 @@ def test_a_helper_dies_with_a_killed_edge_spec(tmp_path: Path) -> None:
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the helper outlived its killed parent")
+
+
+def test_a_full_drive_is_one_line_naming_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Free space is checked before a write of known size, and a drive that fills up anyway is one line too."""
+    import errno
+    from collections import namedtuple
+
+    from models import cache as cache_module
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**6, 10**6))
+    dest = tmp_path / "big.gguf"
+    with pytest.raises(UserError, match=r"big.gguf needs 2.00 GB but .* has 0.00 GB free; free some space"), \
+            atomic_path(dest, 2 * 10**9):
+        pass
+    with pytest.raises(UserError, match=r"the drive filled up writing .*small.gguf; free some space"), \
+            atomic_path(tmp_path / "small.gguf", 10) as tmp:
+        tmp.write_bytes(b"x")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left
