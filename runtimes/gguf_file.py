@@ -99,8 +99,12 @@ class _HeaderReader(GGUFReader):
 
     def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
         end = start_offs
+        alignment = self.alignment  # general.alignment, 32 by default: every tensor's data starts on a multiple
         for field in fields:
-            _name_len, _name, _n_dims, dims, raw_dtype, offset_tensor = field.parts
+            _name_len, name, _n_dims, dims, raw_dtype, offset_tensor = field.parts
+            if int(offset_tensor[0]) % alignment:
+                raise ValueError(f"tensor {bytes(name).decode('utf-8', 'replace')!r} starts at offset "
+                                 f"{int(offset_tensor[0])}, not a multiple of the file's alignment {alignment}")
             block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_dtype[0])]
             n_bytes = int(np.prod(dims, dtype=np.uint64)) * type_size // block_size
             end = max(end, start_offs + int(offset_tensor[0]) + n_bytes)

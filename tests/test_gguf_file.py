@@ -174,3 +174,16 @@ def test_unreadable(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Path, "open", refuse)
     with pytest.raises(UserError, match="permission denied"):
         check_gguf(tiny)
+
+
+def test_a_misaligned_tensor_is_refused_as_invalid_not_truncated(tiny: Path, tmp_path: Path) -> None:
+    reader = gguf.GGUFReader(tiny)
+    field = reader.tensors[0].field  # name length, name, n_dims, dims, type, then the data offset (uint64)
+    at = field.offset + sum(part.nbytes for part in field.parts) - 8
+    blob = bytearray(tiny.read_bytes())
+    blob[at:at + 8] = (int.from_bytes(blob[at:at + 8], "little") + 1).to_bytes(8, "little")
+    hostile = tmp_path / "misaligned.gguf"
+    hostile.write_bytes(bytes(blob))
+    with pytest.raises(UserError, match="not a valid GGUF file .*not a multiple of the file's alignment 32") as info:
+        check_gguf(hostile)
+    assert "truncated" not in str(info.value)
