@@ -184,6 +184,6 @@ def test_a_misaligned_tensor_is_refused_as_invalid_not_truncated(tiny: Path, tmp
     blob[at:at + 8] = (int.from_bytes(blob[at:at + 8], "little") + 1).to_bytes(8, "little")
     hostile = tmp_path / "misaligned.gguf"
     hostile.write_bytes(bytes(blob))
-    with pytest.raises(UserError, match="not a valid GGUF file .*not a multiple of the file's alignment 32") as info:
+    with pytest.raises(UserError, match=r"not a valid GGUF file .*not a multiple of the file's alignment 32") as info:
         check_gguf(hostile)
     assert "truncated" not in str(info.value)
