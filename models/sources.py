@@ -5,13 +5,16 @@ download never leaves a file that looks complete."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -205,7 +208,7 @@ def _fetch_hf(source: Source, report: Report) -> Path:
 def _hf_listing(source: Source) -> list[str]:
     assert source.hf is not None
     repo, _ = _split_hf(source.hf)
-    if not _hf_offline():
+    if not _hf_offline() and _hub_reachable():
         from huggingface_hub import HfApi
         from huggingface_hub.utils import RepositoryNotFoundError
 
@@ -228,7 +231,7 @@ def _hf_download(source: Source, repo: str, filename: str, report: Report) -> Pa
     cached = try_to_load_from_cache(repo, filename, cache_dir=_hf_cache_dir())
     if isinstance(cached, str):
         return Path(cached)
-    if _hf_offline():
+    if _hf_offline() or not _hub_reachable():
         raise _offline_error(source)
     report(f"downloading {filename} from Hugging Face ({repo})")
     try:
@@ -287,6 +290,32 @@ def _hf_offline() -> bool:
     return constants.HF_HUB_OFFLINE or flag.upper() in {"1", "ON", "YES", "TRUE"}
 
 
+HUB_CONNECT_S = 3.0  # how long to wait for the hub's address to answer before taking it as unreachable
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+
+
+@functools.lru_cache(maxsize=4)
+def _hub_answers(endpoint: str) -> bool:
+    url = urllib.parse.urlsplit(endpoint)
+    try:
+        with socket.create_connection((url.hostname or "", url.port or (80 if url.scheme == "http" else 443)),
+                                      timeout=HUB_CONNECT_S):
+            return True
+    except OSError:
+        return False
+
+
+def _hub_reachable() -> bool:
+    """Whether the hub's address answers, asked once per process: an unreachable hub is known in seconds, not after
+    huggingface_hub's retries (24-26 s here), and its log lines never start."""
+    return _hub_answers(_hub_endpoint())
+
+
 def _split_hf(hf: str) -> tuple[str, str]:
     repo, _, spec = hf.partition(":")
     return repo, spec
@@ -305,9 +334,11 @@ def _hf_quant_files(source: Source, quant: str) -> list[str]:
 
 
 def _offline_error(source: Source) -> UserError:
+    where = ("HF_HUB_OFFLINE is set (unset it to download)" if _hf_offline() else
+             f"the hub ({_hub_endpoint()}) cannot be reached (check the network)")
     return UserError(
-        f"{source.hf} is not in the Hugging Face cache ({_hf_cache_dir()}) and HF_HUB_OFFLINE is set "
-        "(or the hub is unreachable); run `edge-spec pull` for this pair where the hub can be reached"
+        f"{source.hf} is not in the Hugging Face cache ({_hf_cache_dir()}) and {where}; or copy the file here "
+        f"and name it with path = \"...\" in {source.origin or 'models.toml'}"
     )
 
 

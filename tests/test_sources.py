@@ -203,7 +203,8 @@ def hf_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_hf_offline_not_cached(cache: Path, hf_offline: Path, hf: str) -> None:
     source = Source(hf=hf)
     assert source_path(source) is None
-    with pytest.raises(UserError, match=r"is not in the Hugging Face cache .*HF_HUB_OFFLINE is set"):
+    with pytest.raises(UserError,
+                       match=r"is not in the Hugging Face cache .*HF_HUB_OFFLINE is set \(unset it to download\)"):
         fetch(source)
 
 
@@ -358,3 +359,28 @@ def test_a_full_drive_is_one_line_naming_the_path(tmp_path: Path, monkeypatch: p
         tmp.write_bytes(b"x")
         raise OSError(errno.ENOSPC, "No space left on device")
     assert list(tmp_path.iterdir()) == []  # nothing half-written left
+
+
+def test_an_unreachable_hub_is_one_line_in_seconds(cache: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """No retries, no library log lines: a hub whose address does not answer (here a closed loopback port) is known
+    at once, and the message says what to do instead of running the same command again."""
+    import socket
+
+    from models import sources as sources_module
+
+    with socket.socket() as probe:  # a free loopback port, closed again: connecting to it is refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)  # read once, when it was first imported
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    sources_module._hub_answers.cache_clear()
+    start = time.perf_counter()
+    for hf in ("someone/model-GGUF:Q4_0", "someone/model-GGUF:model-q4_0.gguf"):
+        with pytest.raises(UserError, match=r"hub \(http://127\.0\.0\.1:\d+\) cannot be reached \(check the network\)"
+                                            r"; or copy the file here"):
+            fetch(Source(hf=hf))
+    assert time.perf_counter() - start < 5
+    sources_module._hub_answers.cache_clear()
