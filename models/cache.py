@@ -62,12 +62,15 @@ def ensure_space(dest: Path, size: int) -> None:
     """Refuse, in one line, to write `size` bytes to `dest` on a drive with less free (and a 1% margin)."""
     if size <= 0:
         return
+    folder = dest.parent
+    while not folder.exists() and folder != folder.parent:  # the drive it will be on
+        folder = folder.parent
     try:
-        free = shutil.disk_usage(dest.parent).free
+        free = shutil.disk_usage(folder).free
     except OSError:
         return  # the write itself will tell
     if free < size * 1.01:
-        raise UserError(f"{dest.name} needs {size / 1e9:.2f} GB but {dest.parent} has {free / 1e9:.2f} GB free; "
+        raise UserError(f"{dest.name} needs {size / 1e9:.2f} GB but {folder} has {free / 1e9:.2f} GB free; "
                         "free some space, or set EDGE_SPEC_CACHE to another drive")
 
 

@@ -26,7 +26,7 @@ from edge.protocols import Drafter, Target
 from edge.sampling import SamplingConfig
 from models.cache import JsonFile, atomic_path, cache_dir, clean_stale, ensure_space
 from models.registry import ModelSpec, PairSpec, Source, load_registry
-from models.sources import fetch, model_path, prepared_path, vocab_path
+from models.sources import download_folder, fetch, model_path, prepared_path, source_path, vocab_path
 from runtimes import runtime
 
 if TYPE_CHECKING:
@@ -288,6 +288,10 @@ def materialize(spec: ModelSpec, report: Report = _quiet) -> Path:
     (temporary files, half-built graphs) is cleaned first."""
     for folder in ("models", "prepared"):
         clean_stale(cache_dir() / folder)
+    here = source_path(spec.source)
+    if spec.facts is not None and (here is None or not here.exists()):  # a download whose size models.toml gives
+        name = Path(spec.source.describe()).name  # "model.gguf", or "repo-GGUF:Q4_0" for a hub quant
+        ensure_space(here or download_folder(spec.source) / name, int(spec.facts.size_gb * 1e9))
     source = fetch(spec.source, report)
     if not spec.quantize:
         return source

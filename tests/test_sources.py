@@ -384,3 +384,18 @@ def test_an_unreachable_hub_is_one_line_in_seconds(cache: Path, tmp_path: Path,
             fetch(Source(hf=hf))
     assert time.perf_counter() - start < 5
     sources_module._hub_answers.cache_clear()
+
+
+def test_a_download_too_big_for_the_drive_is_refused_before_it_starts(cache: Path, hf_offline: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections import namedtuple
+
+    from models import cache as cache_module
+    from models.pair import materialize
+    from models.registry import ModelFacts
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**9, 10**9))
+    spec = ModelSpec(Source(hf="someone/big-GGUF:Q4_0"), facts=ModelFacts(40.12, 80, 8192, 8, 128))
+    with pytest.raises(UserError, match=r"needs 40.12 GB but .* has 1.00 GB free"):
+        materialize(spec)
