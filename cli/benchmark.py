@@ -78,8 +78,8 @@ def render_table(result: dict[str, Any], console: Console) -> None:
         console.print(f"drafter {info['drafter']}: expand {expand} · KV {info['kv_bytes_per_token']:.0f} B/token")
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    """tokens/s and tokens per pass against the budget, one line per method (and drafter); auto as a marker."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on a file backend, or one line saying how to get it."""
     try:
         import matplotlib
 
@@ -87,6 +87,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'edge-spec[plot]' (or pip install matplotlib)") from None
+    return plt
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """tokens/s and tokens per pass against the budget, one line per method (and drafter); plain decoding as a line
+    across, `auto` as a star at the mean budget it chose. Both axes start at 0; budgets are labelled as numbers."""
+    from matplotlib.ticker import FixedLocator, ScalarFormatter
+
+    plt = pyplot()
     figure, (speed, per_pass) = plt.subplots(1, 2, figsize=(11, 4.2))
     plain = next(r for r in result["rows"] if r["method"] == "plain")
     lines: dict[str, list[dict]] = {}
@@ -106,12 +115,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 speed.scatter([at], [row["tokens_per_s"]], marker="*", s=160, zorder=3,
                               label=f"{label}, auto (mean budget {row['mean_budget']:g})")
                 per_pass.scatter([at], [row["tokens_per_pass"]], marker="*", s=160, zorder=3)
-    speed.axhline(plain["tokens_per_s"], color="gray", linestyle="--", label="plain")
-    per_pass.axhline(plain["tokens_per_pass"], color="gray", linestyle="--")
-    for axis, name in ((speed, "tokens/s"), (per_pass, "tokens per target pass")):
+    speed.axhline(plain["tokens_per_s"], color="black", linestyle="--", linewidth=1.5, zorder=4,
+                  label=f"plain decoding ({plain['tokens_per_s']:.1f} tok/s)")
+    per_pass.axhline(plain["tokens_per_pass"], color="black", linestyle="--", linewidth=1.5, zorder=4)
+    budgets = sorted({max(r["budget"] if r["budget"] != "auto" else r["mean_budget"], 1) for r in result["rows"]
+                      if r["method"] != "plain"} or {1})
+    axes = ((speed, "tokens/s", "tokens_per_s"), (per_pass, "tokens per target pass", "tokens_per_pass"))
+    for axis, name, key in axes:
         axis.set_xscale("log", base=2)
-        axis.set_xlabel("tree budget (draft nodes)")
+        axis.xaxis.set_major_locator(FixedLocator(budgets))
+        axis.xaxis.set_major_formatter(ScalarFormatter())
+        axis.xaxis.set_minor_locator(FixedLocator([]))
+        axis.set_xlabel("tree budget (draft nodes; auto at the mean it chose)")
         axis.set_ylabel(name)
+        axis.set_ylim(0, 1.12 * max(r[key] for r in result["rows"]))  # from 0, the plain line below the top edge
         axis.grid(alpha=0.3)
     speed.legend(fontsize=8)
     figure.suptitle(f"{result['pair']} · {result.get('target')} · placement {result.get('placement')} · "

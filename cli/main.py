@@ -49,8 +49,23 @@ def main_options(
     ctx: typer.Context,
     models: Annotated[Path | None, typer.Option("--models", help="models.toml to use (default: the packaged one)",
                                                  show_default=False)] = None,
+    version: Annotated[bool, typer.Option("--version", help="print edge-spec's version and exit",
+                                          callback=lambda shown: _print_version(shown), is_eager=True)] = False,
 ) -> None:
     ctx.obj = models
+
+
+def _print_version(asked: bool) -> None:
+    if not asked:
+        return
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        print(f"edge-spec {installed('edge-spec')}")
+    except PackageNotFoundError:
+        print("edge-spec (not installed as a package)")
+    raise typer.Exit(0)
 
 
 # Options shared by chat, generate and bench.
@@ -347,10 +362,12 @@ def bench(
                                               show_default=False)] = None,
 ) -> None:
     """Plain decoding vs chain and tree speculation on the same prompts, the same placement, in one run."""
-    from cli.benchmark import parse_budgets, parse_drafters, parse_methods, render_table
+    from cli.benchmark import parse_budgets, parse_drafters, parse_methods, pyplot, render_table
     from cli.benchmark import plot as plot_result
     from models.bench import read_prompts, run_bench
 
+    if plot is not None:
+        pyplot()  # a missing matplotlib is said now, not after the whole run
     drafter_list = parse_drafters(drafters)
     budget_list = parse_budgets(budgets)
     method_list = parse_methods(methods)
@@ -361,12 +378,12 @@ def bench(
         result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list,
                            tuple(method_list))
     result["readahead"] = readahead if placement == "ssd" else None
-    if plot is not None:
-        plot_result(result, plot)
-    if as_json:
+    if as_json:  # the figures first: a plot that cannot be written loses nothing
         print(json.dumps(result, indent=2))
     else:
         render_table(result, Console())
+    if plot is not None:
+        plot_result(result, plot)
 
 
 @app.command()

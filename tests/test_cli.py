@@ -325,3 +325,13 @@ def test_ctrl_c_stops_reading_a_long_prompt(smollm2: Pair, tmp_path: Path) -> No
     stderr = process.stderr.read().decode()
     assert code == 130 and "(interrupted)" in stderr and "Traceback" not in stderr, stderr
     assert waited < 5, f"took {waited:.1f} s to stop"
+
+
+def test_version_and_a_missing_plot_extra_are_said_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = run("--version")
+    assert result.exit_code == 0 and result.stdout.startswith("edge-spec ")
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if matplotlib were not installed
+    started = __import__("time").perf_counter()
+    result = run("bench", "--plot", str(tmp_path / "bench.png"))
+    assert_one_line_error(result, "--plot needs matplotlib")
+    assert __import__("time").perf_counter() - started < 2  # before any model loads
