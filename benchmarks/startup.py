@@ -96,11 +96,11 @@ def main() -> None:
         return
 
     from edge.options import LoadOptions
-    from models.pair import is_base_model, resolve_spec
+    from models.pair import base_model, resolve_spec
     from models.sources import model_path
 
     options = LoadOptions(pair=args.pair)
-    command = edge_spec_command(args.pair, is_base_model(options))
+    command = edge_spec_command(args.pair, base_model(options) is not None)
     print(f"preparing: {' '.join(command)}", file=sys.stderr)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)  # downloads, graphs, pass times: the warm cache
     target = model_path(resolve_spec(options)[0].target)

@@ -93,9 +93,9 @@ def pyplot() -> Any:
 def plot(result: dict[str, Any], path: Path) -> None:
     """tokens/s and tokens per pass against the budget, one line per method (and drafter); plain decoding as a line
     across, `auto` as a star at the mean budget it chose. Both axes start at 0; budgets are labelled as numbers."""
+    plt = pyplot()
     from matplotlib.ticker import FixedLocator, ScalarFormatter
 
-    plt = pyplot()
     figure, (speed, per_pass) = plt.subplots(1, 2, figsize=(11, 4.2))
     plain = next(r for r in result["rows"] if r["method"] == "plain")
     lines: dict[str, list[dict]] = {}

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cli.render import err, error, report, stats_line, warning
+from cli.render import err, error, reply_stats, report, warning
 from edge.errors import UserError
 from edge.options import MIN_CTX, LoadOptions
 from models.registry import Registry, load_registry
@@ -134,10 +134,11 @@ def load_pair(options: LoadOptions):
 
 def refuse_base_model(options: LoadOptions, what_to_do: str) -> None:
     """A base model cannot chat: say so from its header, before a load of many seconds."""
-    from models.pair import is_base_model, resolve_spec
+    from models.pair import base_model
 
-    if is_base_model(options):
-        raise UserError(f"{resolve_spec(options)[0].name} has no chat template (a base model): {what_to_do}")
+    name = base_model(options)
+    if name is not None:
+        raise UserError(f"{name} has no chat template (a base model): {what_to_do}")
 
 
 @app.command()
@@ -197,8 +198,7 @@ def generate(
                 sys.stdout.flush()
             sys.stdout.write("\n")
             finish = step.finish_reason
-            note = " (interrupted)" if finish == "interrupted" else ""
-            err.print(f"[dim]{stats_line(step.stats)}{note}[/]", soft_wrap=True)
+            reply_stats(step)
     if finish == "interrupted":
         raise typer.Exit(130)  # as a shell reports a command stopped by Ctrl-C
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
-from edge.generate import Stats
+from edge.generate import Stats, Step
 
 err = Console(stderr=True, highlight=False)
 
@@ -26,6 +26,12 @@ def warning(message: str) -> None:
 
 def note(message: str) -> None:
     err.print(f"[dim]{escape(message)}[/]", soft_wrap=True)
+
+
+def reply_stats(step: Step) -> None:
+    """The line under a reply: its stats, and whether Ctrl-C cut it short."""
+    note = " (interrupted)" if step.finish_reason == "interrupted" else ""
+    err.print(f"[dim]{stats_line(step.stats)}{note}[/]", soft_wrap=True)
 
 
 def stats_line(stats: Stats) -> str:

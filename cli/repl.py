@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from cli.render import error as report_error
-from cli.render import note, stats_line, warning
+from cli.render import note, reply_stats, stats_line, warning
 from edge.chat import ChatSession
 from edge.errors import UserError
 from edge.generate import Stats
@@ -59,8 +59,7 @@ def _reply(session: ChatSession, text: str, max_tokens: int, err: Console, inter
             sys.stdout.write(step.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
-    note = " (interrupted)" if step.finish_reason == "interrupted" else ""
-    err.print(f"[dim]{stats_line(step.stats)}{note}[/]", soft_wrap=True)
+    reply_stats(step)
     return step.stats
 
 

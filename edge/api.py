@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from edge.chat import Prompt
-from edge.errors import Interrupted
+from edge.errors import UserError
 from edge.generate import Stats, Step, check_fits
-from edge.options import LoadOptions
+from edge.options import LoadOptions, parse_budget
 from edge.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -74,26 +74,13 @@ def stream_generate(pair: Pair, prompt: Prompt, *, max_tokens: int = 256, temper
     messages, or token ids. Sampling: temperature 0 is greedy; `sampling` replaces the separate fields. Output is the
     target's own whatever `speculate` and `budget`: they change only how many tokens each target pass yields.
     """
-    from edge.options import parse_budget
-
     if max_tokens < 1:
-        from edge.errors import UserError
-
         raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
     sampling = sampling or SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                           repeat_penalty=repeat_penalty, seed=seed)
     tokens = pair.prompt_tokens(prompt, raw)
     check_fits(tokens, pair.target.n_ctx)  # before a first --budget auto times the passes (seconds, once)
-    decoder = pair.reused_decoder(sampling, speculate, parse_budget(budget))
-    try:
-        prefill_s = decoder.load(tokens, should_stop)
-    except Interrupted:  # stopped while reading the prompt (the caches keep what was read)
-        yield Step(None, "", "interrupted", Stats(prompt_tokens=len(tokens)))
-        return
-    for step in decoder.generate(max_tokens, should_stop=should_stop):
-        if step.finish_reason is not None:
-            step.stats.prefill_s = prefill_s
-        yield step
+    yield from pair.reused_decoder(sampling, speculate, parse_budget(budget)).reply(tokens, max_tokens, should_stop)
 
 
 def generate(pair: Pair, prompt: Prompt, **kwargs: Any) -> Generation:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from edge.chat_template import ChatTemplate
-from edge.errors import Interrupted
-from edge.generate import Decoder, Stats, Step
+from edge.generate import Decoder, Step
 from edge.protocols import Tokenizer
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]  # text, chat messages ({"role", "content"}), token ids
@@ -29,18 +28,12 @@ class ChatSession:
         """Stream the reply to `text`; the exchange joins the history once the reply ends (even cut short)."""
         conversation = [*self._system_messages(), *self.messages, {"role": "user", "content": text}]
         tokens = prompt_tokens(self.tokenizer, self.template.render(conversation), self.template.bos_token)
-        try:
-            load_s = self.decoder.load(tokens, should_stop)  # refuses a prompt that cannot fit: history unchanged
-        except Interrupted:  # stopped while reading the prompt: no reply, and the exchange is not kept
-            yield Step(None, "", "interrupted", Stats(prompt_tokens=len(tokens)))
-            return
         reply = []
-        for step in self.decoder.generate(max_tokens, should_stop=should_stop):
+        for step in self.decoder.reply(tokens, max_tokens, should_stop):  # a prompt that cannot fit raises first
             reply.append(step.text)
-            if step.finish_reason is not None:
-                step.stats.prefill_s = load_s
             yield step
-        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(reply)}]
+        if len(self.decoder.context) >= len(tokens):  # not stopped while the prompt was being read
+            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(reply)}]
 
     def clear(self) -> None:
         self.messages = []

@@ -132,8 +132,8 @@ class ChatTemplate:
         except _TemplateRaised as error:
             raise UserError(f"the model's chat template refused this conversation: {error}") from None
         except (_TooBig, RecursionError, MemoryError) as error:
-            what = str(error) if isinstance(error, _TooBig) else "it recurses without end" \
-                if isinstance(error, RecursionError) else "it needs more memory than there is"
+            what = {RecursionError: "it recurses without end", MemoryError: "it needs more memory than there is"}.get(
+                type(error), str(error))
             raise UserError(f"the model's chat template was stopped: {what}; complete raw text instead "
                             "(--raw, or raw=True in Python)") from None
         except jinja2.TemplateError as error:

@@ -153,6 +153,21 @@ class Decoder:
             model.truncate(0)
         self.context = []
 
+    def reply(self, tokens: Sequence[int], max_tokens: int,
+              should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
+        """load(tokens), then generate: one Step per new token and a final one whose stats include the prefill. A
+        stop asked for while the prompt is read ends it at once, with the finish reason "interrupted" and no tokens
+        (the caches keep what was read)."""
+        try:
+            prefill_s = self.load(tokens, should_stop)
+        except Interrupted:
+            yield Step(None, "", "interrupted", Stats(prompt_tokens=len(tokens)))
+            return
+        for step in self.generate(max_tokens, should_stop=should_stop):
+            if step.finish_reason is not None:
+                step.stats.prefill_s = prefill_s
+            yield step
+
     def generate(self, max_tokens: int, stop_tokens: frozenset[int] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
         """Yield one Step per new token, then a final Step with the finish reason."""

@@ -41,9 +41,6 @@ class ReplyRows:
     def shape(self) -> tuple[int, int]:
         return len(self.answers), self.n_vocab
 
-    def __len__(self) -> int:
-        return len(self.answers)
-
     def __getitem__(self, node: int) -> np.ndarray:
         row = np.full(self.n_vocab, -np.inf, np.float32)
         row[self.answers[node]] = 0.0

@@ -217,13 +217,14 @@ def _phase(times: dict[str, float], name: str) -> Iterator[None]:
         times[name] = times.get(name, 0.0) + time.perf_counter() - start
 
 
-def is_base_model(options: LoadOptions) -> bool:
-    """Whether the target `options` names has no chat template, read from its header without loading anything
-    (False while its file is not here yet: loading fetches it, and the template is known then)."""
+def base_model(options: LoadOptions) -> str | None:
+    """The pair's name when the target `options` names has no chat template, read from its header without loading
+    anything; None otherwise, and while its file is not here yet (loading fetches it, and tells then)."""
     from runtimes.gguf_file import check_gguf
 
-    path = model_path(resolve_spec(options)[0].target)
-    return path is not None and path.is_file() and not check_gguf(path).chat_template
+    spec = resolve_spec(options)[0]
+    path = model_path(spec.target)
+    return spec.name if path is not None and path.is_file() and not check_gguf(path).chat_template else None
 
 
 def resolve_spec(options: LoadOptions) -> tuple[PairSpec, Path | None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
 
@@ -26,6 +27,13 @@ EXAMPLES = int(os.environ.get("EDGE_SPEC_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 OUTCOMES: Counter[str] = Counter()  # what the inputs came to, for docs/security.md (printed with -s)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_outcomes() -> Iterator[None]:
+    """After the module: what the fuzzed inputs came to (shown with -s); docs/security.md quotes a longer run."""
+    yield
+    print("\nfuzzing outcomes:", dict(sorted(OUTCOMES.items())))
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +174,3 @@ def _inline(item: object) -> str:
     assert isinstance(item, dict)
     return "{" + ", ".join(f"{json.dumps(k)} = {_inline(v)}" for k, v in item.items() if v is not None) + "}"
 
-
-def test_zz_outcomes(capsys: pytest.CaptureFixture[str]) -> None:
-    """Prints what the fuzzed inputs came to (run with -s); docs/security.md quotes a longer run."""
-    with capsys.disabled():
-        print("\nfuzzing outcomes:", dict(sorted(OUTCOMES.items())))

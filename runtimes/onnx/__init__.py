@@ -29,6 +29,7 @@ class OnnxOptions:
     provider: str = "cpu"
     threads: int | None = None
     n_ctx: int = 4096
+    mem_reuse: bool = False  # onnxruntime's buffer-reuse planning (off: a faster start; benchmarks/session_start.py)
 
 
 GRAPH_VERSION = 5  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
@@ -81,7 +82,8 @@ def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, rep
 def load_drafter(gguf: Path, options: OnnxOptions, head_ids: np.ndarray | None = None, report=None) -> OnnxDrafter:
     """The drafter with its own 4-bit KV cache."""
     arch = file_arch(gguf)
-    session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report), options.provider, options.threads)
+    session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report), options.provider, options.threads,
+                             options.mem_reuse)
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=4,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
     drafter = OnnxDrafter(session, arch, kv)
@@ -98,9 +100,9 @@ def load_quantspec(target_gguf: Path, drafter_gguf: Path, options: OnnxOptions, 
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=8,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
     target_session = DecoderSession(prepare_graph(target_gguf, "target", None, report), options.provider,
-                                    options.threads)
+                                    options.threads, options.mem_reuse)
     drafter_session = DecoderSession(prepare_graph(drafter_gguf, "shared-drafter", head_ids, report),
-                                     options.provider, options.threads)
+                                     options.provider, options.threads, options.mem_reuse)
     target = OnnxTarget(target_session, arch, kv, tokenizer, stop_tokens, options.n_ctx)
     drafter = OnnxDrafter(drafter_session, file_arch(drafter_gguf), kv, shared=True)
     if head_ids is not None:

@@ -31,7 +31,7 @@ def provider_name(provider: str) -> str:
 
 
 class DecoderSession:
-    def __init__(self, path: Path, provider: str = "cpu", threads: int | None = None):
+    def __init__(self, path: Path, provider: str = "cpu", threads: int | None = None, mem_reuse: bool = False):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -39,10 +39,9 @@ class DecoderSession:
             options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # Planning buffer reuse across the graph's ~1000 nodes was half of a drafter session's start (0.26 of 0.51 s
-        # for SmolLM2); without it the passes ran as fast, gave the same bits and peaked at the same RSS
-        # (docs/performance.md, "Start-up").
-        options.enable_mem_reuse = False
+        # Planning buffer reuse across the graph's ~1000 nodes was about half of a drafter session's start; without
+        # it the passes run as fast, give the same bits and peak at the same RSS (benchmarks/session_start.py).
+        options.enable_mem_reuse = mem_reuse
         options.log_severity_level = 3
         # Workers spin within a run (no wake-up per op; docs/drafter.md has the growth times) but stop when it
         # ends, so they do not steal the cores from llama.cpp's target pass between drafter runs.
