@@ -243,6 +243,70 @@ def chat(
 
 @app.command()
 @user_errors
+def serve(
+    ctx: typer.Context,
+    pair: Annotated[str | None, typer.Argument(help="pair from models.toml (default: the default pair)",
+                                               show_default=False)] = None,
+    target: TargetOpt = None,
+    drafter: DrafterOpt = None,
+    host: Annotated[str, typer.Option(help="address to listen on; 0.0.0.0: every interface (other machines too)")
+                    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on (0: any free port)")] = 8080,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="EDGE_SPEC_API_KEY",
+        help="require `Authorization: Bearer KEY` on every /v1 request (or set EDGE_SPEC_API_KEY)",
+        show_default=False)] = None,
+    cors_origin: Annotated[list[str] | None, typer.Option(
+        "--cors-origin", help="let web pages from this origin call the API (repeat; * for any)",
+        show_default=False)] = None,
+    budget: BudgetOpt = None,
+    ctx_size: CtxOpt = None,
+    no_spec: NoSpecOpt = False,
+    threads: ThreadsOpt = None,
+    provider: ProviderOpt = None,
+    gpu_layers: GpuOpt = None,
+    placement: PlacementOpt = "ram",
+    readahead: ReadaheadOpt = True,
+    mlock: MlockOpt = False,
+    target_dtype: TargetDtypeOpt = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level: debug, info, warning, error")] = "info",
+) -> None:
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions), one generation at
+    a time (docs/server.md)."""
+    from serve.run import bind, is_loopback, serve, url
+
+    if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+        raise UserError(f"--log-level must be debug, info, warning or error (got {log_level!r})")
+    if api_key is not None and not api_key.strip():
+        raise UserError("--api-key is empty: give a key, or leave the option out")
+    options = LoadOptions(models_file=ctx.obj, pair=pair, target=target, drafter=drafter, ctx=ctx_size, budget=budget,
+                          threads=threads, gpu_layers=gpu_layers, provider=provider, placement=placement, mlock=mlock,
+                          readahead=readahead, target_dtype=target_dtype)
+    sock = bind(host, port)  # a port in use is said before a load of seconds
+    try:
+        if not is_loopback(host):
+            warning(f"listening on {host}: other machines can reach this server"
+                    + ("" if api_key else "; anyone who can is able to use it (add --api-key KEY)"))
+        with load_pair(options) as loaded:
+            if loaded.lossless_warning and not no_spec:
+                warning(loaded.lossless_warning)
+            if not no_spec and loaded.drafter is not None and loaded.budget == "auto":
+                loaded.auto_budget()  # the pass times, measured now (once per machine) rather than in a first request
+            base = url(sock, host)
+            chat_note = "" if loaded.template is not None else " (a base model: /v1/completions only)"
+
+            def ready() -> None:
+                err.print(f"serving {escape(loaded.name)} at {base}/v1{chat_note} · one generation at a time, others "
+                          "queue · Ctrl-C stops", soft_wrap=True, highlight=False)
+
+            serve(loaded, sock, api_key=api_key, cors_origins=cors_origin or (), speculate=not no_spec,
+                  budget=None, log_level=log_level.lower(), ready=ready)
+    finally:
+        sock.close()
+
+
+@app.command()
+@user_errors
 def models(
     ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,

@@ -13,7 +13,7 @@ The command line, the benchmarks and the tests use these same calls. Loading is 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from edge.errors import UserError
 from edge.generate import Stats, Step, check_fits
 from edge.options import LoadOptions, parse_budget
 from edge.sampling import SamplingConfig
+from edge.stops import StopStrings, cut_at_stop_strings, stopping
 
 if TYPE_CHECKING:
     from models.pair import Pair
@@ -66,21 +67,29 @@ def load(pair: str | LoadOptions | None = None, *, report: Callable[[str], None]
 def stream_generate(pair: Pair, prompt: Prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int | None = None,
                     sampling: SamplingConfig | None = None, speculate: bool = True, budget: int | str | None = None,
-                    raw: bool | None = None, should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
+                    raw: bool | None = None, stop: str | Sequence[str] | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
     """Yield one Step per new token, then a final Step whose `finish_reason` says why generation ended and whose
     `stats` cover the whole reply (prefill included).
 
     `prompt`: text (rendered with the pair's chat template unless `raw`; a base model completes it as-is), chat
-    messages, or token ids. Sampling: temperature 0 is greedy; `sampling` replaces the separate fields. Output is the
-    target's own whatever `speculate` and `budget`: they change only how many tokens each target pass yields.
+    messages, or token ids. Sampling: temperature 0 is greedy; `sampling` replaces the separate fields (it also holds
+    the presence and frequency penalties). Output is the target's own whatever `speculate` and `budget`: they change
+    only how many tokens each target pass yields. `stop`: stop strings; the reply ends before the first one its text
+    contains (finish reason "stop"). `should_stop` is asked after each token: True ends the reply ("interrupted").
     """
     if max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
     sampling = sampling or SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                           repeat_penalty=repeat_penalty, seed=seed)
+    stops = StopStrings([] if stop is None else stop)
     tokens = pair.prompt_tokens(prompt, raw)
     check_fits(tokens, pair.target.n_ctx)  # before a first --budget auto times the passes (seconds, once)
-    yield from pair.reused_decoder(sampling, speculate, parse_budget(budget)).reply(tokens, max_tokens, should_stop)
+    decoder = pair.reused_decoder(sampling, speculate, parse_budget(budget))
+    if not stops.stops:
+        yield from decoder.reply(tokens, max_tokens, should_stop)
+        return
+    yield from cut_at_stop_strings(decoder.reply(tokens, max_tokens, stopping(stops, should_stop)), stops)
 
 
 def generate(pair: Pair, prompt: Prompt, **kwargs: Any) -> Generation:

@@ -30,6 +30,7 @@ class BudgetPolicy(Protocol):
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the KV caches already held (a chat's earlier turns): not run again
     new_tokens: int = 0
     rounds: int = 0
     target_passes: int = 0  # counted by the runtime: forward passes actually run
@@ -60,6 +61,7 @@ class Stats:
         rounds = max(self.rounds, 1)
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "rounds": self.rounds,
             "target_passes": self.target_passes,
@@ -108,6 +110,7 @@ class Decoder:
         self.drafter = drafter if grow_config is not None or self.policy is not None else None
         self.grow_config = grow_config
         self.context: list[int] = []
+        self.cached_tokens = 0  # of the last prompt loaded, how many the caches already held
         self.acceptance, self._acceptance_for = Acceptance(), None
         self.set_sampling(sampling or SamplingConfig())
 
@@ -137,6 +140,7 @@ class Decoder:
             self.context = []
         _last_loader[self.target] = weakref.ref(self)
         keep = min(_common_prefix(self.context, tokens), len(tokens) - 1, max(len(self.context) - 1, 0))
+        self.cached_tokens = keep
         for model in self._models():
             model.truncate(keep)
         for done in range(keep, len(tokens) - 1, PREFILL_CHUNK) or [keep]:  # an empty prefill still runs (flushes)
@@ -165,12 +169,13 @@ class Decoder:
             return
         for step in self.generate(max_tokens, should_stop=should_stop):
             if step.finish_reason is not None:
-                step.stats.prefill_s = prefill_s
+                step.stats.prefill_s, step.stats.cached_tokens = prefill_s, self.cached_tokens
             yield step
 
     def generate(self, max_tokens: int, stop_tokens: frozenset[int] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
-        """Yield one Step per new token, then a final Step with the finish reason."""
+        """Yield one Step per new token, then a final Step with the finish reason. `should_stop` is asked before each
+        round and after each token yielded: when it says so, the reply ends there ("interrupted")."""
         stop_tokens = self.target.stop_tokens if stop_tokens is None else stop_tokens
         stats = Stats(prompt_tokens=len(self.context))
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -210,6 +215,9 @@ class Decoder:
                     finish = "length"
                 yield Step(token, piece, None, stats)
                 if finish:
+                    break
+                if should_stop is not None and should_stop():  # heard after each token, not only between rounds:
+                    finish = "interrupted"  # a stop string ends the reply on the token that completed it
                     break
         self._sync()
         yield Step(None, text.decode(b"", final=True), finish, stats)

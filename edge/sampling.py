@@ -23,8 +23,10 @@ class SamplingConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    repeat_last_n: int = 64  # the window the three penalties look at
     seed: int | None = None
+    presence_penalty: float = 0.0  # subtracted from the logit of every token in the window (OpenAI's, llama.cpp's)
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the window
 
     def __post_init__(self) -> None:
         checks = [
@@ -35,6 +37,10 @@ class SamplingConfig:
             (0 <= self.min_p < 1, f"--min-p must be in [0, 1) (got {self.min_p})"),
             (self.repeat_penalty > 0, f"--repeat-penalty must be > 0 (got {self.repeat_penalty})"),
             (self.repeat_last_n >= 0, f"--repeat-last-n must be >= 0 (got {self.repeat_last_n})"),
+            (abs(self.presence_penalty) < float("inf"),
+             f"presence_penalty must be finite (got {self.presence_penalty})"),
+            (abs(self.frequency_penalty) < float("inf"),
+             f"frequency_penalty must be finite (got {self.frequency_penalty})"),
         ]
         for ok, message in checks:
             if not ok:
@@ -46,13 +52,18 @@ class SamplingConfig:
 
 
 def penalized(logits: np.ndarray, config: SamplingConfig, history: Sequence[int]) -> np.ndarray:
-    """logits: [n_vocab] -> the same with the repetition penalty applied (a copy only when needed)."""
-    if config.repeat_penalty == 1.0 or config.repeat_last_n == 0 or not history:
+    """logits: [n_vocab] -> the same with the penalties applied to the last repeat_last_n tokens (a copy only when
+    needed): llama.cpp's order, the repetition penalty's division first, then frequency and presence subtracted."""
+    additive = config.presence_penalty != 0.0 or config.frequency_penalty != 0.0
+    if (config.repeat_penalty == 1.0 and not additive) or config.repeat_last_n == 0 or not history:
         return logits
-    recent = np.unique(np.asarray(history[-config.repeat_last_n :], np.int64))
+    recent, counts = np.unique(np.asarray(history[-config.repeat_last_n :], np.int64), return_counts=True)
     out = np.array(logits, dtype=np.float32)
-    values = out[recent]
-    out[recent] = np.where(values > 0, values / config.repeat_penalty, values * config.repeat_penalty)
+    if config.repeat_penalty != 1.0:
+        values = out[recent]
+        out[recent] = np.where(values > 0, values / config.repeat_penalty, values * config.repeat_penalty)
+    if additive:
+        out[recent] -= (counts * config.frequency_penalty + config.presence_penalty).astype(np.float32)
     return out
 
 

@@ -3,6 +3,7 @@ and edge.replay's target, which tree_yield.py and tree_rounds.py replay growth w
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -248,3 +249,10 @@ def test_replay_checks_its_decoder() -> None:
     [reply] = plain_replies(tiny, [[1, 2]], 20, sampling)
     assert replay(decoder, [1, 2], reply).new_tokens == 20
     assert replay(decoder, [1, 2], reply).new_tokens == 20  # again from the seed: the same reply
+
+
+def test_serve_soak_runs() -> None:
+    """The soak benchmark starts a real server, streams from two clients, and reports the server's memory."""
+    result = json.loads(run_script("serve_soak.py", "--clients", "2", "--requests", "4", "--max-tokens", "8"))
+    assert result["completed"] == 4 and result["failed"] == 0 and not result["stopped_by_time_limit"]
+    assert result["ttft_p50_s"] > 0 and result["rss_end_mb"] > 100 and result["requests_per_s"] > 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("edge", "models", "runtimes", "quant", "offload", "cli")
+PACKAGES = ("edge", "models", "runtimes", "quant", "offload", "cli", "serve")
 
 
 def _modules() -> dict[str, Path]:
@@ -66,7 +66,7 @@ def test_no_module_imports_in_a_circle() -> None:
 
 def test_the_engine_imports_no_runtime_and_no_file_plumbing() -> None:
     forbidden = ("huggingface_hub", "subprocess", "llama_cpp", "onnxruntime", "onnx", "runtimes", "offload", "quant",
-                 "cli", "models", "rich", "typer")
+                 "cli", "models", "rich", "typer", "serve", "fastapi", "uvicorn")
     for name, path in _modules().items():
         if not name.startswith("edge"):
             continue
@@ -79,7 +79,7 @@ def test_the_engine_imports_no_runtime_and_no_file_plumbing() -> None:
 
 def test_the_command_line_holds_no_model_assembly() -> None:
     for name, path in _modules().items():
-        if name.startswith("cli"):
+        if name.startswith(("cli", "serve")):  # the front ends: the server too goes through the library
             bad = sorted(i for i in _imports(path) if i.split(".")[0] in ("runtimes", "llama_cpp", "onnxruntime"))
             assert not bad, f"{path.relative_to(REPO)} imports {bad}: loading models is library code (models/)"
 
@@ -94,4 +94,5 @@ def test_import_edge_and_help_load_nothing_heavy() -> None:
             "except SystemExit:\n    pass\nprint(__import__('json').dumps(sorted(sys.modules)), file=sys.stderr)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = set(json.loads(run.stderr.strip().splitlines()[-1]))
-    assert not [m for m in loaded if m.split(".")[0] in ("llama_cpp", "onnxruntime", "onnx", "huggingface_hub")]
+    assert not [m for m in loaded if m.split(".")[0] in ("llama_cpp", "onnxruntime", "onnx", "huggingface_hub",
+                                                         "fastapi", "uvicorn", "sse_starlette")]

@@ -1,0 +1,273 @@
+"""The HTTP face: OpenAI's chat and completion endpoints, /v1/models and /health, over one loaded pair.
+
+Requests are checked (types, sizes, the prompt against the context) on arrival and refused with an OpenAI error body
+at once; what passes queues for the one generation thread (serve/worker.py). Streaming replies are server-sent events
+ending in `data: [DONE]`, as OpenAI's. A client that leaves stops its generation after the current token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from edge.errors import UserError
+from edge.generate import Stats, check_fits
+from serve.schemas import (
+    FINISH_REASONS,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    Refused,
+    Reply,
+    edge_stats,
+    error_body,
+)
+from serve.worker import GenerationFailed, Job, Work, Worker
+
+if TYPE_CHECKING:
+    from models.pair import Pair
+
+RequestT = TypeVar("RequestT", bound=GenerationRequest)
+MAX_BODY_BYTES = 32 << 20  # a request body larger than this is refused before it is read (413)
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
+               cors_origins: Sequence[str] = ()) -> FastAPI:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("edge-spec")
+    except PackageNotFoundError:
+        release = "0"
+    app = FastAPI(title="edge-spec", version=release, docs_url=None, redoc_url=None)
+    if cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    model_name, created = pair.name, int(time.time())
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return JSONResponse(error_body(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB"), 413)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, problem: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(*_describe(problem.errors())), 400)
+
+    @app.exception_handler(Refused)
+    async def refused(_request: Request, problem: Refused) -> JSONResponse:
+        return JSONResponse(problem.body(), problem.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, problem: HTTPException) -> JSONResponse:
+        if problem.status_code == 404:
+            return JSONResponse(error_body(f"no such endpoint: {request.method} {request.url.path} (GET / lists "
+                                           "them)", "not_found_error"), 404)
+        return JSONResponse(error_body(str(problem.detail)), problem.status_code, headers=problem.headers)
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise Refused(401, "a missing or wrong API key: send the header `Authorization: Bearer KEY` with the key "
+                               "the server was started with (--api-key)", code="invalid_api_key")
+
+    def check_model(asked: str | None) -> None:
+        if asked is not None and asked != model_name:
+            raise Refused(404, f"the model {asked!r} is not served here: this server serves {model_name!r} "
+                               "(GET /v1/models)", "model", "model_not_found")
+
+    async def prepare(body: GenerationRequest, prompt: Any, raw: bool, max_tokens: int | None) -> Work:
+        """The request as work for the generation thread: checked, its prompt rendered and tokenized (off the event
+        loop), and refused here if it cannot fit the context."""
+        check_model(body.model)
+        body.refuse_unsupported()
+        try:
+            sampling = body.sampling()
+            stop = body.stop_strings()
+            tokens = await run_in_threadpool(pair.prompt_tokens, prompt, raw)
+        except UserError as problem:
+            raise Refused(400, str(problem)) from None
+        n_ctx, n_vocab = pair.target.n_ctx, pair.target.n_vocab
+        if not tokens:
+            raise Refused(400, "the prompt is empty", "prompt")
+        if any(not 0 <= token < n_vocab for token in tokens):
+            raise Refused(400, f"a token id of the prompt is outside the vocabulary (0 to {n_vocab - 1})", "prompt")
+        try:
+            check_fits(tokens, n_ctx)
+        except UserError:
+            raise Refused(400, f"the prompt is {len(tokens)} tokens but this server's context holds {n_ctx}: "
+                               "shorten it, or restart the server with a larger --ctx",
+                          "prompt" if raw else "messages", "context_length_exceeded") from None
+        room = n_ctx - len(tokens)
+        return Work(tokens, sampling, room if max_tokens is None else min(max_tokens, room), stop)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        import psutil
+
+        return {"status": "ok", "model": model_name,
+                "queue": {"running": int(worker.running is not None), "waiting": worker.waiting},
+                "requests": {"completed": worker.completed, "cancelled": worker.cancelled, "failed": worker.failed},
+                "rss_bytes": psutil.Process().memory_info().rss}
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_entry()]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorize)])
+    async def one_model(name: str) -> dict[str, Any]:
+        check_model(name)
+        return model_entry()
+
+    def model_entry() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "edge-spec",
+                "context_length": pair.target.n_ctx, "chat_template": pair.template is not None}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request) -> Any:
+        body = await _body(request, ChatRequest)
+        if pair.template is None:
+            check_model(body.model)
+            raise Refused(400, f"{model_name} has no chat template (a base model): use /v1/completions to complete "
+                               "text", "messages", "no_chat_template")
+        messages = body.template_messages()
+        work = await prepare(body, messages, False, body.reply_tokens())
+        return await respond(Reply("chat", model_name), body, work, request)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Any:
+        body = await _body(request, CompletionRequest)
+        work = await prepare(body, body.one_prompt(), True, body.reply_tokens())
+        return await respond(Reply("text", model_name), body, work, request)
+
+    async def respond(reply: Reply, body: GenerationRequest, work: Work, request: Request) -> Any:
+        try:
+            job = worker.submit(work)
+        except GenerationFailed as problem:
+            raise Refused(problem.status, str(problem), kind="server_error") from None
+        if body.stream:
+            return EventSourceResponse(_stream(reply, job, body.include_usage), sep="\n", ping=15)
+        return await _whole(reply, job, request)
+
+    @app.get("/")
+    async def root() -> dict[str, Any]:
+        return {"name": "edge-spec", "model": model_name, "api": "/v1",
+                "endpoints": ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health"]}
+
+    return app
+
+
+async def _body(request: Request, schema: type[RequestT]) -> RequestT:
+    """The request's JSON body, checked against `schema`; read as JSON whatever the Content-Type says (curl -d sends
+    a form's), as llama.cpp's server does."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError:
+        raise Refused(400, "the request body is not UTF-8 text") from None
+    except json.JSONDecodeError as problem:
+        raise Refused(400, f"the request body is not valid JSON ({problem.msg} at line {problem.lineno} column "
+                           f"{problem.colno})" if raw.strip() else "the request has no body: send a JSON object") \
+            from None
+    if not isinstance(data, dict):
+        raise Refused(400, f"the request body must be a JSON object (got {type(data).__name__})")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as problem:
+        message, _kind, param = _describe(problem.errors())
+        raise Refused(400, message, param) from None
+
+
+async def _whole(reply: Reply, job: Job, request: Request) -> JSONResponse:
+    """A non-streamed reply; a client that leaves meanwhile cancels its job."""
+    collected = asyncio.ensure_future(_collect(job))
+    try:
+        while True:
+            done, _ = await asyncio.wait({collected}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                job.cancel()
+        text, tokens, finish, stats = collected.result()
+    except GenerationFailed as problem:
+        kind = "server_error" if problem.status >= 500 else "invalid_request_error"
+        return JSONResponse(error_body(str(problem), kind), problem.status)
+    finally:
+        job.cancel()  # ended (a no-op) or left
+    if finish == "interrupted":
+        return JSONResponse(error_body("the generation was stopped (the client left, or the server is shutting "
+                                       "down)", "server_error"), 503)
+    return JSONResponse(reply.whole(text, FINISH_REASONS[finish], tokens, stats))
+
+
+async def _collect(job: Job) -> tuple[str, int, str, Stats]:
+    pieces, tokens = [], 0
+    async for step in job.steps():
+        pieces.append(step.text)
+        if step.token is not None and step.finish_reason is None:
+            tokens += 1
+        if step.finish_reason is not None:
+            return "".join(pieces), tokens, step.finish_reason, step.stats
+    raise AssertionError("a job's steps end with a finish reason")
+
+
+async def _stream(reply: Reply, job: Job, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a first chunk at once (chat: the role), one per piece of text, the last with the finish
+    reason and edge-spec's figures, the usage if asked for, then [DONE]. Leaving (disconnecting) cancels the job."""
+    tokens = 0
+    try:
+        yield json.dumps(reply.chunk("" if reply.kind == "chat" else None, first=True))
+        async for step in job.steps():
+            if step.token is not None and step.finish_reason is None:
+                tokens += 1
+            if step.finish_reason is None:
+                if step.text:
+                    yield json.dumps(reply.chunk(step.text))
+                continue
+            if step.finish_reason == "interrupted":
+                yield json.dumps(error_body("the generation was stopped (the server is shutting down)",
+                                            "server_error"))
+                return
+            if step.text:
+                yield json.dumps(reply.chunk(step.text))
+            yield json.dumps(reply.chunk(None, FINISH_REASONS[step.finish_reason], edge_spec=edge_stats(step.stats)))
+            if include_usage:
+                yield json.dumps(reply.usage_chunk(step.stats, tokens))
+        yield "[DONE]"
+    except GenerationFailed as problem:
+        kind = "server_error" if problem.status >= 500 else "invalid_request_error"
+        yield json.dumps(error_body(str(problem), kind))
+    finally:
+        job.cancel()
+
+
+def _describe(errors: Sequence[Any]) -> tuple[str, str, str | None]:
+    """One line for a request that fails validation: the first problem, where it is, and the count of the rest."""
+    if not errors:
+        return "the request is not valid", "invalid_request_error", None
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    where = ".".join(location)
+    message = f"{where}: {first.get('msg', 'not valid')}" if where else str(first.get("msg", "not valid"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return message, "invalid_request_error", where or None

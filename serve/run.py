@@ -1,0 +1,114 @@
+"""Running the server: the port is bound before the models load (a port in use costs no load), then uvicorn serves
+the app on that socket until Ctrl-C, which stops the generation in progress and closes the pair."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from edge.errors import UserError
+
+if TYPE_CHECKING:
+    from models.pair import Pair
+
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free port), or one line saying why not."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be 0 to 65535 (got {port})")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as problem:
+        raise UserError(f"cannot listen on {host!r}: not an address or a known host name ({problem.strerror}); "
+                        "use 127.0.0.1, or 0.0.0.0 for every interface") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as problem:
+        sock.close()
+        if problem.errno == errno.EADDRINUSE:
+            raise UserError(f"port {port} on {host} is in use (another server?): stop it, or pick another port with "
+                            "--port") from None
+        if problem.errno == errno.EACCES:
+            raise UserError(f"not allowed to listen on port {port} (ports below 1024 need root): pick another with "
+                            "--port, e.g. 8080") from None
+        if problem.errno == errno.EADDRNOTAVAIL:
+            raise UserError(f"{host} is not an address of this machine: use 127.0.0.1, or 0.0.0.0 for every "
+                            "interface") from None
+        raise UserError(f"cannot listen on {host}:{port}: {problem.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def url(sock: socket.socket, host: str) -> str:
+    port = sock.getsockname()[1]
+    shown = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}"
+
+
+def serve(pair: Pair, sock: socket.socket, *, api_key: str | None = None, cors_origins: Sequence[str] = (),
+          speculate: bool = True, budget: int | str | None = None, log_level: str = "info",
+          ready: Callable[[], None] | None = None) -> None:
+    """Serve `pair` on `sock` until Ctrl-C (or SIGTERM); closes the socket, not the pair."""
+    import uvicorn
+
+    from serve.app import create_app
+    from serve.worker import Worker
+
+    worker = Worker(pair, speculate, budget)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:  # the first Ctrl-C: stop generating, then shut down
+            worker.close(timeout=0)
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if ready is not None and not self.should_exit:
+                ready()
+
+    app = create_app(pair, worker, api_key, cors_origins)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
+                            log_config=_log_config(log_level))
+    try:
+        Server(config).run(sockets=[sock])
+    finally:
+        worker.close()
+        sock.close()
+
+
+def _log_config(level: str) -> dict[str, Any]:
+    """uvicorn's loggers and edge-spec's own (edge.serve) on stderr, one line per event."""
+    handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "plain"}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(message)s", "datefmt": "%H:%M:%S"}},
+        "handlers": {"stderr": handler},
+        "loggers": {name: {"handlers": ["stderr"], "level": level.upper(), "propagate": False}
+                    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "edge.serve")},
+    }
+
+
+logging.getLogger("edge.serve").addHandler(logging.NullHandler())
