@@ -1,6 +1,7 @@
 """Soak `edge-spec serve`: N streamed chat requests from K clients at once, for a bounded time. Reports requests per
 second, time to first token (p50, p95), tokens per second, and the server's resident memory after its warm-up
-request and at the end (growth in %): a server that leaks grows request after request.
+request, every eighth of the run and at the end (growth in %): a server that leaks grows request after request,
+native buffers that reach their high-water mark (KV pages touched, arenas) grow less and less, then stop.
 
     python benchmarks/serve_soak.py --clients 4 --requests 40            # starts the default pair's server
     python benchmarks/serve_soak.py --url http://127.0.0.1:8080 --clients 4 --requests 40   # one already running
@@ -67,6 +68,8 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
     failures: list[str] = []
     next_index = iter(range(requests))
     lock = threading.Lock()
+    trace: list[float] = []  # the server RSS (MB) every trace_every requests: a leak climbs, a high-water mark settles
+    trace_every = max(1, requests // 8)
     deadline = time.monotonic() + time_limit
 
     def worker() -> None:
@@ -84,6 +87,8 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
                 continue
             with lock:
                 results.append(result)
+                if len(results) % trace_every == 0:
+                    trace.append(round(rss(url) / 1e6, 1))
 
     started = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(clients)]
@@ -109,6 +114,8 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
         "rss_after_warmup_mb": round(rss_warm / 1e6, 1),
         "rss_end_mb": round(rss_end / 1e6, 1),
         "rss_growth_pct": round(100 * (rss_end - rss_warm) / rss_warm, 2),
+        "rss_trace_every": trace_every,
+        "rss_trace_mb": trace,
     }
 
 

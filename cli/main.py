@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cli.render import err, error, reply_stats, report, warning
+from cli.render import err, error, note, reply_stats, report, warning
 from edge.errors import UserError
 from edge.options import MIN_CTX, LoadOptions
 from models.registry import Registry, load_registry
@@ -24,6 +25,19 @@ app = typer.Typer(
     help="Run models larger than your memory at interactive speed: lossless tree speculative decoding.",
 )
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _help_without_type_labels() -> None:
+    """--help without typer's <int> / <bool> / <str> beside every option: a flag takes no value, and the option's
+    name and help say what the others take (as llama-cli's and ollama's help read)."""
+    from typer import core
+
+    for kind in (getattr(core, "TyperOption", None), getattr(core, "TyperArgument", None)):
+        if kind is not None and hasattr(kind, "display_type_rich"):
+            kind.display_type_rich = lambda self, ctx: self.metavar  # None unless an option names its own
+
+
+_help_without_type_labels()
 
 
 def user_errors(command: F) -> F:
@@ -69,10 +83,15 @@ def _print_version(asked: bool) -> None:
 
 
 # Options shared by chat, generate and bench.
-PairOpt = Annotated[str | None, typer.Option("--pair", "-p", help="pair from models.toml", show_default=False)]
-TargetOpt = Annotated[Path | None, typer.Option(help="target GGUF file (instead of --pair)", show_default=False)]
-DrafterOpt = Annotated[Path | None, typer.Option(help="drafter GGUF file (default: the target itself)",
-                                                 show_default=False)]
+MODEL_HELP = ("a pair of models.toml (`edge-spec models`), a GGUF file, or a Hugging Face user/repo:QUANT "
+              "(default: the default pair)")
+PairOpt = Annotated[str | None, typer.Option("--model", "-m", "--pair", help=MODEL_HELP, show_default=False)]
+ModelArg = Annotated[str | None, typer.Argument(help=MODEL_HELP, show_default=False, metavar="MODEL")]
+TargetOpt = Annotated[Path | None, typer.Option(help="target GGUF file (the same as naming it as the model)",
+                                                show_default=False)]
+DrafterOpt = Annotated[str | None, typer.Option(
+    help="the drafter, for a model that is not a pair: a GGUF file or Hugging Face user/repo:QUANT (default: the "
+         "model drafts for itself, on ONNX Runtime where it can)", show_default=False)]
 BudgetOpt = Annotated[str | None, typer.Option(
     help="draft tree size in nodes, or auto: the fastest for this machine, chosen as the text goes (default: the "
          "pair's, auto unless models.toml says)", show_default=False)]
@@ -93,6 +112,9 @@ TopPOpt = Annotated[float, typer.Option()]
 MinPOpt = Annotated[float, typer.Option()]
 RepeatOpt = Annotated[float, typer.Option(help="1 = off")]
 SeedOpt = Annotated[int | None, typer.Option(show_default=False)]
+ChatSamplingOpt = Annotated[float | None, typer.Option(
+    help="default: the model's recommended sampling (its GGUF's general.sampling.*), else llama.cpp's",
+    show_default=False)]
 ThreadsOpt = Annotated[int | None, typer.Option(
     help="CPU threads (default: all cores; the drafter one fewer while an SSD target is read ahead)",
     show_default=False)]
@@ -119,6 +141,14 @@ def read_stdin() -> str:
         return sys.stdin.read()
     except UnicodeDecodeError as problem:
         raise UserError(f"standard input is not UTF-8 text (byte {problem.start}); convert it (iconv)") from None
+
+
+def named(command: typer.Context, model: str | None):
+    """The pair a MODEL argument names (a pair of models.toml, a GGUF file, a Hugging Face reference), and the
+    models.toml it came from."""
+    from models.pair import resolve_spec
+
+    return resolve_spec(LoadOptions(models_file=command.obj, pair=model))
 
 
 def load(command: typer.Context, **options: Any):
@@ -207,15 +237,16 @@ def generate(
 @user_errors
 def chat(
     ctx: typer.Context,
-    pair: Annotated[str | None, typer.Argument(help="pair from models.toml (default: the default pair)",
-                                               show_default=False)] = None,
+    pair: ModelArg = None,
+    drafter: DrafterOpt = None,
     system: Annotated[str | None, typer.Option(help="system prompt", show_default=False)] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="most tokens per reply")] = 1024,
-    temperature: TempOpt = 0.0,
-    top_k: TopKOpt = 0,
-    top_p: TopPOpt = 1.0,
-    min_p: MinPOpt = 0.0,
-    repeat_penalty: RepeatOpt = 1.0,
+    temperature: ChatSamplingOpt = None,
+    top_k: Annotated[int | None, typer.Option(help="default: the model's recommended, else 40", show_default=False)
+                     ] = None,
+    top_p: ChatSamplingOpt = None,
+    min_p: ChatSamplingOpt = None,
+    repeat_penalty: ChatSamplingOpt = None,
     seed: SeedOpt = None,
     budget: BudgetOpt = None,
     ctx_size: CtxOpt = None,
@@ -227,26 +258,34 @@ def chat(
     readahead: ReadaheadOpt = True,
     mlock: MlockOpt = False,
 ) -> None:
-    """Talk to a model. Piped stdin: one prompt per line, replies on stdout."""
-    from cli.repl import run_chat
+    """Talk to a model. Piped stdin: one prompt per line, replies on stdout. Samples as the model recommends (its
+    GGUF's general.sampling.*, else temperature 0.8, top-k 40, top-p 0.95, min-p 0.05); --temperature 0 is greedy."""
+    from cli.repl import HISTORY_FILE, run_chat
+    from models.cache import cache_dir
 
-    sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    options = LoadOptions(models_file=ctx.obj, pair=pair, ctx=ctx_size, budget=budget, threads=threads,
-                          gpu_layers=gpu_layers, provider=provider, placement=placement, mlock=mlock,
+    if max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
+             "min_p": min_p, "repeat_penalty": repeat_penalty, "seed": seed}
+    options = LoadOptions(models_file=ctx.obj, pair=pair, drafter=drafter, ctx=ctx_size, budget=budget,
+                          threads=threads, gpu_layers=gpu_layers, provider=provider, placement=placement, mlock=mlock,
                           readahead=readahead)
     refuse_base_model(options, "use `edge-spec generate --raw`")
     with load_pair(options) as loaded:
         if loaded.template is None:
             raise UserError(f"{loaded.name} has no chat template (a base model): use `edge-spec generate --raw`")
-        run_chat(loaded, sampling, system, max_tokens, no_spec, err)
+        from dataclasses import replace
+
+        sampling = replace(loaded.sampling, **{name: value for name, value in given.items() if value is not None})
+        history = os.environ.get("EDGE_SPEC_CHAT_HISTORY") or cache_dir() / HISTORY_FILE
+        run_chat(loaded, sampling, system, max_tokens, no_spec, err, Path(history))
 
 
 @app.command()
 @user_errors
 def serve(
     ctx: typer.Context,
-    pair: Annotated[str | None, typer.Argument(help="pair from models.toml (default: the default pair)",
-                                               show_default=False)] = None,
+    pair: ModelArg = None,
     target: TargetOpt = None,
     drafter: DrafterOpt = None,
     host: Annotated[str, typer.Option(help="address to listen on; 0.0.0.0: every interface (other machines too)")
@@ -311,7 +350,7 @@ def models(
     ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """List the pairs in models.toml, where their files are, and whether they are here."""
+    """List the pairs in models.toml: their files, sizes, and whether they are here."""
     from models.sources import model_path
 
     reg = registry(ctx)
@@ -320,30 +359,80 @@ def models(
         entry: dict[str, Any] = {"about": spec.about, "default": name == reg.default}
         for role, model in (("target", spec.target), ("drafter", spec.drafter)):
             path = model_path(model)
+            present = bool(path and path.is_file())
             entry[role] = {"source": model.source.describe(), "quantize": model.quantize, "kv_type": model.kv_type,
-                           "path": str(path) if path else None, "present": bool(path and path.exists())}
+                           "path": str(path) if path else None, "present": present,
+                           "size_bytes": path.stat().st_size if present and path else None,
+                           "size_gb": model.facts.size_gb if model.facts else None}
         listing[name] = entry
     if as_json:
         print(json.dumps(listing, indent=2))
         return
     from rich.table import Table
 
-    table = Table("pair", "target", "drafter", "here", "about", title=escape(f"pairs in {reg.path}"))
+    table = Table("pair", "here", "size", "files", title=escape(f"pairs in {reg.path}"), title_justify="left",
+                  box=None, padding=(0, 1), show_edge=False)
+    table.columns[0].overflow = table.columns[3].overflow = "fold"
     for name, entry in listing.items():
-        here = "yes" if entry["target"]["present"] and entry["drafter"]["present"] else "no"
-        label = f"{name} (default)" if entry["default"] else name
-        table.add_row(*(escape(cell) for cell in (label, entry["target"]["source"], entry["drafter"]["source"], here,
-                                                  entry["about"])))
+        spec = reg.pairs[name]
+        target, drafter = entry["target"], entry["drafter"]
+        here = "yes" if target["present"] and drafter["present"] else "no"
+        same = spec.drafter.source == spec.target.source and spec.drafter.quantize == spec.target.quantize
+        roles = [target] if same else [target, drafter]
+        sizes = [role["size_bytes"] / 1e9 if role["size_bytes"] else role["size_gb"] for role in roles]
+        size = "?" if None in sizes else f"{sum(sizes):.2f} GB"
+        lines = [f"target  {_short_source(spec.target)}",
+                 f"drafter {'the same file' if same else _short_source(spec.drafter)}"]
+        table.add_row(escape(f"{name} (default)" if entry["default"] else name), here, size,
+                      escape("\n".join(lines)) + f"\n[dim]{escape(entry['about'])}[/]")
+        table.add_row()
     Console().print(table)
+
+
+def _short_source(model: Any) -> str:
+    """Where a model's file comes from, in a few words: its path, hf.co/REPO:QUANT, or its file from PyPI."""
+    source = model.source
+    if source.path is not None:
+        text = str(source.path)
+    elif source.hf is not None:
+        text = f"hf.co/{source.hf}"
+    else:
+        name = source.name or Path(source.files[-1]).name
+        more = f" and {len(source.pypi) - 1} more wheels" if len(source.pypi) > 1 else ""
+        text = f"{name} (PyPI {source.pypi[0]}{more})"
+    return text + (f", as {model.quantize}" if model.quantize else "")
 
 
 @app.command()
 @user_errors
-def pull(ctx: typer.Context, pair: Annotated[str | None, typer.Argument(show_default=False)] = None) -> None:
-    """Download a pair's model files (verified by sha256) into the cache."""
+def rm(ctx: typer.Context,
+       model: Annotated[str, typer.Argument(help=MODEL_HELP, show_default=False, metavar="MODEL")]) -> None:
+    """Remove a model's files from the cache: its download and what was prepared from it (requantized copies,
+    vocabularies, ONNX graphs). Pairs that share them fetch or build them again when next used."""
+    from models.sources import cached_files
+
+    spec = named(ctx, model)[0]
+    removed, freed = 0, 0
+    for source in dict.fromkeys([spec.target.source, spec.drafter.source]):
+        files, kept = cached_files(source)
+        for path in files:
+            size = path.stat().st_size
+            path.unlink(missing_ok=True)
+            removed, freed = removed + 1, freed + size
+            print(f"removed {path}")
+        if kept:
+            note(kept)
+    print(f"{spec.name}: {removed} files removed, {freed / 1e9:.2f} GB freed" if removed else
+          f"{spec.name}: nothing of it is in the cache")
+
+
+@app.command()
+@user_errors
+def pull(ctx: typer.Context, pair: ModelArg = None) -> None:
+    """Download a model's files (verified by sha256) into the cache."""
     from models.sources import fetch
 
-    spec = registry(ctx).pair(pair)
+    spec = named(ctx, pair)[0]
     for role, model in (("target", spec.target), ("drafter", spec.drafter)):
         path = fetch(model.source, report)
         print(f"{role}: {path}")
@@ -353,7 +442,7 @@ def pull(ctx: typer.Context, pair: Annotated[str | None, typer.Argument(show_def
 @user_errors
 def prepare(
     ctx: typer.Context,
-    pair: Annotated[str | None, typer.Argument(show_default=False)] = None,
+    pair: ModelArg = None,
     vocab: Annotated[list[str] | None, typer.Option(
         help="also build a frequency-ranked vocabulary of K tokens (repeat, or comma-separate: 8192,16384)",
         metavar="K", show_default=False)] = None,
@@ -363,10 +452,10 @@ def prepare(
         help="tokens the target generates per calibration prompt (default: 128)", show_default=False)] = None,
     threads: ThreadsOpt = None,
 ) -> None:
-    """Download a pair and build its prepared files (requantized target / drafter, --vocab vocabularies)."""
+    """Download a model and build its prepared files (requantized target / drafter, --vocab vocabularies)."""
     from models.pair import materialize
 
-    spec = registry(ctx).pair(pair)
+    spec = named(ctx, pair)[0]
     sizes: list[int] = []
     if vocab:
         from models.vocabulary import parse_vocab_sizes
@@ -386,7 +475,7 @@ def prepare(
 
         columns = (TextColumn("calibrating {task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeRemainingColumn())
-        with load(ctx, pair=spec.name, threads=threads, gpu_layers=0) as loaded, \
+        with load(ctx, pair=pair, threads=threads, gpu_layers=0) as loaded, \
                 Progress(*columns, console=err) as progress:
             task = progress.add_task(f"{loaded.name} ({n_tokens} tokens per prompt)", total=None)
             built_vocabs = build_vocabs(loaded, spec.target, sizes, prompts, n_tokens,
@@ -453,15 +542,19 @@ def bench(
 @app.command()
 @user_errors
 def check(
-    target: Annotated[Path, typer.Argument(help="target GGUF file")],
+    ctx: typer.Context,
+    model: ModelArg = None,
     kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type to check")] = "bf16",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     threads: ThreadsOpt = None,
 ) -> None:
-    """Measure whether a target is batch-invariant here (the condition for bit-exact lossless speculation)."""
+    """Measure whether a model's target is batch-invariant here (the condition for bit-exact lossless
+    speculation)."""
     from models.checking import run_check
+    from models.pair import materialize
 
-    result = run_check(target.expanduser(), kv_type, threads, report)
+    target = materialize(named(ctx, model)[0].target, report)
+    result = run_check(target, kv_type, threads, report)
     if as_json:
         print(json.dumps(result, indent=2))
         return
@@ -480,8 +573,7 @@ def check(
 @user_errors
 def plan(
     ctx: typer.Context,
-    pair: Annotated[str | None, typer.Argument(help="pair from models.toml (default: the default pair)",
-                                               show_default=False)] = None,
+    pair: ModelArg = None,
     machine: Annotated[str | None, typer.Option(
         help="plan for a described machine instead of this one: ram=32G,vram=24G,disk=3GB/s (optional: cores=N, "
              "pcie=25GB/s, rambw=20GB/s)", show_default=False)] = None,
@@ -496,9 +588,8 @@ def plan(
 
     if ctx_size is not None and ctx_size < MIN_CTX:
         raise UserError(f"--ctx must be at least {MIN_CTX} tokens (got {ctx_size})")
-    reg = registry(ctx)
-    spec = reg.pair(pair)
-    result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, reg.path)
+    spec, models_file = named(ctx, pair)
+    result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, models_file)
     if as_json:
         print(json.dumps(result.as_dict(), indent=2))
     else:

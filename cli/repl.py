@@ -1,49 +1,128 @@
-"""The interactive side of `edge-spec chat`: prompts, slash commands, Ctrl-C, piped input."""
+"""The interactive side of `edge-spec chat`: line editing and history (prompt_toolkit), slash commands, Ctrl-C,
+piped input."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 from rich.console import Console
 
 from cli.render import error as report_error
-from cli.render import note, reply_stats, stats_line, warning
+from cli.render import note, stats_line, warning
 from edge.chat import ChatSession
 from edge.errors import UserError
-from edge.generate import Stats
+from edge.generate import Stats, Step
+from edge.options import parse_budget
 from edge.sampling import SamplingConfig
 
 HELP = """commands:
-  /help           this help
-  /clear          forget the conversation (keeps the system prompt)
-  /system TEXT    set the system prompt (and clear the conversation)
-  /stats          totals for this session
-  /exit           leave (or Ctrl-D)
-Ctrl-C stops a reply and keeps the chat. Multi-line input: start and end it with \"\"\", or end lines with \\."""
+  /help             this help
+  /show             the pair, placement, drafter, tree budget and sampling in force
+  /set NAME VALUE   change a setting: temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty,
+                    frequency_penalty, seed (a number, or none), budget (draft nodes, or auto), max_tokens
+  /clear            forget the conversation (keeps the system prompt)
+  /system TEXT      set the system prompt (and clear the conversation)
+  /stats            totals for this session
+  /exit             leave (or Ctrl-D)
+Up and Down recall earlier messages (kept across sessions). Ctrl-C clears the line, or stops a reply and keeps the
+chat. Pasted text is one message, however many lines. Multi-line input: start and end it with \"\"\", or end lines
+with \\."""
+
+SAMPLING_FIELDS = {"temperature": float, "temp": float, "top_k": int, "top_p": float, "min_p": float,
+                   "repeat_penalty": float, "presence_penalty": float, "frequency_penalty": float, "seed": int}
+HISTORY_FILE = "chat-history"
+
+
+@dataclass
+class Chat:
+    """A chat's settings and conversation: what /set changes and /show says."""
+
+    loaded: object  # models.pair.Pair
+    session: ChatSession
+    sampling: SamplingConfig
+    budget: int | str | None
+    speculate: bool
+    max_tokens: int
+
+    def set(self, name: str, value: str) -> str:
+        """Apply `/set name value`; returns what changed, in words. Raises UserError for a bad name or value."""
+        name = name.replace("-", "_").lower()
+        if name in SAMPLING_FIELDS:
+            field = "temperature" if name == "temp" else name
+            parsed = None if field == "seed" and value.lower() == "none" else _number(value, SAMPLING_FIELDS[name])
+            self.sampling = dataclasses.replace(self.sampling, **{field: parsed})
+            self.session.decoder.set_sampling(self.sampling)
+            return f"sampling: {self.sampling.described()}"
+        if name == "budget":
+            self.budget = parse_budget(value)
+            if not self.speculate:
+                return f"budget {self.budget} (it applies once speculation is on: this chat runs --no-spec)"
+            self.session.decoder = self.loaded.decoder(self.sampling, True, self.budget)
+            return f"tree budget: {self.budget}"
+        if name in ("max_tokens", "n"):
+            tokens = _number(value, int)
+            if tokens < 1:
+                raise UserError(f"max_tokens must be at least 1 (got {tokens})")
+            self.max_tokens = tokens
+            return f"at most {tokens} tokens per reply"
+        raise UserError(f"/set does not know {name!r}: temperature, top_k, top_p, min_p, repeat_penalty, "
+                        "presence_penalty, frequency_penalty, seed, budget, max_tokens")
+
+    def show(self) -> str:
+        loaded = self.loaded
+        drafter = loaded.drafter
+        if not self.speculate or drafter is None:
+            drafting = "none (the target decodes alone)"
+        else:
+            drafting = f"{loaded.spec.drafter.source.describe()} on {drafter.runtime}"
+            drafting += f", {drafter.vocab}-token head" if getattr(drafter, "vocab", None) else ""
+        budget = self.budget if self.budget is not None else loaded.budget
+        used = len(self.session.decoder.context)
+        return "\n".join([
+            f"pair       {loaded.name}: target {loaded.spec.target.source.describe()}",
+            f"placement  {loaded.placement}",
+            f"drafter    {drafting}",
+            f"budget     {budget if self.speculate else 'off (--no-spec)'}",
+            f"sampling   {self.sampling.described()}",
+            f"replies    at most {self.max_tokens} tokens",
+            f"context    {used} of {loaded.target.n_ctx} tokens used",
+        ])
+
+
+def _number(text: str, kind: type) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise UserError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
 
 
 def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: int, no_spec: bool,
-             err: Console) -> None:
+             err: Console, history: Path | None = None) -> None:
     decoder = loaded.decoder(sampling, speculate=not no_spec)
-    session = ChatSession(decoder, loaded.template, loaded.target.tokenizer, system)
-    interactive = sys.stdin.isatty()
+    chat = Chat(loaded, ChatSession(decoder, loaded.template, loaded.target.tokenizer, system), sampling, None,
+                not no_spec, max_tokens)
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
     if interactive:
-        note(f"{loaded.name}: /help for commands, Ctrl-D to leave")
+        note(f"{loaded.name} · {sampling.described()} · /help for commands, Ctrl-D to leave")
         if loaded.lossless_warning:
             warning(loaded.lossless_warning)
     totals, asked, failed = Stats(), 0, 0
-    for text in _inputs(interactive):
+    for text in (_terminal_inputs(history) if interactive else _piped_inputs()):
         if text.startswith("/"):
-            if not _command(text, session, totals, err):
+            if not _command(text, chat, totals, err):
                 break
             continue
         asked += 1
         try:
-            stats = _reply(session, text, max_tokens, err, interactive)
+            stats = _reply(chat, text)
         except UserError as error:  # e.g. the conversation no longer fits the context
             report_error(str(error))
             failed += 1
@@ -53,20 +132,34 @@ def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: i
         raise typer.Exit(1)
 
 
-def _reply(session: ChatSession, text: str, max_tokens: int, err: Console, interactive: bool) -> Stats:
+def _reply(chat: Chat, text: str) -> Stats:
+    started, first = time.perf_counter(), None
     with interruptible() as stopped:
-        for step in session.send(text, max_tokens, should_stop=stopped):
+        for step in chat.session.send(text, chat.max_tokens, should_stop=stopped):
+            if first is None and step.token is not None:
+                first = time.perf_counter() - started
             sys.stdout.write(step.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
-    reply_stats(step)
+    _turn_stats(chat, step, first)
     return step.stats
+
+
+def _turn_stats(chat: Chat, step: Step, first_token_s: float | None) -> None:
+    """The line under a reply: its stats, the time to its first token (the prompt's prefill and a first round), the
+    context used, and whether Ctrl-C cut it short."""
+    from cli.render import err
+
+    extra = f" · first token {first_token_s:.2f}s" if first_token_s is not None else ""
+    extra += f" · context {len(chat.session.decoder.context)}/{chat.loaded.target.n_ctx}"
+    extra += " (interrupted)" if step.finish_reason == "interrupted" else ""
+    err.print(f"[dim]{stats_line(step.stats)}{extra}[/]", soft_wrap=True)
 
 
 @contextmanager
 def interruptible() -> Iterator:
-    """While a prompt is read or a reply streams, Ctrl-C asks it to stop at the next prefill chunk or round instead of
-    killing the process (and the chat)."""
+    """While a prompt is read or a reply streams, Ctrl-C asks it to stop at the next prefill chunk or token instead
+    of killing the process (and the chat)."""
     flag = {"stop": False}
 
     def on_sigint(signum, frame) -> None:
@@ -81,60 +174,97 @@ def interruptible() -> Iterator:
         signal.signal(signal.SIGINT, previous)
 
 
-def _inputs(interactive: bool) -> Iterator[str]:
-    if not interactive:
-        for number, raw in enumerate(sys.stdin.buffer, 1):  # bytes: one undecodable line costs only itself
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                report_error(f"line {number} of standard input is not UTF-8 text; skipped")
-                continue
-            if line.strip():
-                yield line.rstrip("\r\n")
-        return
+def _piped_inputs() -> Iterator[str]:
+    for number, raw in enumerate(sys.stdin.buffer, 1):  # bytes: one undecodable line costs only itself
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            report_error(f"line {number} of standard input is not UTF-8 text; skipped")
+            continue
+        if line.strip():
+            yield line.rstrip("\r\n")
+
+
+def _terminal_inputs(history: Path | None) -> Iterator[str]:
+    """Messages typed at the terminal, with prompt_toolkit's line editing: arrows, history across sessions (in the
+    cache folder), a paste of many lines as one message (bracketed paste), and multi-line input by \"\"\" or \\."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    class QuietFileHistory(FileHistory):
+        def store_string(self, string: str) -> None:  # a read-only cache folder costs the history, not the chat
+            with suppress(OSError):
+                super().store_string(string)
+
+    bindings = KeyBindings()
+
+    @bindings.add("enter")
+    def _(event) -> None:
+        buffer = event.current_buffer
+        if buffer.text.endswith("\\") and buffer.cursor_position == len(buffer.text):
+            buffer.delete_before_cursor(1)
+            buffer.insert_text("\n")
+        elif _open_block(buffer.text):
+            buffer.insert_text("\n")
+        else:
+            buffer.validate_and_handle()
+
+    store = InMemoryHistory()
+    if history is not None:
+        with suppress(OSError):
+            history.parent.mkdir(parents=True, exist_ok=True)
+            store = QuietFileHistory(str(history))
+    session = PromptSession(history=store, key_bindings=bindings, multiline=True,
+                            prompt_continuation=lambda width, line, wrap: "... ".rjust(width))
     while True:
         try:
-            text = _read_message()
-        except EOFError:
-            sys.stdout.write("\n")
+            text = session.prompt(">>> ")
+        except EOFError:  # Ctrl-D
             return
-        except KeyboardInterrupt:
-            sys.stdout.write("\n(Ctrl-D or /exit to leave)\n")
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: the line is dropped
+            sys.stderr.write("(Ctrl-D or /exit to leave)\n")
             continue
+        text = text.strip()
+        if text.startswith('"""'):
+            text = text[3:-3] if text.endswith('"""') and len(text) >= 6 else text[3:]
         if text.strip():
             yield text.strip()
 
 
-def _read_message() -> str:
-    """One message: a line, lines ending in a backslash, or a block between triple quotes."""
-    first = input(">>> ")
-    if first.strip().startswith('"""'):
-        lines = [first.strip()[3:]]
-        while not lines[-1].rstrip().endswith('"""') or (len(lines) == 1 and first.strip() == '"""'):
-            lines.append(input("... "))
-        return "\n".join(lines).rstrip()[:-3]
-    lines = [first]
-    while lines[-1].endswith("\\"):
-        lines[-1] = lines[-1][:-1]
-        lines.append(input("... "))
-    return "\n".join(lines)
+def _open_block(text: str) -> bool:
+    """A \"\"\" block begun and not yet closed: Enter adds a line."""
+    stripped = text.strip()
+    return stripped.startswith('"""') and (len(stripped) < 6 or not stripped.endswith('"""'))
 
 
-def _command(text: str, session: ChatSession, totals: Stats, err: Console) -> bool:
+def _command(text: str, chat: Chat, totals: Stats, err: Console) -> bool:
     """Run a slash command; False means leave."""
     name, _, argument = text.partition(" ")
+    session = chat.session
     if name in ("/exit", "/quit", "/bye"):
         return False
-    if name == "/help":
+    if name in ("/help", "/?"):
         err.print(HELP, markup=False)
+    elif name == "/show":
+        err.print(chat.show(), markup=False, highlight=False)
+    elif name == "/set":
+        setting, _, value = argument.strip().partition(" ")
+        if not setting or not value.strip():
+            report_error("/set takes a name and a value, e.g. /set temperature 0.7 (/help lists the names)")
+            return True
+        try:
+            note(chat.set(setting, value.strip()))
+        except UserError as problem:
+            report_error(str(problem))
     elif name == "/clear":
         session.clear()
         err.print("[dim]conversation cleared[/]")
     elif name == "/system":
         session.system = argument.strip() or None
         session.clear()
-        note = "system prompt set, conversation cleared" if session.system else "system prompt removed"
-        err.print(f"[dim]{note}[/]")
+        said = "system prompt set, conversation cleared" if session.system else "system prompt removed"
+        err.print(f"[dim]{said}[/]")
     elif name == "/stats":
         err.print(f"[dim]session: {stats_line(totals)}[/]")
     else:

@@ -18,9 +18,9 @@ MIN_CTX = 256  # llama.cpp sizes a context in steps of 256 tokens: a smaller one
 
 @dataclass(frozen=True)
 class LoadOptions:
-    pair: str | None = None  # a pair of models.toml; None: its default (or `target` below)
-    target: Path | None = None  # a target GGUF file instead of a pair
-    drafter: Path | None = None  # with `target`: the drafter's GGUF file (default: the target drafts for itself)
+    pair: str | None = None  # a pair of models.toml, a GGUF file or a Hugging Face user/repo:QUANT; None: the default
+    target: Path | str | None = None  # a target GGUF file (or Hugging Face reference) instead of a pair
+    drafter: Path | str | None = None  # with a model that is not a pair: its drafter (default: itself)
     models_file: Path | None = None  # models.toml to read pairs from (default: the packaged one)
     ctx: int | None = None  # context size in tokens (default: the pair's)
     budget: int | str | None = None  # draft nodes per tree, or "auto" (default: the pair's, auto unless it says)
@@ -36,12 +36,10 @@ class LoadOptions:
     drafter_quantize: str | None = None  # the drafter's file requantized first (a llama.cpp ftype, cached)
 
     def __post_init__(self) -> None:
-        for name in ("target", "drafter", "models_file"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, Path):
-                object.__setattr__(self, name, Path(value))
-        if self.drafter is not None and self.target is None:
-            raise UserError("--drafter needs --target too (or pick a pair with --pair)")
+        if self.models_file is not None and not isinstance(self.models_file, Path):
+            object.__setattr__(self, "models_file", Path(self.models_file))
+        if self.pair is not None and self.target is not None:
+            raise UserError("name one model: a pair or model file, or --target, not both")
         if self.ctx is not None and self.ctx < MIN_CTX:
             raise UserError(f"--ctx must be at least {MIN_CTX} tokens (got {self.ctx})")
         object.__setattr__(self, "budget", parse_budget(self.budget))

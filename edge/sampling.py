@@ -50,6 +50,29 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def described(self) -> str:
+        """The rules in force, as `chat`'s /show and its start line say them."""
+        if self.greedy:
+            rules = ["greedy (temperature 0)"]
+        else:
+            rules = [f"temperature {self.temperature:g}"]
+            rules += [f"top-k {self.top_k}"] if self.top_k else []
+            rules += [f"top-p {self.top_p:g}"] if self.top_p < 1 else []
+            rules += [f"min-p {self.min_p:g}"] if self.min_p else []
+        rules += [f"repeat penalty {self.repeat_penalty:g}"] if self.repeat_penalty != 1 else []
+        rules += [f"presence penalty {self.presence_penalty:g}"] if self.presence_penalty else []
+        rules += [f"frequency penalty {self.frequency_penalty:g}"] if self.frequency_penalty else []
+        rules += [f"seed {self.seed}"] if self.seed is not None else []
+        return ", ".join(rules)
+
+
+# Chat's sampling where the model recommends none (general.sampling.* in its GGUF): llama.cpp's sampler defaults
+# (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) with ollama's repetition penalty (1.1 over the last 64
+# tokens). Greedy decoding of small chat models loops, and so does llama.cpp's set without the penalty: on the repo's
+# 8 chat prompts x seeds 1-4, SmolLM2-135M ran 5 of 32 replies to 512 tokens without it and 1 of 32 with it
+# (`python benchmarks/chat_lengths.py --seeds 1,2,3,4 [--set repeat_penalty=1.0]`).
+CHAT_DEFAULTS = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1)
+
 
 def penalized(logits: np.ndarray, config: SamplingConfig, history: Sequence[int]) -> np.ndarray:
     """logits: [n_vocab] -> the same with the penalties applied to the last repeat_last_n tokens (a copy only when

@@ -7,6 +7,7 @@ Runtimes are looked up by name (runtimes.runtime) and imported only when a model
 from __future__ import annotations
 
 import errno
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,9 +24,9 @@ from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.options import LoadOptions
 from edge.protocols import Drafter, Target
-from edge.sampling import SamplingConfig
+from edge.sampling import CHAT_DEFAULTS, SamplingConfig
 from models.cache import JsonFile, atomic_path, cache_dir, clean_stale, ensure_space
-from models.registry import ModelSpec, PairSpec, Source, load_registry
+from models.registry import ModelSpec, PairSpec, Registry, Source, load_registry
 from models.sources import download_folder, fetch, model_path, prepared_path, source_path, vocab_path
 from runtimes import runtime
 
@@ -58,6 +59,7 @@ class Pair:
     options: LoadOptions
     models_file: Path | None = None  # the models.toml the pair came from
     drafter_threads: int | None = None  # None: all cores
+    sampling: SamplingConfig = CHAT_DEFAULTS  # chat's and the server's: the model's recommended, else llama.cpp's
     costs: Costs | None = None  # measured pass times for --budget auto, once per load
     load_seconds: dict[str, float] = field(default_factory=dict)  # where loading took its time, by phase
     report: Report = field(default=_quiet, repr=False)
@@ -228,13 +230,22 @@ def base_model(options: LoadOptions) -> str | None:
 
 
 def resolve_spec(options: LoadOptions) -> tuple[PairSpec, Path | None]:
-    """The pair `options` names (from models.toml, or made from --target/--drafter paths), with the options that
-    rewrite it applied; and the models.toml it came from."""
+    """The pair `options` names, with the options that rewrite it applied; and the models.toml it came from. A
+    model is a pair of models.toml, a GGUF file or a Hugging Face reference (`pair`, or `target`), with `drafter`
+    (a file or reference) or drafting for itself."""
     if options.target is not None:
-        spec, models_file = spec_for_paths(options.target, options.drafter, options.ctx or 4096), None
+        spec, models_file = spec_for_models(options.target, options.drafter, options.ctx or 4096), None
     else:
         registry = load_registry(options.models_file)
-        spec, models_file = registry.pair(options.pair), registry.path
+        if options.pair is None or options.pair in registry.pairs:
+            if options.drafter is not None:
+                raise UserError(f"--drafter goes with a model file or a Hugging Face reference: the pair "
+                                f"{registry.pair(options.pair).name} has its own drafter (models.toml)")
+            spec, models_file = registry.pair(options.pair), registry.path
+        else:
+            spec, models_file = spec_for_models(options.pair, options.drafter, options.ctx or 4096, registry), None
+    if spec.drafter.runtime == SELF_DRAFT and (here := model_path(spec.drafter)) is not None and here.is_file():
+        spec = replace(spec, drafter=replace(spec.drafter, runtime=self_draft_runtime(here)))
     if options.ctx:
         spec = replace(spec, ctx=options.ctx)
     if options.provider is not None:  # overrides models.toml for every ONNX model of the pair
@@ -260,12 +271,46 @@ def _drafter_model(model: ModelSpec, runtime_name: str | None, vocab: int | None
     return replace(model, runtime=runtime_name, vocab=vocab or None, quantize=quantize or model.quantize)
 
 
-def spec_for_paths(target: Path, drafter: Path | None, ctx: int) -> PairSpec:
-    """A pair made from --target/--drafter paths; without a drafter, the target drafts for itself."""
-    target_spec = ModelSpec(Source(path=target.expanduser()), kv_type="bf16")
-    drafter_spec = ModelSpec(Source(path=(drafter or target).expanduser()), kv_type="q4_0")
-    return PairSpec(name=target.name, about="from the command line", target=target_spec, drafter=drafter_spec,
-                    ctx=ctx)
+# A model named where it is used: user/repo:QUANT, with hf.co/ or huggingface.co/ before it (as ollama and
+# llama.cpp's -hf take them). Without :QUANT, Q4_K_M, as theirs.
+_HF_REFERENCE = re.compile(r"^(?:https?://)?(?:hf\.co/|huggingface\.co/)?([\w.-]+/[\w.-]+)(?::(\S+))?$")
+SELF_DRAFT = "self"  # a drafter runtime decided at load: onnx where its graph builder knows the architecture
+
+
+def model_source(model: str | Path, registry: Registry | None = None) -> Source:
+    """Where a model named on the command line comes from: a GGUF file, or a Hugging Face reference."""
+    text = str(model)
+    path = Path(text).expanduser()
+    if isinstance(model, Path) or path.exists() or text.lower().endswith(".gguf"):
+        return Source(path=path)
+    found = _HF_REFERENCE.match(text)
+    if found and not text.startswith((".", "/", "~")):
+        return Source(hf=f"{found.group(1)}:{found.group(2) or 'Q4_K_M'}")
+    known = f" (pairs: {', '.join(registry.pairs)})" if registry is not None else ""
+    raise UserError(f"unknown model {text!r}: name a pair of models.toml{known}, a GGUF file, or a Hugging Face "
+                    "reference user/repo:QUANT")
+
+
+def spec_for_models(target: str | Path, drafter: str | Path | None, ctx: int,
+                    registry: Registry | None = None) -> PairSpec:
+    """A pair made from models named on the command line (files or Hugging Face references). Without a drafter
+    the target drafts for itself: on ONNX Runtime (int4, a 4-bit KV cache) as the shipped pairs do, where the
+    graph builder knows its architecture, else on llama.cpp."""
+    target_source = model_source(target, registry)
+    target_spec = ModelSpec(target_source, kv_type="bf16")
+    if drafter is None:
+        drafter_spec = ModelSpec(target_source, kv_type="q4_0", runtime=SELF_DRAFT)
+    else:
+        drafter_spec = ModelSpec(model_source(drafter, registry), kv_type="q4_0")
+    name = target_source.path.name if target_source.path is not None else str(target_source.hf)
+    return PairSpec(name=name, about="named on the command line", target=target_spec, drafter=drafter_spec, ctx=ctx)
+
+
+def self_draft_runtime(drafter_file: Path) -> str:
+    from runtimes.gguf_file import gguf_header
+    from runtimes.onnx.arch import ARCHITECTURES
+
+    return "onnx" if gguf_header(drafter_file).field("general.architecture") in ARCHITECTURES else "llama_cpp"
 
 
 def planned_gpu_layers(spec: PairSpec, models_file: Path | None, report: Report = _quiet) -> int:
@@ -329,7 +374,9 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     with _phase(times, "model files"):
         target_file = materialize(spec.target, report)
         info = check_gguf(target_file)
-        materialize(spec.drafter, report)  # fetched here, not beside the target's load: downloads stay one at a time
+        drafter_file = materialize(spec.drafter, report)  # here, not beside the target's load: one download at a time
+    if spec.drafter.runtime == SELF_DRAFT:
+        spec = replace(spec, drafter=replace(spec.drafter, runtime=self_draft_runtime(drafter_file)))
     draft_threads = drafter_threads(options.threads, options.placement, options.readahead)
     if spec.target.runtime == "onnx":
         with _phase(times, "target and drafter (QuantSpec)"):
@@ -351,7 +398,19 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         template = _template(info.chat_template, target)
     budget = spec.budget if options.budget is None else options.budget
     return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
-                load_seconds=times, report=report)
+                sampling=chat_sampling(target_file, report), load_seconds=times, report=report)
+
+
+def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:
+    """The sampling the model's GGUF recommends (general.sampling.*), over CHAT_DEFAULTS for what it leaves out."""
+    from runtimes.gguf_file import recommended_sampling
+
+    recommended = recommended_sampling(target_file)
+    try:
+        return replace(CHAT_DEFAULTS, **recommended)
+    except UserError as problem:
+        report(f"{target_file.name} recommends sampling edge-spec cannot use ({problem}); using llama.cpp's defaults")
+        return CHAT_DEFAULTS
 
 
 def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, draft_threads: int | None,
@@ -428,9 +487,10 @@ def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: i
     with _phase(times, "drafter"):
         if model.runtime == "onnx":
             onnx = runtime("onnx")
-            options = onnx.OnnxOptions(provider=model.provider, threads=threads, n_ctx=spec.ctx + 256)
+            options = onnx.OnnxOptions(provider=model.provider, threads=threads, n_ctx=spec.ctx + 256,
+                                       graph_dir=graph_folder(drafter_file))
             head = head_ids(spec, model)
-            graph = onnx.graph_path(drafter_file, "drafter", head)
+            graph = onnx.graph_path(drafter_file, "drafter", head, options.graph_dir)
             if not graph.exists():  # built once from the GGUF's weights: its data takes up to twice the file
                 ensure_space(graph, 2 * drafter_file.stat().st_size)
             try:
@@ -443,6 +503,18 @@ def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: i
         llama = runtime("llama_cpp")
         options = llama.RunOptions(n_ctx=spec.ctx, kv_type=model.kv_type, n_threads=threads, n_gpu_layers=gpu_layers)
         return llama.load_drafter(drafter_file, options)
+
+
+def graph_folder(model_file: Path) -> Path | None:
+    """Where a model's ONNX graphs go: beside it when edge-spec's cache holds it (None), else in the cache's
+    prepared/graphs (a user's own file or a Hugging Face snapshot: folders that are not ours to write in)."""
+    cache = cache_dir()
+    if model_file.absolute().parent.resolve().is_relative_to(cache.resolve()):
+        return None
+    folder = cache / "prepared" / "graphs"
+    folder.mkdir(parents=True, exist_ok=True)
+    clean_stale(folder)
+    return folder
 
 
 def head_ids(spec: PairSpec, model: ModelSpec) -> Any:
@@ -467,7 +539,8 @@ def _load_quantspec(spec: PairSpec, target_file: Path, threads: int | None, repo
     drafter_file = materialize(spec.drafter, report)
     onnx = runtime("onnx")
     tokenizer = runtime("llama_cpp").Model(target_file)  # tokenizer and chat-template tokens; weights stay unused
-    options = onnx.OnnxOptions(provider=spec.target.provider, threads=threads, n_ctx=spec.ctx)
+    options = onnx.OnnxOptions(provider=spec.target.provider, threads=threads, n_ctx=spec.ctx,
+                               graph_dir=graph_folder(target_file))
     target, drafter = onnx.load_quantspec(target_file, drafter_file, options, tokenizer, tokenizer.eog_tokens(),
                                           head_ids(spec, spec.drafter), report)
     target.model = tokenizer

@@ -6,6 +6,7 @@ download never leaves a file that looks complete."""
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import json
 import os
@@ -59,6 +60,24 @@ def model_path(spec: ModelSpec) -> Path | None:
 def vocab_path(spec: ModelSpec, k: int) -> Path:
     """Where the frequency-ranked vocabulary of `k` tokens counted from target `spec`'s generations lives."""
     return cache_dir() / "prepared" / f"{_tagged_stem(spec.source)}.vocab-{k}.npz"
+
+
+def cached_files(source: Source) -> tuple[list[Path], str | None]:
+    """edge-spec's files for a source: its download (PyPI wheels' file and checksum), and what was prepared from it
+    (requantized copies, vocabularies, ONNX graphs); with a note on a file that is not edge-spec's to remove."""
+    models, prepared = cache_dir() / "models", cache_dir() / "prepared"
+    found: list[Path] = []
+    if source.pypi:
+        found += models.glob(glob.escape(Path(_pypi_name(source)).stem) + ".*")
+    found += prepared.glob(glob.escape(_tagged_stem(source)) + ".*")
+    note = None
+    if source.path is not None or source.hf is not None:
+        here = source_path(source)
+        if here is not None:
+            found += (prepared / "graphs").glob(glob.escape(here.stem) + "-*.onnx*")
+        note = (f"{source.path} is your own file: kept" if source.path is not None else
+                f"{source.hf} stays in the Hugging Face cache ({_hf_cache_dir()}); `hf cache rm` removes it there")
+    return sorted({path for path in found if path.is_file()}), note
 
 
 def fetch(source: Source, report: Report | None = None) -> Path:

@@ -392,3 +392,21 @@ def _file_type_name(value: int | None) -> str | None:
         return None if value is None else LlamaFileType(value).name
     except ValueError:
         return None
+
+
+# The sampling a model's authors recommend, as llama.cpp reads it from general.sampling.*: key -> SamplingConfig field.
+RECOMMENDED_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                        "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                        "general.sampling.penalty_repeat": "repeat_penalty",
+                        "general.sampling.penalty_last_n": "repeat_last_n"}
+
+
+def recommended_sampling(path: str | Path) -> dict[str, float | int]:
+    """The file's general.sampling.* values that are numbers, by SamplingConfig field (empty when it has none)."""
+    scalars = gguf_header(path).scalars
+    found: dict[str, float | int] = {}
+    for key, name in RECOMMENDED_SAMPLING.items():
+        value = scalars.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            found[name] = int(value) if name in ("top_k", "repeat_last_n") else float(value)
+    return found

@@ -8,6 +8,7 @@ ending in `data: [DONE]`, as OpenAI's. A client that leaves stops its generation
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from edge.errors import UserError
 from edge.generate import Stats, check_fits
+from edge.sampling import CHAT_DEFAULTS
 from serve.schemas import (
     FINISH_REASONS,
     ChatRequest,
@@ -59,6 +61,11 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     model_name, created = pair.name, int(time.time())
+    # Sampling for what a request leaves out: the pair's (the model's recommended, else llama.cpp's), without chat's
+    # repetition penalty unless the model recommends one: OpenAI's API and llama-server apply none by default.
+    defaults = pair.sampling
+    if defaults.repeat_penalty == CHAT_DEFAULTS.repeat_penalty and CHAT_DEFAULTS.repeat_penalty != 1.0:
+        defaults = dataclasses.replace(defaults, repeat_penalty=1.0)
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next: Any) -> Any:
@@ -101,7 +108,7 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
         check_model(body.model)
         body.refuse_unsupported()
         try:
-            sampling = body.sampling()
+            sampling = body.sampling(defaults)
             stop = body.stop_strings()
             tokens = await run_in_threadpool(pair.prompt_tokens, prompt, raw)
         except UserError as problem:

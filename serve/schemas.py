@@ -9,6 +9,7 @@ server's sampling extras (`top_k`, `min_p`, `repeat_penalty`) are accepted too.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
@@ -21,12 +22,6 @@ from edge.sampling import SamplingConfig
 MAX_STOP_STRINGS = 16
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}  # edge's reasons -> OpenAI's
 
-# Sampling when a request does not say (llama.cpp's server's defaults): OpenAI's default temperature of 1 with no
-# top-p cut wanders on small models.
-DEFAULT_TEMPERATURE = 0.8
-DEFAULT_TOP_K = 40
-DEFAULT_TOP_P = 0.95
-DEFAULT_MIN_P = 0.05
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat replies run to their end or the context's
 
 
@@ -106,17 +101,13 @@ class GenerationRequest(Strict):
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
 
-    def sampling(self) -> SamplingConfig:
-        temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
-        return SamplingConfig(
-            temperature=temperature,
-            top_k=DEFAULT_TOP_K if self.top_k is None else self.top_k,
-            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p,
-            min_p=DEFAULT_MIN_P if self.min_p is None else self.min_p,
-            repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            seed=self.seed)
+    def sampling(self, defaults: SamplingConfig) -> SamplingConfig:
+        """The request's sampling; what it leaves out comes from `defaults` (the pair's: the model's recommended
+        sampling, else llama.cpp's defaults, as llama-server does; OpenAI's temperature 1 with no top-p cut wanders
+        on small models)."""
+        given = {name: getattr(self, name) for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                                                        "presence_penalty", "frequency_penalty", "seed")}
+        return dataclasses.replace(defaults, **{name: value for name, value in given.items() if value is not None})
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

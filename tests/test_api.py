@@ -75,11 +75,11 @@ def test_load_options_are_checked_before_anything_loads() -> None:
                               ({"placement": "cloud"}, "--placement must be"),
                               ({"ctx": 64}, "--ctx must be at least 256"),
                               ({"provider": "tpu"}, "--provider must be"), ({"target_dtype": "q3"}, "--target-dtype"),
-                              ({"drafter": "x.gguf"}, "--drafter needs --target"),
+                              ({"drafter": "x.gguf"}, "--drafter goes with a model file"),
                               ({"placement": "ssd", "mlock": True}, "not with --mlock")]:
         with pytest.raises(UserError, match=re.escape(fragment)):
             edge.load("smollm2-135m", **options)
-    with pytest.raises(UserError, match="unknown pair 'nope'"):
+    with pytest.raises(UserError, match="unknown model 'nope': name a pair of models"):
         edge.load("nope")
     with pytest.raises(UserError, match="not found"):
         edge.load(target="/nonexistent/model.gguf")

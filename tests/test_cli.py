@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def test_truncated_gguf(tmp_path: Path, files: dict[str, Path]) -> None:
 
 
 def test_unknown_pair() -> None:
-    assert_one_line_error(run("generate", "hi", "--pair", "nope"), "unknown pair 'nope'", "smollm2-135m")
+    assert_one_line_error(run("generate", "hi", "--model", "nope"), "unknown model 'nope'", "smollm2-135m")
 
 
 def test_drafter_with_another_vocabulary(files: dict[str, Path]) -> None:
@@ -335,3 +336,119 @@ def test_version_and_a_missing_plot_extra_are_said_at_once(tmp_path: Path, monke
     result = run("bench", "--plot", str(tmp_path / "bench.png"))
     assert_one_line_error(result, "--plot needs matplotlib")
     assert __import__("time").perf_counter() - started < 2  # before any model loads
+
+
+def test_chat_defaults_end_every_reply_by_end_of_turn(smollm2: Pair) -> None:
+    """The default pair's chat with its default sampling (llama.cpp's, as the model recommends none) answers each
+    of the repo's chat prompts and stops at its end of turn, well before 512 tokens: no loop to the limit."""
+    from tests.conftest import CHAT_PROMPTS
+
+    piped = "".join(f"{prompt}\n/clear\n" for prompt in CHAT_PROMPTS)
+    result = run("chat", "--max-tokens", "512", "--seed", "1", input=piped)
+    assert result.exit_code == 0, result.output
+    lengths = [int(n) for n in re.findall(r"^(\d+) tokens · ", result.stderr, re.MULTILINE)]
+    assert len(lengths) == len(CHAT_PROMPTS) and max(lengths) < 512, lengths
+
+
+def test_chat_samples_by_default_and_takes_greedy(smollm2: Pair) -> None:
+    from edge.sampling import CHAT_DEFAULTS
+
+    assert smollm2.sampling == CHAT_DEFAULTS  # SmolLM2's file recommends no sampling
+    greedy = run("chat", "--max-tokens", "16", "--temperature", "0", "--repeat-penalty", "1",
+                 input="Name three colors.\n")
+    plain = json.loads(run("generate", "Name three colors.", "-n", "16", "--json").stdout)
+    assert greedy.stdout.strip() == plain["text"].strip()
+
+
+def greedy_text(*args: str) -> str:
+    result = run("generate", "Name three colors.", "-n", "12", "--temperature", "0", "--json", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["text"]
+
+
+def test_a_model_named_by_its_file(files: dict[str, Path]) -> None:
+    """`chat PATH.gguf` and `generate -m PATH.gguf` on a copy of the SmolLM2 file, drafting for itself on ONNX
+    Runtime; the graph goes to edge-spec's cache, not beside the user's file."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / "edge-spec-test-model"  # a stable copy: its graph is built once
+    copy = folder / "my-model.gguf"
+    if not copy.exists():
+        folder.mkdir(exist_ok=True)
+        shutil.copyfile(files["smol"], copy)
+    plain = greedy_text()
+    assert greedy_text("-m", str(copy), "--budget", "8") == plain
+    chat = run("chat", str(copy), "--temperature", "0", "--repeat-penalty", "1", "-n", "12",
+               input="Name three colors.\n")
+    assert chat.exit_code == 0, chat.output
+    assert chat.stdout.strip() == plain.strip()
+    assert not list(folder.glob("*.onnx*"))
+    assert "my-model.gguf" in run("plan", str(copy)).stdout
+
+
+def test_a_hugging_face_reference_from_the_cache(files: dict[str, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """user/repo:QUANT and hf.co/user/repo:QUANT resolve from a Hugging Face cache laid out as huggingface_hub
+    lays it out, offline."""
+    repo = tmp_path / "hub" / "models--someone--SmolLM2-135M-Instruct-GGUF"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "SmolLM2-135M-Instruct-Q4_1.gguf").symlink_to(files["smol"])
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    plain = greedy_text()
+    for reference in ("someone/SmolLM2-135M-Instruct-GGUF:Q4_1", "hf.co/someone/SmolLM2-135M-Instruct-GGUF:Q4_1"):
+        assert greedy_text("-m", reference) == plain
+    assert not list(snapshot.glob("*.onnx*"))
+    missing = run("generate", "hi", "-m", "someone/SmolLM2-135M-Instruct-GGUF:Q8_0")
+    assert missing.exit_code == 1 and "no .gguf file with 'Q8_0'" in missing.output
+
+
+def test_models_fit_80_columns_with_sizes(smollm2: Pair, gemma3: Pair) -> None:
+    listing = run("models").stdout  # not a terminal: 80 columns
+    assert max(len(line.rstrip()) for line in listing.splitlines()) <= 80
+    joined = "".join(listing.split())  # long names wrap, they are not cut
+    assert "hf.co/bartowski/Meta-Llama-3.1-70B-Instruct-GGUF:Q4_0" in joined and "0.10GB" in joined
+    out = json.loads(run("models", "--json").stdout)
+    assert out["smollm2-135m"]["target"]["size_bytes"] > 50e6
+    assert out["llama3.1-70b"]["target"]["size_gb"] > 30 and out["llama3.1-70b"]["target"]["size_bytes"] is None
+
+
+def test_rm_removes_a_models_cached_files_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(cache))
+    models_file = tmp_path / "models.toml"
+    models_file.write_text('[pairs.fake]\nabout = "x"\ntarget.pypi = ["fake-model==1.0"]\n'
+                           'target.files = ["fake_model/fake.gguf"]\ntarget.quantize = "q8_0"\n'
+                           'drafter.from = "target"\n'
+                           '[pairs.other]\nabout = "y"\ntarget.pypi = ["other-model==1.0"]\n'
+                           'target.files = ["other_model/other.gguf"]\ndrafter.from = "target"\n')
+    from models.registry import load_registry
+    from models.sources import prepared_path
+
+    spec = load_registry(models_file).pair("fake")
+    (cache / "models").mkdir(parents=True)
+    (cache / "prepared").mkdir()
+    ours = [cache / "models" / "fake.gguf", cache / "models" / "fake.gguf.sha256",
+            cache / "models" / "fake.int4-full-kv4.v5.onnx", prepared_path(spec.target)]
+    theirs = [cache / "models" / "other.gguf", cache / "models" / "fakeish.gguf"]
+    for path in ours + theirs:
+        path.write_bytes(b"x" * 1000)
+    result = run("--models", str(models_file), "rm", "fake")
+    assert result.exit_code == 0, result.output
+    assert not any(path.exists() for path in ours) and all(path.exists() for path in theirs)
+    assert "4 files removed" in result.stdout
+    assert "nothing of it" in run("--models", str(models_file), "rm", "fake").stdout
+
+
+@pytest.mark.parametrize("command", ["chat", "generate", "serve", "bench", "plan", "check", "pull", "prepare", "rm",
+                                     "models"])
+def test_help_has_no_type_labels(command: str) -> None:
+    text = run(command, "--help").stdout
+    assert not re.search(r"<(bool|int|float|str|path)>", text), text
+    if command not in ("models", "generate", "bench"):
+        assert "MODEL" in text  # every command names its model the same way

@@ -187,3 +187,34 @@ def test_a_misaligned_tensor_is_refused_as_invalid_not_truncated(tiny: Path, tmp
     with pytest.raises(UserError, match=r"not a valid GGUF file .*not a multiple of the file's alignment 32") as info:
         check_gguf(hostile)
     assert "truncated" not in str(info.value)
+
+
+def test_recommended_sampling_is_read_from_the_header(tmp_path: Path) -> None:
+    """general.sampling.* (llama.cpp's keys) over llama.cpp's defaults; a value edge-spec cannot use is said once
+    and the defaults stay."""
+    from edge.sampling import CHAT_DEFAULTS
+    from models.pair import chat_sampling
+
+    def written(name: str, **values: float) -> Path:
+        path = tmp_path / name
+        writer = gguf.GGUFWriter(path, arch="llama")
+        writer.add_token_list(TOKENS)
+        for key, value in values.items():
+            if isinstance(value, int):
+                writer.add_int32(f"general.sampling.{key}", value)
+            else:
+                writer.add_float32(f"general.sampling.{key}", value)
+        writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    assert chat_sampling(written("none.gguf")) == CHAT_DEFAULTS
+    recommended = chat_sampling(written("qwen-like.gguf", temp=0.7, top_k=20, top_p=0.8, min_p=0.0))
+    assert (recommended.temperature, recommended.top_k, recommended.top_p, recommended.min_p) == \
+        (pytest.approx(0.7), 20, pytest.approx(0.8), 0.0)
+    said: list[str] = []
+    assert chat_sampling(written("bad.gguf", top_p=5.0), said.append) == CHAT_DEFAULTS
+    assert len(said) == 1 and "top-p" in said[0]

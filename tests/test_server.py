@@ -119,7 +119,7 @@ def test_a_seed_gives_plain_samplings_exact_text(client: openai.OpenAI) -> None:
     kwargs = dict(max_tokens=24, temperature=0.8, seed=5)
     first = chat(client, PROMPT, **kwargs).choices[0].message.content
     assert chat(client, PROMPT, **kwargs).choices[0].message.content == first
-    # the server's defaults for fields the request leaves out: top-k 40, top-p 0.95, min-p 0.05
+    # the server's defaults for fields the request leaves out: top-k 40, top-p 0.95, min-p 0.05, no repeat penalty
     assert first == generate_text(PROMPT, "-n", "24", "--temperature", "0.8", "--seed", "5", "--top-k", "40",
                                   "--top-p", "0.95", "--min-p", "0.05", "--no-spec")
 

@@ -30,6 +30,7 @@ class OnnxOptions:
     threads: int | None = None
     n_ctx: int = 4096
     mem_reuse: bool = False  # onnxruntime's buffer-reuse planning (off: a faster start; benchmarks/session_start.py)
+    graph_dir: Path | None = None  # where graphs are cached; None: beside the GGUF (a file in edge-spec's own cache)
 
 
 GRAPH_VERSION = 5  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
@@ -46,9 +47,14 @@ def _digest(ids: np.ndarray) -> str:
     return hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:8]
 
 
-def graph_path(gguf: Path, role: str, head_ids: np.ndarray | None = None) -> Path:
-    """The cached graph for a GGUF file (itself already in a per-source cache location) and a role."""
-    return gguf.with_name(f"{gguf.stem}.{_variant(role, head_ids)}.onnx")
+def graph_path(gguf: Path, role: str, head_ids: np.ndarray | None = None, folder: Path | None = None) -> Path:
+    """The cached graph for a GGUF file and a role: beside the file (one in edge-spec's cache), or in `folder` (a
+    user's own file, whose folder is not ours to write in), named for the file's path, size and time."""
+    if folder is None:
+        return gguf.with_name(f"{gguf.stem}.{_variant(role, head_ids)}.onnx")
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return folder / f"{gguf.stem}-{key}.{_variant(role, head_ids)}.onnx"
 
 
 def _options(role: str, arch, head_ids: np.ndarray | None) -> GraphOptions:
@@ -60,9 +66,10 @@ def _options(role: str, arch, head_ids: np.ndarray | None) -> GraphOptions:
     return GraphOptions(weights="int4", head_ids=head_ids, kv=kv, kv_reader="draft", kv_value_group=vg)
 
 
-def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, report=None) -> Path:
+def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, report=None,
+                  folder: Path | None = None) -> Path:
     """Builds (once) the graph for `role` in 'drafter', 'shared-drafter', 'target'; returns its path."""
-    dest = graph_path(gguf, role, head_ids)
+    dest = graph_path(gguf, role, head_ids, folder)
     if dest.exists() and Path(str(dest) + ".data").exists():
         return dest
     if report:
@@ -82,8 +89,8 @@ def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, rep
 def load_drafter(gguf: Path, options: OnnxOptions, head_ids: np.ndarray | None = None, report=None) -> OnnxDrafter:
     """The drafter with its own 4-bit KV cache."""
     arch = file_arch(gguf)
-    session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report), options.provider, options.threads,
-                             options.mem_reuse)
+    session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report, options.graph_dir), options.provider,
+                             options.threads, options.mem_reuse)
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=4,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
     drafter = OnnxDrafter(session, arch, kv)
@@ -99,10 +106,11 @@ def load_quantspec(target_gguf: Path, drafter_gguf: Path, options: OnnxOptions, 
     arch = file_arch(target_gguf)
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=8,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
-    target_session = DecoderSession(prepare_graph(target_gguf, "target", None, report), options.provider,
-                                    options.threads, options.mem_reuse)
-    drafter_session = DecoderSession(prepare_graph(drafter_gguf, "shared-drafter", head_ids, report),
-                                     options.provider, options.threads, options.mem_reuse)
+    target_session = DecoderSession(prepare_graph(target_gguf, "target", None, report, options.graph_dir),
+                                    options.provider, options.threads, options.mem_reuse)
+    drafter_session = DecoderSession(prepare_graph(drafter_gguf, "shared-drafter", head_ids, report,
+                                                   options.graph_dir), options.provider, options.threads,
+                                     options.mem_reuse)
     target = OnnxTarget(target_session, arch, kv, tokenizer, stop_tokens, options.n_ctx)
     drafter = OnnxDrafter(drafter_session, file_arch(drafter_gguf), kv, shared=True)
     if head_ids is not None:
