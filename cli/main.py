@@ -157,9 +157,19 @@ def load(command: typer.Context, **options: Any):
 
 
 def load_pair(options: LoadOptions):
+    """Load with a spinner saying what is happening (on a terminal; elsewhere, progress lines only)."""
     from models.pair import open_pair
 
-    return open_pair(options, report)
+    if not err.is_terminal:
+        return open_pair(options, report)
+    what = options.pair or (options.target and Path(str(options.target)).name) or "the default pair"
+    with err.status(f"loading {escape(str(what))}", spinner="dots") as status:
+
+        def said(message: str) -> None:
+            report(message)
+            status.update(f"{escape(message)}")
+
+        return open_pair(options, said)
 
 
 def refuse_base_model(options: LoadOptions, what_to_do: str) -> None:
@@ -552,7 +562,10 @@ def check(
     speculation)."""
     from models.checking import run_check
     from models.pair import materialize
+    from models.planning import unused_gpu
 
+    if (unused := unused_gpu()) is not None:
+        warning(unused)
     target = materialize(named(ctx, model)[0].target, report)
     result = run_check(target, kv_type, threads, report)
     if as_json:
@@ -584,11 +597,13 @@ def plan(
     from dataclasses import replace
 
     from cli.planning import render_plan
-    from models.planning import make_plan
+    from models.planning import make_plan, unused_gpu
 
     if ctx_size is not None and ctx_size < MIN_CTX:
         raise UserError(f"--ctx must be at least {MIN_CTX} tokens (got {ctx_size})")
     spec, models_file = named(ctx, pair)
+    if (unused := unused_gpu()) is not None:
+        warning(unused)
     result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, models_file)
     if as_json:
         print(json.dumps(result.as_dict(), indent=2))

@@ -42,3 +42,16 @@ def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) 
 def _local_file(model: ModelSpec) -> Path | None:
     path = model_path(model)
     return path if path is not None and path.is_file() else None
+
+
+def unused_gpu() -> str | None:
+    """A warning when this machine has a GPU that the installed llama.cpp cannot use (a CPU-only build)."""
+    from offload.probe import probe_gpus
+    from runtimes import runtime
+
+    gpus = probe_gpus()
+    if not gpus or runtime("llama_cpp").supports_gpu_offload():
+        return None
+    return (f"this machine has a GPU ({gpus[0]['name']}) but llama-cpp-python was built without GPU offload: "
+            "reinstall it for the GPU (README, \"GPUs\"), e.g. CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install "
+            "--force-reinstall --no-cache-dir llama-cpp-python==0.3.36")

@@ -452,3 +452,15 @@ def test_help_has_no_type_labels(command: str) -> None:
     assert not re.search(r"<(bool|int|float|str|path)>", text), text
     if command not in ("models", "generate", "bench"):
         assert "MODEL" in text  # every command names its model the same way
+
+
+def test_plan_warns_of_a_gpu_that_llama_cpp_cannot_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU is here (faked), and this llama-cpp-python is a CPU-only build: plan says so, with the fix."""
+    from runtimes import runtime
+
+    monkeypatch.setattr("offload.probe.probe_gpus", lambda: [{"name": "NVIDIA GeForce RTX 4090",
+                                                              "vram_total_gb": 24.0, "vram_free_gb": 23.0}])
+    if runtime("llama_cpp").supports_gpu_offload():
+        pytest.skip("this llama-cpp-python was built with GPU offload")
+    result = run("plan", "--machine", "ram=32G,vram=24G,disk=3GB/s")
+    assert "built without GPU offload" in result.output and "CMAKE_ARGS" in result.output

@@ -6,11 +6,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtimes.gguf_file import check_gguf
-from runtimes.llama_cpp._native import KV_TYPES, MAX_SEQ, Context, Model, default_threads, quantize
+from runtimes.llama_cpp._native import (
+    KV_TYPES,
+    MAX_SEQ,
+    Context,
+    Model,
+    default_threads,
+    quantize,
+    supports_gpu_offload,
+)
 from runtimes.llama_cpp.models import LlamaDrafter, LlamaTarget
 
 __all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "default_threads", "load_drafter",
-           "load_target", "quantize"]
+           "load_target", "quantize", "supports_gpu_offload"]
 
 
 @dataclass(frozen=True)
