@@ -6,7 +6,8 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -156,19 +157,28 @@ def load(command: typer.Context, **options: Any):
     return load_pair(LoadOptions(models_file=command.obj, **options))
 
 
-def load_pair(options: LoadOptions):
-    """Load with a spinner saying what is happening (on a terminal; elsewhere, progress lines only)."""
-    from models.pair import open_pair
-
+@contextmanager
+def working(what: str) -> Iterator[Callable[[str], None]]:
+    """A spinner saying what is happening, on a terminal; yields the reporter of progress lines, which also moves the
+    spinner to the step at hand (downloading, assembling, preparing, building a graph, timing passes)."""
     if not err.is_terminal:
-        return open_pair(options, report)
-    what = options.pair or (options.target and Path(str(options.target)).name) or "the default pair"
-    with err.status(f"loading {escape(str(what))}", spinner="dots") as status:
+        yield report
+        return
+    with err.status(escape(what), spinner="dots") as status:
 
         def said(message: str) -> None:
             report(message)
-            status.update(f"{escape(message)}")
+            status.update(escape(message))
 
+        yield said
+
+
+def load_pair(options: LoadOptions):
+    """Load, with a spinner saying what is happening (on a terminal; elsewhere, progress lines only)."""
+    from models.pair import open_pair
+
+    what = options.pair or (options.target and Path(str(options.target)).name) or "the default pair"
+    with working(f"loading {what}") as said:
         return open_pair(options, said)
 
 
@@ -444,7 +454,8 @@ def pull(ctx: typer.Context, pair: ModelArg = None) -> None:
 
     spec = named(ctx, pair)[0]
     for role, model in (("target", spec.target), ("drafter", spec.drafter)):
-        path = fetch(model.source, report)
+        with working(f"fetching the {role}") as said:
+            path = fetch(model.source, said)
         print(f"{role}: {path}")
 
 
@@ -477,7 +488,9 @@ def prepare(
     if n_tokens < 1:
         raise UserError(f"--calibration-tokens must be at least 1 (got {n_tokens})")
     for role, model in (("target", spec.target), ("drafter", spec.drafter)):
-        print(f"{role}: {materialize(model, report)}")
+        with working(f"preparing the {role}") as said:
+            prepared = materialize(model, said)
+        print(f"{role}: {prepared}")
     if sizes:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -536,10 +549,15 @@ def bench(
     method_list = parse_methods(methods)
     prompt_list = read_prompts(prompts)
     sampling = sampling_config(temperature, 0, 1.0, 0.0, 1.0, seed)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("bench: prompts x rows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with load(ctx, pair=pair, ctx=ctx_size, threads=threads, provider=provider, placement=placement, mlock=mlock,
-              readahead=readahead, target_dtype=target_dtype) as loaded:
+              readahead=readahead, target_dtype=target_dtype) as loaded, \
+            Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("bench", total=None)
         result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list,
-                           tuple(method_list))
+                           tuple(method_list), lambda done, total: bar.update(task, completed=done, total=total))
     result["readahead"] = readahead if placement == "ssd" else None
     if as_json:  # the figures first: a plot that cannot be written loses nothing
         print(json.dumps(result, indent=2))
@@ -566,8 +584,10 @@ def check(
 
     if (unused := unused_gpu()) is not None:
         warning(unused)
-    target = materialize(named(ctx, model)[0].target, report)
-    result = run_check(target, kv_type, threads, report)
+    with working("preparing the target") as said:
+        target = materialize(named(ctx, model)[0].target, said)
+    with working(f"checking {target.name} under tree batching") as said:
+        result = run_check(target, kv_type, threads, said)
     if as_json:
         print(json.dumps(result, indent=2))
         return

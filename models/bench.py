@@ -61,16 +61,27 @@ class DrafterChoice:
 
 def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_tokens: int, sampling: SamplingConfig,
               raw: bool = False, report: Report = _quiet, drafters: list[DrafterChoice] | None = None,
-              methods: tuple[str, ...] = ("plain", "tree")) -> dict[str, Any]:
+              methods: tuple[str, ...] = ("plain", "tree"),
+              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Plain decoding (the reference every row is checked against) and each method x budget, prompt by prompt: each
     prompt runs through every row in turn, so a slow spell of a shared machine falls on all rows alike. With
-    `drafters`, the rows run once per drafter (the pair's drafter file on another runtime, head or quantization)."""
+    `drafters`, the rows run once per drafter (the pair's drafter file on another runtime, head or quantization).
+    `progress(done, total)` hears of each prompt decoded by each row."""
     from offload.probe import probe_machine
     from offload.tuning import AutoBudget, measure_costs
 
     prompt_tokens = [pair.prompt_tokens(prompt, raw=raw or None) for prompt in prompts]
     pass_ms = target_pass_times(pair, prompt_tokens[0], report)
     rows, drafter_info, reference, costs = [], [], None, None
+    shapes = [(m, b) for m in methods if m != "plain" for b in budgets if not (b == "auto" and m == "chain")]
+    total, done = len(prompts) * (1 + max(1, len(drafters or [])) * len(shapes)), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
     for drafter, label in _drafters(pair, drafters, report):
         expand = json_table(expand_ms(drafter, prompt_tokens[0]))
         drafter_info.append({"drafter": label, "vocab": drafter.vocab, "expand_ms": expand,
@@ -90,7 +101,7 @@ def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_toke
                 runs.append((method, budget, Decoder(pair.target, drafter, grow, sampling, policy=policy)))
         report(f"{label}: {', '.join(f'{m} {b}' if b is not None else m for m, b, _ in runs)}; "
                f"{len(prompts)} prompts, each through every row in turn")
-        results = _decode_interleaved([decoder for _, _, decoder in runs], prompt_tokens, max_tokens, sampling)
+        results = _decode_interleaved([decoder for _, _, decoder in runs], prompt_tokens, max_tokens, sampling, tick)
         for (method, budget, _), (outputs, stats, read) in zip(runs, results, strict=True):
             if method == "plain":
                 reference = outputs
@@ -110,7 +121,8 @@ def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_toke
 
 
 def _decode_interleaved(decoders: list[Decoder], prompt_tokens: list[list[int]], max_tokens: int,
-                        sampling: SamplingConfig) -> list[tuple[list[list[int]], Stats, int | None]]:
+                        sampling: SamplingConfig, tick: Callable[[], None] = lambda: None,
+                        ) -> list[tuple[list[list[int]], Stats, int | None]]:
     """Every prompt through every decoder in turn; per decoder its outputs, its stats and the bytes the process
     read from storage while it ran (prefill included)."""
     from offload.ssd import read_bytes
@@ -128,6 +140,7 @@ def _decode_interleaved(decoders: list[Decoder], prompt_tokens: list[list[int]],
             decoder.reset()  # the next row starts from an empty cache (they share the target and drafter)
             outputs[i].append([s.token for s in steps if s.token is not None and s.finish_reason is None])
             totals[i].add(steps[-1].stats)
+            tick()
             reads[i] = None if reads[i] is None or before is None or after is None else reads[i] + after - before
     return list(zip(outputs, totals, reads, strict=True))
 

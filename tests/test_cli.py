@@ -464,3 +464,48 @@ def test_plan_warns_of_a_gpu_that_llama_cpp_cannot_use(monkeypatch: pytest.Monke
         pytest.skip("this llama-cpp-python was built with GPU offload")
     result = run("plan", "--machine", "ram=32G,vram=24G,disk=3GB/s")
     assert "built without GPU offload" in result.output and "CMAKE_ARGS" in result.output
+
+
+def test_bench_reports_its_progress(smollm2: Pair) -> None:
+    """Each prompt through each row is one step of bench's progress bar (prompts x rows in all)."""
+    from edge.sampling import SamplingConfig
+    from models.bench import run_bench
+
+    seen: list[tuple[int, int]] = []
+    run_bench(smollm2, ["Say hello.", "Count to three."], [4], 4, SamplingConfig(),
+              progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+
+
+def test_stats_lines_do_not_wrap_off_a_terminal(smollm2: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stderr to a file or a pipe, even a narrow one: each stats line stays one line, for a script to read."""
+    monkeypatch.setenv("COLUMNS", "40")
+    generated = run("generate", "Say hello.", "-n", "8")
+    chatted = run("chat", "-n", "8", "--temperature", "0", input="Say hello.\n")
+    for result in (generated, chatted):
+        lines = [line for line in result.stderr.splitlines() if "tokens/pass" in line]
+        assert len(lines) == 1 and lines[0].rstrip().endswith(("target passes", "/4096", "/1024")), result.stderr
+
+
+def test_every_readme_command_names_real_flags() -> None:
+    """Each line of the README's command block: its subcommand exists and takes every flag the line shows (the
+    commands themselves run in the tests above and in the benchmarks' tests)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Commands", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line.split("#", 1)[0] for line in block.replace("\\\n", " ").splitlines()]
+    checked = 0
+    for line in lines:
+        for command in line.split(" / "):
+            words = command.replace("|", " ").split()
+            if "edge-spec" not in words:
+                continue
+            words = words[words.index("edge-spec") + 1:]
+            if words == ["--version"]:
+                assert run("--version").exit_code == 0
+                continue
+            help_text = run(words[0], "--help").stdout
+            for flag in (word.strip("[]") for word in words[1:] if word.strip("[]").startswith("-")):
+                assert re.search(rf"(^|[\s,]){re.escape(flag.split('=')[0])}([\s,/]|$)", help_text, re.MULTILINE), \
+                    f"`edge-spec {words[0]}` has no {flag}"
+            checked += 1
+    assert checked >= 15
