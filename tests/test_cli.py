@@ -509,3 +509,14 @@ def test_every_readme_command_names_real_flags() -> None:
                     f"`edge-spec {words[0]}` has no {flag}"
             checked += 1
     assert checked >= 15
+
+
+def test_pull_and_check_take_a_model(smollm2: Pair) -> None:
+    """`pull MODEL` prints the cached files; `check MODEL` measures the model's target under tree batching (the
+    shipped Q4_1 target is bit-exact here, tests/test_lossless.py's premise)."""
+    pulled = run("pull", "smollm2-135m")
+    assert pulled.exit_code == 0 and "target: " in pulled.stdout and "drafter: " in pulled.stdout
+    checked = run("check", "smollm2-135m", "--json")
+    assert checked.exit_code == 0, checked.output
+    result = json.loads(checked.stdout)
+    assert result["bit_exact"] is True and result["shapes"]
