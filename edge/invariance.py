@@ -7,6 +7,7 @@ matter: a deep chain, the widest tree llama.cpp allows, and a tree grown by the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -74,10 +75,15 @@ def compare(target: Target, tree: TokenTree, prefix: list[int], max_paths: int =
     return len(checked), worst, flips
 
 
-def check_batch_invariance(target: Target, drafter: Drafter, tokens: list[int]) -> list[ShapeResult]:
+def check_batch_invariance(target: Target, drafter: Drafter, tokens: list[int],
+                           progress: Callable[[str, int, int], None] | None = None) -> list[ShapeResult]:
+    """Each tree shape's logits against sequential decoding; `progress(shape, done, total)` after each shape."""
     prefix, root = tokens[:-1], tokens[-1]
     results = []
-    for shape, tree in tree_shapes(drafter, prefix, root).items():
+    shapes = tree_shapes(drafter, prefix, root)
+    for shape, tree in shapes.items():
         checked, worst, flips = compare(target, tree, prefix)
         results.append(ShapeResult(shape, len(tree), checked, worst, flips))
+        if progress is not None:
+            progress(shape, len(results), len(shapes))
     return results

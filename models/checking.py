@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,14 @@ def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str
     try:
         tokens = target.tokenizer.tokenize(TEXT, add_special=True, parse_special=False)[:160]
         report(f"checking {path.name}: {len(tokens)} tokens of context, three tree shapes")
-        shapes = [dataclasses.asdict(r) for r in check_batch_invariance(target, drafter, tokens)]
+        started = time.perf_counter()
+
+        def progress(shape: str, done: int, total: int) -> None:
+            left = (time.perf_counter() - started) / done * (total - done)
+            report(f"checked the {shape} tree ({done} of {total} shapes" + (f", about {left:.0f} s left)"
+                                                                            if done < total else ")"))
+
+        shapes = [dataclasses.asdict(r) for r in check_batch_invariance(target, drafter, tokens, progress)]
     finally:
         drafter.close()
         target.close()
