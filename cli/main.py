@@ -280,7 +280,7 @@ def chat(
 ) -> None:
     """Talk to a model. Piped stdin: one prompt per line, replies on stdout. Samples as the model recommends (its
     GGUF's general.sampling.*, else temperature 0.8, top-k 40, top-p 0.95, min-p 0.05); --temperature 0 is greedy."""
-    from cli.repl import HISTORY_FILE, run_chat
+    from cli.repl import HISTORY_FILE, greedy_penalty, run_chat
     from models.cache import cache_dir
 
     if max_tokens < 1:
@@ -296,9 +296,11 @@ def chat(
             raise UserError(f"{loaded.name} has no chat template (a base model): use `edge-spec generate --raw`")
         from dataclasses import replace
 
+        if repeat_penalty is None and temperature is not None:  # --temperature 0 alone: generate's greedy text
+            given["repeat_penalty"] = greedy_penalty(temperature, loaded.sampling.repeat_penalty)
         sampling = replace(loaded.sampling, **{name: value for name, value in given.items() if value is not None})
         history = os.environ.get("EDGE_SPEC_CHAT_HISTORY") or cache_dir() / HISTORY_FILE
-        run_chat(loaded, sampling, system, max_tokens, no_spec, err, Path(history))
+        run_chat(loaded, sampling, system, max_tokens, no_spec, err, Path(history), repeat_penalty is not None)
 
 
 @app.command()

@@ -51,6 +51,7 @@ class Chat:
     budget: int | str | None
     speculate: bool
     max_tokens: int
+    penalty_chosen: bool = False  # the user set the repetition penalty (else greedy means generate's plain argmax)
 
     def set(self, name: str, value: str) -> str:
         """Apply `/set name value`; returns what changed, in words. Raises UserError for a bad name or value."""
@@ -58,7 +59,12 @@ class Chat:
         if name in SAMPLING_FIELDS:
             field = "temperature" if name == "temp" else name
             parsed = None if field == "seed" and value.lower() == "none" else _number(value, SAMPLING_FIELDS[name])
-            self.sampling = dataclasses.replace(self.sampling, **{field: parsed})
+            changes = {field: parsed}
+            if field == "repeat_penalty":
+                self.penalty_chosen = True
+            elif field == "temperature" and not self.penalty_chosen:  # greedy is generate's greedy; sampling, chat's
+                changes["repeat_penalty"] = greedy_penalty(parsed, self.loaded.sampling.repeat_penalty)
+            self.sampling = dataclasses.replace(self.sampling, **changes)
             self.session.decoder.set_sampling(self.sampling)
             return f"sampling: {self.sampling.described()}"
         if name == "budget":
@@ -97,6 +103,12 @@ class Chat:
         ])
 
 
+def greedy_penalty(temperature: float | None, default: float) -> float:
+    """The repetition penalty that goes with a temperature the user chose without choosing a penalty: none when
+    greedy (temperature 0 gives `generate`'s text), else the chat default that keeps small models from looping."""
+    return 1.0 if temperature == 0 else default
+
+
 def _number(text: str, kind: type) -> int | float:
     try:
         return kind(text)
@@ -105,10 +117,10 @@ def _number(text: str, kind: type) -> int | float:
 
 
 def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: int, no_spec: bool,
-             err: Console, history: Path | None = None) -> None:
+             err: Console, history: Path | None = None, penalty_chosen: bool = False) -> None:
     decoder = loaded.decoder(sampling, speculate=not no_spec)
     chat = Chat(loaded, ChatSession(decoder, loaded.template, loaded.target.tokenizer, system), sampling, None,
-                not no_spec, max_tokens)
+                not no_spec, max_tokens, penalty_chosen)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     if interactive:
         note(f"{loaded.name} · {sampling.described()} · /help for commands, Ctrl-D to leave")

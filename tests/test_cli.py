@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from edge.chat import ChatSession
+from edge.errors import UserError
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from models.pair import Pair
@@ -354,8 +355,7 @@ def test_chat_samples_by_default_and_takes_greedy(smollm2: Pair) -> None:
     from edge.sampling import CHAT_DEFAULTS
 
     assert smollm2.sampling == CHAT_DEFAULTS  # SmolLM2's file recommends no sampling
-    greedy = run("chat", "--max-tokens", "16", "--temperature", "0", "--repeat-penalty", "1",
-                 input="Name three colors.\n")
+    greedy = run("chat", "--max-tokens", "16", "--temperature", "0", input="Name three colors.\n")
     plain = json.loads(run("generate", "Name three colors.", "-n", "16", "--json").stdout)
     assert greedy.stdout.strip() == plain["text"].strip()
 
@@ -379,8 +379,7 @@ def test_a_model_named_by_its_file(files: dict[str, Path]) -> None:
         shutil.copyfile(files["smol"], copy)
     plain = greedy_text()
     assert greedy_text("-m", str(copy), "--budget", "8") == plain
-    chat = run("chat", str(copy), "--temperature", "0", "--repeat-penalty", "1", "-n", "12",
-               input="Name three colors.\n")
+    chat = run("chat", str(copy), "--temperature", "0", "-n", "12", input="Name three colors.\n")
     assert chat.exit_code == 0, chat.output
     assert chat.stdout.strip() == plain.strip()
     assert not list(folder.glob("*.onnx*"))
@@ -520,3 +519,19 @@ def test_pull_and_check_take_a_model(smollm2: Pair) -> None:
     assert checked.exit_code == 0, checked.output
     result = json.loads(checked.stdout)
     assert result["bit_exact"] is True and result["shapes"]
+
+
+def test_chat_set_keeps_greedy_plain_unless_a_penalty_is_chosen(smollm2: Pair) -> None:
+    from cli.repl import Chat
+
+    chat = Chat(smollm2, ChatSession(smollm2.decoder(smollm2.sampling), smollm2.template, smollm2.target.tokenizer),
+                smollm2.sampling, None, True, 16)
+    assert chat.set("temperature", "0") == "sampling: greedy (temperature 0)"  # generate's greedy: no penalty
+    assert "repeat penalty 1.1" in chat.set("temperature", "0.7")  # sampling again: chat's default penalty
+    chat.set("repeat_penalty", "1.3")
+    assert chat.set("temperature", "0") == "sampling: greedy (temperature 0), repeat penalty 1.3"  # chosen: kept
+    with pytest.raises(UserError, match="does not know"):
+        chat.set("warmth", "3")
+    with pytest.raises(UserError, match="not a number"):
+        chat.set("top_p", "high")
+    assert chat.set("budget", "4") == "tree budget: 4" and "context    0 of" in chat.show()
