@@ -33,6 +33,24 @@ def parse_methods(text: str) -> list[str]:
     return methods
 
 
+def parse_accepts(text: str) -> tuple[str, ...]:
+    from edge.generate import ACCEPT_RULES
+
+    accepts = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if not accepts or any(a not in ACCEPT_RULES for a in accepts):
+        raise UserError(f"--accept takes {', '.join(ACCEPT_RULES)}, comma-separated (got {text!r})")
+    return accepts
+
+
+def method_label(row: dict[str, Any], result: dict[str, Any]) -> str:
+    """The row's method, with its acceptance rule where the run compared rules and its drafter where it compared
+    drafters."""
+    label = row["method"]
+    if row.get("accept") and len({r.get("accept") for r in result["rows"] if r["method"] != "plain"}) > 1:
+        label += f" {row['accept']}"
+    return label if len(result.get("drafters", [])) < 2 else f"{label} ({row['drafter']})"
+
+
 def parse_drafters(text: str | None) -> list[DrafterChoice] | None:
     """'llama_cpp,onnx:32768,llama_cpp@q4_0' -> drafters to compare: a runtime, a trimmed head (onnx:K) and a
     requantization of the pair's drafter file (@QUANT)."""
@@ -59,17 +77,18 @@ def render_table(result: dict[str, Any], console: Console) -> None:
                   "speedup", "MB read/pass", "passes", "same as plain",
                   title=escape(f"{result['pair']} ({result.get('target')}, placement {result.get('placement')}) on "
                   f"{result['machine']['cpu']} ({result['prompts']} prompts x {result['max_tokens']} tokens, "
-                  f"T={result['temperature']})"))
+                  f"{result.get('sampling') or 'T=' + str(result['temperature'])})"))
     for row in result["rows"]:
         budget = str(row["budget"] or "-")
         if row["budget"] == "auto":
             budget += f" (mean {row['mean_budget']:g}, {row['plain_rounds']} plain rounds)"
         read = row.get("bytes_read_per_pass")
-        table.add_row(row["method"], row.get("drafter", "-"), budget, f"{row['tokens_per_pass']:.2f}",
+        same = {True: "yes", False: "NO", None: "n/a (sampled)"}[row["matches_plain"]]
+        table.add_row(method_label(row, result), row.get("drafter", "-"), budget, f"{row['tokens_per_pass']:.2f}",
                       f"{row['draft_s_per_round']:.4f}", f"{row['verify_s_per_round']:.4f}",
                       f"{row['tokens_per_s']:.1f}", f"{row.get('speedup', 1.0):.2f}x",
                       "-" if read is None else f"{read / 1e6:.1f}", str(row["target_passes"]),
-                      "yes" if row["matches_plain"] else "NO")
+                      same)
     console.print(table)
     for runtime, times in result.get("target_pass_ms", {}).items():
         console.print(f"target pass, {runtime}: " + " · ".join(f"{n} tokens {ms:.1f} ms" for n, ms in times.items()))
@@ -101,7 +120,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     lines: dict[str, list[dict]] = {}
     for row in result["rows"]:
         if row["method"] != "plain":
-            label = row["method"] if len(result.get("drafters", [])) < 2 else f"{row['method']} ({row['drafter']})"
+            label = method_label(row, result)
             lines.setdefault(label, []).append(row)
     for label, rows in lines.items():
         fixed = sorted((r for r in rows if r["budget"] != "auto"), key=lambda r: r["budget"])

@@ -96,6 +96,10 @@ DrafterOpt = Annotated[str | None, typer.Option(
 BudgetOpt = Annotated[str | None, typer.Option(
     help="draft tree size in nodes, or auto: the fastest for this machine, chosen as the text goes (default: the "
          "pair's, auto unless models.toml says)", show_default=False)]
+AcceptOpt = Annotated[str, typer.Option(
+    help="how a sampled reply accepts draft tokens: match (sample-and-match: a seed gives --no-spec's exact text), "
+         "residual (drafts drawn from the drafter's distribution, accepted with probability min(1, p/q): more tokens "
+         "per pass when sampling), or auto (the one measured to yield more); greedy decoding is the same with all")]
 PlacementOpt = Annotated[str, typer.Option(
     help="where the target's weights live: ram, or ssd (mmap'd and read from the disk every pass, as for a model "
          "larger than RAM)")]
@@ -207,6 +211,7 @@ def generate(
     repeat_penalty: RepeatOpt = 1.0,
     seed: SeedOpt = None,
     budget: BudgetOpt = None,
+    accept: AcceptOpt = "auto",
     ctx_size: CtxOpt = None,
     no_spec: NoSpecOpt = False,
     raw: RawOpt = False,
@@ -227,7 +232,8 @@ def generate(
     import edge
 
     options = LoadOptions(models_file=ctx.obj, pair=pair, target=target, drafter=drafter, ctx=ctx_size, budget=budget,
-                          threads=threads, gpu_layers=gpu_layers, provider=provider, placement=placement, mlock=mlock,
+                          accept=accept, threads=threads, gpu_layers=gpu_layers, provider=provider,
+                          placement=placement, mlock=mlock,
                           readahead=readahead, target_dtype=target_dtype)
     if not raw:
         refuse_base_model(options, "pass --raw to complete the prompt as-is")
@@ -269,6 +275,7 @@ def chat(
     repeat_penalty: ChatSamplingOpt = None,
     seed: SeedOpt = None,
     budget: BudgetOpt = None,
+    accept: AcceptOpt = "auto",
     ctx_size: CtxOpt = None,
     no_spec: NoSpecOpt = False,
     threads: ThreadsOpt = None,
@@ -288,7 +295,8 @@ def chat(
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
              "min_p": min_p, "repeat_penalty": repeat_penalty, "seed": seed}
     options = LoadOptions(models_file=ctx.obj, pair=pair, drafter=drafter, ctx=ctx_size, budget=budget,
-                          threads=threads, gpu_layers=gpu_layers, provider=provider, placement=placement, mlock=mlock,
+                          accept=accept, threads=threads, gpu_layers=gpu_layers, provider=provider,
+                          placement=placement, mlock=mlock,
                           readahead=readahead)
     refuse_base_model(options, "use `edge-spec generate --raw`")
     with load_pair(options) as loaded:
@@ -321,6 +329,7 @@ def serve(
         "--cors-origin", help="let web pages from this origin call the API (repeat; * for any)",
         show_default=False)] = None,
     budget: BudgetOpt = None,
+    accept: AcceptOpt = "auto",
     ctx_size: CtxOpt = None,
     no_spec: NoSpecOpt = False,
     threads: ThreadsOpt = None,
@@ -341,7 +350,8 @@ def serve(
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key is empty: give a key, or leave the option out")
     options = LoadOptions(models_file=ctx.obj, pair=pair, target=target, drafter=drafter, ctx=ctx_size, budget=budget,
-                          threads=threads, gpu_layers=gpu_layers, provider=provider, placement=placement, mlock=mlock,
+                          accept=accept, threads=threads, gpu_layers=gpu_layers, provider=provider,
+                          placement=placement, mlock=mlock,
                           readahead=readahead, target_dtype=target_dtype)
     sock = bind(host, port)  # a port in use is said before a load of seconds
     try:
@@ -521,6 +531,11 @@ def bench(
         help="comma-separated tree budgets; auto picks one per round")] = "auto,1,16,64,255",
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 128,
     temperature: TempOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    accept: Annotated[str, typer.Option(
+        help="acceptance rules to compare when sampling, comma-separated: match, residual, auto")] = "auto",
     seed: SeedOpt = 0,
     raw: RawOpt = False,
     ctx_size: CtxOpt = None,
@@ -540,7 +555,7 @@ def bench(
                                               show_default=False)] = None,
 ) -> None:
     """Plain decoding vs chain and tree speculation on the same prompts, the same placement, in one run."""
-    from cli.benchmark import parse_budgets, parse_drafters, parse_methods, pyplot, render_table
+    from cli.benchmark import parse_accepts, parse_budgets, parse_drafters, parse_methods, pyplot, render_table
     from cli.benchmark import plot as plot_result
     from models.bench import read_prompts, run_bench
 
@@ -549,8 +564,9 @@ def bench(
     drafter_list = parse_drafters(drafters)
     budget_list = parse_budgets(budgets)
     method_list = parse_methods(methods)
+    accept_list = parse_accepts(accept)
     prompt_list = read_prompts(prompts)
-    sampling = sampling_config(temperature, 0, 1.0, 0.0, 1.0, seed)
+    sampling = sampling_config(temperature, top_k, top_p, min_p, 1.0, seed)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("bench: prompts x rows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -559,7 +575,8 @@ def bench(
             Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("bench", total=None)
         result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list,
-                           tuple(method_list), lambda done, total: bar.update(task, completed=done, total=total))
+                           tuple(method_list), lambda done, total: bar.update(task, completed=done, total=total),
+                           accept_list)
     result["readahead"] = readahead if placement == "ssd" else None
     if as_json:  # the figures first: a plot that cannot be written loses nothing
         print(json.dumps(result, indent=2))

@@ -15,9 +15,11 @@ import numpy as np
 from edge.acceptance import Acceptance
 from edge.errors import Interrupted, UserError
 from edge.grow import GrowConfig
+from edge.options import ACCEPT_RULES
 from edge.protocols import Drafter, Target
+from edge.residual import AutoRule
 from edge.sampling import SamplingConfig
-from edge.speculative import RoundResult, speculative_round
+from edge.speculative import RULES, RoundResult, speculative_round
 
 
 class BudgetPolicy(Protocol):
@@ -42,6 +44,7 @@ class Stats:
     verify_s: float = 0.0
     decode_s: float = 0.0  # wall time of the rounds, prefill excluded
     plain_rounds: int = 0  # rounds a budget policy ran without a tree (speculation did not pay)
+    residual_rounds: int = 0  # tree rounds verified by the residual rule (the rest: sample-and-match)
     budget_sum: int = 0  # draft nodes asked for, summed over rounds (mean budget = budget_sum / rounds)
 
     @property
@@ -77,6 +80,7 @@ class Stats:
             "verify_s_per_round": round(self.verify_s / rounds, 5),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "plain_rounds": self.plain_rounds,
+            "residual_rounds": self.residual_rounds,
             "mean_budget": round(self.budget_sum / rounds, 1),
         }
 
@@ -100,31 +104,55 @@ class Decoder:
     """Owns a target (and optionally a drafter) and the committed context; both KV caches hold context[:-1].
 
     The tree's shape is `grow_config` every round, or, with a `policy` (`--budget auto`), whatever the
-    policy chooses round by round, plain decoding included.
+    policy chooses round by round, plain decoding included. `accept` is the acceptance rule when sampling:
+    "match" (sample-and-match: a seed gives plain sampling's exact text), "residual" (edge/residual.py) or "auto"
+    (edge.residual.AutoRule: the one measured to yield more); greedy decoding is always sample-and-match.
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, grow_config: GrowConfig | None = None,
-                 sampling: SamplingConfig | None = None, policy: BudgetPolicy | None = None):
+                 sampling: SamplingConfig | None = None, policy: BudgetPolicy | None = None, accept: str = "match"):
+        if accept not in ACCEPT_RULES:
+            raise UserError(f"--accept must be one of {', '.join(ACCEPT_RULES)} (got {accept!r})")
         self.target = target
         self.policy = policy if drafter is not None else None
         self.drafter = drafter if grow_config is not None or self.policy is not None else None
         self.grow_config = grow_config
+        self.accept = accept
         self.context: list[int] = []
         self.cached_tokens = 0  # of the last prompt loaded, how many the caches already held
-        self.acceptance, self._acceptance_for = Acceptance(), None
+        self.acceptances: dict[str, Acceptance] = {}
+        self._acceptance_for = None
+        self.auto_rule = AutoRule()
         self.set_sampling(sampling or SamplingConfig())
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
-        """Also points the drafter's scores at the target's temperature (sharper still when greedy)."""
+        """Restarts the seed's random numbers. The rates the target accepts at (and so the measured rates and
+        --accept auto's choice) depend on how it samples, not on the seed: they are kept while only the seed changes."""
         self.sampling = sampling
         self.rng = np.random.default_rng(sampling.seed)
+        self.draft_rng = np.random.default_rng(np.random.SeedSequence(sampling.seed).spawn(1)[0])  # residual draws
         rules = dataclasses.replace(sampling, seed=None)
-        if rules != self._acceptance_for:  # the rates the target accepts at depend on how it samples, not on the seed
-            self.acceptance, self._acceptance_for = Acceptance(greedy=sampling.greedy), rules
-        if self.grow_config is not None:
-            self.grow_config = dataclasses.replace(self.grow_config, draft_temperature=self._draft_temperature())
+        if rules != self._acceptance_for:
+            self.acceptances = {rule: Acceptance(greedy=sampling.greedy) for rule in RULES}
+            self._acceptance_for, self.auto_rule = rules, AutoRule()
 
-    def _draft_temperature(self) -> float:
+    @property
+    def acceptance(self) -> Acceptance:
+        """The measured rates of the rule that runs now (sample-and-match's while greedy)."""
+        return self.acceptances[self._rule(choose=False)]
+
+    def _rule(self, choose: bool = True) -> str:
+        if self.sampling.greedy or self.accept == "match":
+            return "match"
+        if self.accept == "residual":
+            return "residual"
+        return (self.auto_rule.choose() if choose else self.auto_rule.choice) or "match"
+
+    def _draft_temperature(self, rule: str) -> float:
+        """Top-k scores are sharpened to the target's temperature (sharper still when greedy); the residual rule's
+        q already is at it."""
+        if rule == "residual":
+            return 1.0
         return GREEDY_DRAFT_TEMPERATURE if self.sampling.greedy else self.sampling.temperature
 
     def load(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> float:
@@ -189,13 +217,17 @@ class Decoder:
                 finish = "context"
                 break
             started, passes = time.perf_counter(), self.target.passes
-            config = self._grow_config(room, max_tokens - stats.new_tokens)
+            rule = self._rule() if self.drafter is not None else "match"
+            config = self._grow_config(room, max_tokens - stats.new_tokens, rule)
             result = speculative_round(self.target, self.drafter, self.context, config, self.sampling, self.rng,
-                                       self.acceptance, stop_tokens)
+                                       self.acceptances[rule], stop_tokens, rule, self.draft_rng)
             if self.policy is not None:
                 self.policy.observe(config, result)
+            if config is not None and self.accept == "auto" and not self.sampling.greedy:
+                self.auto_rule.observe(rule, len(result.tokens))
             stats.rounds += 1
             stats.plain_rounds += config is None
+            stats.residual_rounds += config is not None and rule == "residual" and not self.sampling.greedy
             stats.budget_sum += 0 if config is None else config.budget
             stats.target_passes += self.target.passes - passes
             stats.drafter_passes += result.drafter_passes
@@ -222,16 +254,15 @@ class Decoder:
         self._sync()
         yield Step(None, text.decode(b"", final=True), finish, stats)
 
-    def _grow_config(self, room: int, wanted: int) -> GrowConfig | None:
+    def _grow_config(self, room: int, wanted: int, rule: str) -> GrowConfig | None:
         """The tree must fit the context left and one target pass, and reaches no deeper than the reply can use
         (GrowConfig.within_reply)."""
         config, room = self.grow_config, min(room, self.target.max_tree)
         if self.policy is not None:
             config = self.policy.choose(room)
-            if config is not None:
-                config = dataclasses.replace(config, draft_temperature=self._draft_temperature())
         if config is None:
             return None
+        config = dataclasses.replace(config, draft_temperature=self._draft_temperature(rule))
         config = config.within_reply(wanted)
         if config.budget + 1 <= room:
             return config

@@ -12,6 +12,7 @@ through the drafter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -21,6 +22,9 @@ from edge.errors import UserError
 from edge.protocols import Drafter
 from edge.tree import TokenTree
 
+# (tree, nodes, width) -> (token ids [len(nodes), width], log-probs [len(nodes), width]): Drafter.expand's top-k best
+# first, or edge/residual.py's draws from q in draw order
+Expand = Callable[[TokenTree, np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 MAX_LEAVES = 255  # llama.cpp has 256 seq ids per context
 # A budget's tree keeps extending its best path past max_steps while the target would reach and accept it with at
 # least this (measured) chance: each such pass adds that many tokens per round on average.
@@ -80,9 +84,10 @@ class GrowConfig:
 
 
 def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance | None = None,
-         stop_tokens: frozenset[int] = frozenset()) -> tuple[TokenTree, int]:
+         stop_tokens: frozenset[int] = frozenset(), expand: Expand | None = None) -> tuple[TokenTree, int]:
     """Grow a tree under `root`; returns the kept tree and the number of drafter passes it took. Nodes carrying a
-    stop token are never expanded: the reply ends there, so the budget goes to other branches."""
+    stop token are never expanded: the reply ends there, so the budget goes to other branches. `expand` (default:
+    the drafter's top-k) gives each expanded node's children; a child it gives log-prob -inf is never kept."""
     capacity = 1 + (config.max_steps * config.beams + config.max_passes - config.max_steps) * config.width
     extend_from = float(np.log(config.extend_prob)) if config.extend_prob else 0.0
     tokens = np.zeros(capacity, np.int32)
@@ -111,7 +116,7 @@ def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance
         order = np.lexsort((depth[candidates], -score[candidates]))
         nodes = candidates[order[: min(beams, expand_room)]]
         view = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n])
-        ids, log_probs = drafter.expand(view, nodes, config.width)  # [len(nodes), width] each
+        ids, log_probs = (expand or drafter.expand)(view, nodes, config.width)  # [len(nodes), width] each
         if config.draft_temperature != 1.0:
             log_probs = _sharpen(log_probs, config.draft_temperature)
         expanded[nodes] = True
@@ -124,8 +129,9 @@ def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance
         draft[new] = log_probs.ravel()
         rank[new] = np.tile(np.arange(ids.shape[1], dtype=np.int32), len(nodes))  # expand gives each row best first
         gain = log_probs if acceptance is None else acceptance.log_accept_children(log_probs, depth[nodes] + 1)
-        score[new] = (score[nodes, None] + gain).ravel()
-        kept[new] = True
+        offered = np.isfinite(log_probs)  # [len(nodes), width]: False where a row had fewer children to give
+        score[new] = (score[nodes, None] + np.where(offered, gain, -np.inf)).ravel()
+        kept[new] = offered.ravel()
         expanded[new] = np.isin(tokens[new], stops)
         n += ids.size
         _keep_best(kept[:n], score[:n], depth[:n], config.budget)

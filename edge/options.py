@@ -8,6 +8,8 @@ from pathlib import Path
 
 from edge.errors import UserError
 
+ACCEPT_RULES = ("match", "residual", "auto")  # sample-and-match, multi-candidate speculative sampling, measured
+
 PLACEMENTS = ("ram", "ssd")
 TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
 PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
@@ -24,6 +26,7 @@ class LoadOptions:
     models_file: Path | None = None  # models.toml to read pairs from (default: the packaged one)
     ctx: int | None = None  # context size in tokens (default: the pair's)
     budget: int | str | None = None  # draft nodes per tree, or "auto" (default: the pair's, auto unless it says)
+    accept: str = "auto"  # acceptance rule when sampling: "match", "residual" or "auto" (edge/residual.py)
     threads: int | None = None  # CPU threads (default: all; the drafter one fewer while an SSD target reads ahead)
     gpu_layers: int | None = None  # target layers on a GPU (default: the plan's where a GPU is visible, else 0)
     provider: str | None = None  # onnxruntime execution provider for ONNX models (default: models.toml's)
@@ -43,6 +46,8 @@ class LoadOptions:
         if self.ctx is not None and self.ctx < MIN_CTX:
             raise UserError(f"--ctx must be at least {MIN_CTX} tokens (got {self.ctx})")
         object.__setattr__(self, "budget", parse_budget(self.budget))
+        if self.accept not in ACCEPT_RULES:
+            raise UserError(f"--accept must be one of {', '.join(ACCEPT_RULES)} (got {self.accept!r})")
         if self.threads is not None and self.threads < 1:
             raise UserError(f"--threads must be at least 1 (got {self.threads})")
         if self.gpu_layers is not None and self.gpu_layers < 0:

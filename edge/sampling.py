@@ -74,13 +74,19 @@ class SamplingConfig:
 CHAT_DEFAULTS = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1)
 
 
-def penalized(logits: np.ndarray, config: SamplingConfig, history: Sequence[int]) -> np.ndarray:
-    """logits: [n_vocab] -> the same with the penalties applied to the last repeat_last_n tokens (a copy only when
-    needed): llama.cpp's order, the repetition penalty's division first, then frequency and presence subtracted."""
+def penalized(logits: np.ndarray, config: SamplingConfig, history: Sequence[int],
+              ids: np.ndarray | None = None) -> np.ndarray:
+    """logits: [n_vocab] (or [m] for the tokens `ids`: a partial row) -> the same with the penalties applied to the
+    last repeat_last_n tokens (a copy only when needed): llama.cpp's order, the repetition penalty's division first,
+    then frequency and presence subtracted."""
     additive = config.presence_penalty != 0.0 or config.frequency_penalty != 0.0
     if (config.repeat_penalty == 1.0 and not additive) or config.repeat_last_n == 0 or not history:
         return logits
     recent, counts = np.unique(np.asarray(history[-config.repeat_last_n :], np.int64), return_counts=True)
+    if ids is not None:  # a partial row: the recent tokens it holds, at their columns
+        at = np.searchsorted(recent, ids)
+        held = recent[np.minimum(at, len(recent) - 1)] == ids
+        recent, counts = np.flatnonzero(held), counts[at[held]]
     out = np.array(logits, dtype=np.float32)
     if config.repeat_penalty != 1.0:
         values = out[recent]
@@ -90,18 +96,28 @@ def penalized(logits: np.ndarray, config: SamplingConfig, history: Sequence[int]
     return out
 
 
-def distribution(logits: np.ndarray, config: SamplingConfig, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The non-zero part of the sampling distribution: (token ids, probabilities summing to 1)."""
-    x = penalized(logits, config, history)
+def distribution(logits: np.ndarray, config: SamplingConfig, history: Sequence[int], ids: np.ndarray | None = None,
+                 log_mass: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The non-zero part of the sampling distribution: (token ids, probabilities summing to 1).
+
+    A partial row (a drafter's top tokens, edge/residual.py) gives `ids`, the tokens its `logits` belong to, and
+    `log_mass`, the log of the whole row's softmax normalizer: the same transforms then run on those tokens alone,
+    top-p reading their true probabilities where no top-k renormalizes them first."""
+    x = penalized(logits, config, history, ids)
+    if ids is None:
+        ids = np.arange(len(x))
     if config.greedy:
-        return np.array([int(np.argmax(x))]), np.ones(1)
+        return np.array([int(ids[np.argmax(x)])]), np.ones(1)
     x = x.astype(np.float64)
-    ids = np.arange(len(x))
     if 0 < config.top_k < len(x):
-        ids = np.argpartition(-x, config.top_k - 1)[: config.top_k]
-    values = x[ids]
-    probs = np.exp(values - values.max())
-    probs /= probs.sum()
+        keep = np.argpartition(-x, config.top_k - 1)[: config.top_k]
+        ids, x = ids[keep], x[keep]
+    values = x
+    if log_mass is not None and not 0 < config.top_k <= len(values):
+        probs = np.exp(values - log_mass)  # the row's true probabilities: they sum to less than 1
+    else:
+        probs = np.exp(values - values.max())
+        probs /= probs.sum()
     if config.top_p < 1.0:
         ids, values, probs = _top_p(ids, values, probs, config.top_p)
     if config.min_p > 0:

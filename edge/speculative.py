@@ -2,7 +2,7 @@
 
     tree      = grow(drafter, root, budget)            # SpecExec best-first, drafter only
     logits    = target.verify(tree)                    # ONE target pass over every node
-    path, tok = accept(tree, logits, ...)              # sample-and-match, below
+    path, tok = accept(tree, logits, ...)              # sample-and-match below, or the residual rule
     target.commit(path); drafter.commit(path)          # both caches keep root + path
     emit tokens of path[1:], then tok                  # tok is the next round's root
 
@@ -11,6 +11,11 @@ distribution at v; if some child of v carries x, move there, else emit x and sto
 a draw from the target given exactly the tokens before it, so the output has the target's distribution
 (greedy: the target's argmax, token for token); the drafter only decides how many draws one pass yields.
 The tree must not depend on those draws, and it does not: growth uses the drafter alone.
+
+The residual rule (edge/residual.py, `rule="residual"`) draws each expanded node's children from the drafter's
+distribution q instead of taking its top-k, and at each node of the path tests them against the target's p
+(accept x with probability min(1, p(x)/q(x)), else go on with the residual); its token has p's distribution too.
+Greedy decoding always uses sample-and-match: at temperature 0 the two rules are the same.
 """
 
 from __future__ import annotations
@@ -24,20 +29,28 @@ import numpy as np
 from edge.acceptance import Acceptance
 from edge.grow import GrowConfig, grow
 from edge.protocols import Drafter, Target
-from edge.sampling import SamplingConfig, draw
+from edge.residual import Proposer, residual_draw
+from edge.sampling import SamplingConfig, distribution, draw
 from edge.tree import TokenTree
+
+RULES = ("match", "residual")
 
 
 def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, history: Sequence[int],
-           rng: np.random.Generator) -> tuple[list[int], int]:
+           rng: np.random.Generator, proposer: Proposer | None = None) -> tuple[list[int], int]:
     """logits: [n_nodes, n_vocab]. Returns the accepted path (node ids, root first) and the target's next token.
 
-    Touches only the rows on one path; `history` is the committed text before the root, for penalties.
+    Touches only the rows on one path; `history` is the committed text before the root, for penalties. With a
+    `proposer` (the residual rule), a node whose children were drawn from q tests them first.
     """
     path = [0]
     seen = [*history, int(tree.tokens[0])]
     while True:
-        token = draw(logits[path[-1]], sampling, seen, rng)
+        proposal = None if proposer is None else proposer.at(seen[len(history):])
+        if proposal is None:
+            token = draw(logits[path[-1]], sampling, seen, rng)
+        else:
+            token = residual_draw(*distribution(logits[path[-1]], sampling, seen), proposal, rng)
         child = tree.child(path[-1], token)
         if child is None:
             return path, token
@@ -59,21 +72,27 @@ class RoundResult:
 
 def speculative_round(target: Target, drafter: Drafter | None, context: Sequence[int], grow_config: GrowConfig | None,
                       sampling: SamplingConfig, rng: np.random.Generator,
-                      acceptance: Acceptance | None = None, stop_tokens: frozenset[int] = frozenset()) -> RoundResult:
+                      acceptance: Acceptance | None = None, stop_tokens: frozenset[int] = frozenset(),
+                      rule: str = "match", draft_rng: np.random.Generator | None = None) -> RoundResult:
     """context: every committed token; its last one is the root. Without a drafter this is plain decoding.
     `acceptance` (optional) ranks the tree's nodes by measured acceptance and learns from this round; the tree
-    grows nothing past `stop_tokens`."""
+    grows nothing past `stop_tokens`. `rule`: "match" or "residual" (whose children are drawn with `draft_rng`:
+    the target's draws must not depend on them)."""
     start = time.perf_counter()
+    proposer = None
     if drafter is None or grow_config is None:
         tree, drafter_passes = TokenTree.root(context[-1]), 0
     else:
         prefetch = getattr(target, "prefetch", None)  # a streamed target reads its weights while we draft
         if prefetch is not None:
             prefetch()
-        tree, drafter_passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens)
+        if rule == "residual" and not sampling.greedy:
+            proposer = Proposer(drafter, sampling, context[:-1], draft_rng or np.random.default_rng())
+        tree, drafter_passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens,
+                                    None if proposer is None else proposer.expand)
     grown = time.perf_counter()
     logits = target.verify(tree)
-    path, token = accept(tree, logits, sampling, context[:-1], rng)
+    path, token = accept(tree, logits, sampling, context[:-1], rng, proposer)
     if acceptance is not None:
         acceptance.observe(tree, path, token)
     verified = time.perf_counter()

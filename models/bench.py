@@ -62,18 +62,23 @@ class DrafterChoice:
 def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_tokens: int, sampling: SamplingConfig,
               raw: bool = False, report: Report = _quiet, drafters: list[DrafterChoice] | None = None,
               methods: tuple[str, ...] = ("plain", "tree"),
-              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Plain decoding (the reference every row is checked against) and each method x budget, prompt by prompt: each
-    prompt runs through every row in turn, so a slow spell of a shared machine falls on all rows alike. With
-    `drafters`, the rows run once per drafter (the pair's drafter file on another runtime, head or quantization).
-    `progress(done, total)` hears of each prompt decoded by each row."""
+              progress: Callable[[int, int], None] | None = None, accepts: tuple[str, ...] = ("match",),
+              ) -> dict[str, Any]:
+    """Plain decoding (the reference every row is checked against) and each method x budget x acceptance rule,
+    prompt by prompt: each prompt runs through every row in turn, so a slow spell of a shared machine falls on all
+    rows alike. With `drafters`, the rows run once per drafter (the pair's drafter file on another runtime, head or
+    quantization). `progress(done, total)` hears of each prompt decoded by each row. A sampled row whose rule is not
+    sample-and-match is not checked against plain decoding's text (it keeps the distribution, not the seed's text):
+    its matches_plain is None."""
     from offload.probe import probe_machine
     from offload.tuning import AutoBudget, measure_costs
 
     prompt_tokens = [pair.prompt_tokens(prompt, raw=raw or None) for prompt in prompts]
     pass_ms = target_pass_times(pair, prompt_tokens[0], report)
     rows, drafter_info, reference, costs = [], [], None, None
-    shapes = [(m, b) for m in methods if m != "plain" for b in budgets if not (b == "auto" and m == "chain")]
+    accepts = ("match",) if sampling.greedy else accepts  # greedy: the rules are the same
+    shapes = [(m, b, a) for m in methods if m != "plain" for b in budgets if not (b == "auto" and m == "chain")
+              for a in accepts]
     total, done = len(prompts) * (1 + max(1, len(drafters or [])) * len(shapes)), 0
 
     def tick() -> None:
@@ -86,36 +91,35 @@ def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_toke
         expand = json_table(expand_ms(drafter, prompt_tokens[0]))
         drafter_info.append({"drafter": label, "vocab": drafter.vocab, "expand_ms": expand,
                              "kv_bytes_per_token": round(drafter.kv_bytes_per_token(), 1)})
-        runs = [] if reference is not None else [("plain", None, Decoder(pair.target, None, None, sampling))]
+        runs = [] if reference is not None else [("plain", None, "match", Decoder(pair.target, None, None, sampling))]
         costs = None
-        for method in (m for m in methods if m != "plain"):
-            for budget in budgets:
-                if budget == "auto" and method == "chain":
-                    continue  # auto chooses tree shapes
-                policy, grow = None, None
-                if budget == "auto":
-                    costs = costs or measure_costs(pair.target, drafter, prompt_tokens[0], pair.target.max_tree)
-                    policy = AutoBudget(costs)
-                else:
-                    grow = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
-                runs.append((method, budget, Decoder(pair.target, drafter, grow, sampling, policy=policy)))
-        report(f"{label}: {', '.join(f'{m} {b}' if b is not None else m for m, b, _ in runs)}; "
+        for method, budget, accept in shapes:
+            policy, grow = None, None
+            if budget == "auto":
+                costs = costs or measure_costs(pair.target, drafter, prompt_tokens[0], pair.target.max_tree)
+                policy = AutoBudget(costs)
+            else:
+                grow = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
+            runs.append((method, budget, accept, Decoder(pair.target, drafter, grow, sampling, policy, accept)))
+        report(f"{label}: {', '.join(_label(m, b, a, accepts) for m, b, a, _ in runs)}; "
                f"{len(prompts)} prompts, each through every row in turn")
-        results = _decode_interleaved([decoder for _, _, decoder in runs], prompt_tokens, max_tokens, sampling, tick)
-        for (method, budget, _), (outputs, stats, read) in zip(runs, results, strict=True):
+        results = _decode_interleaved([decoder for *_, decoder in runs], prompt_tokens, max_tokens, sampling, tick)
+        for (method, budget, accept, _), (outputs, stats, read) in zip(runs, results, strict=True):
             if method == "plain":
                 reference = outputs
                 rows.insert(0, _row("plain", None, stats, True, read))
             else:
-                row = _row(method, budget, stats, outputs == reference, read)
-                rows.append({"drafter": label, "vocab": drafter.vocab, **row})
+                checked = accept == "match" or sampling.greedy
+                row = _row(method, budget, stats, outputs == reference if checked else None, read)
+                rows.append({"drafter": label, "vocab": drafter.vocab, "accept": accept, **row})
     plain = rows[0]
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0
     target_file = model_path(pair.spec.target)
     return {"pair": pair.name, "machine": probe_machine(), "placement": pair.placement,
             "target": target_file.name if target_file is not None else None, "prompts": len(prompts),
-            "max_tokens": max_tokens, "temperature": sampling.temperature, "lossless_warning": pair.lossless_warning,
+            "max_tokens": max_tokens, "temperature": sampling.temperature, "sampling": sampling.described(),
+            "lossless_warning": pair.lossless_warning,
             "target_pass_ms": pass_ms, "auto_costs": None if costs is None else costs.to_json(),
             "drafters": drafter_info, "rows": rows}
 
@@ -180,7 +184,14 @@ def target_pass_times(pair: Pair, prefix: list[int], report: Report = _quiet) ->
     return times
 
 
-def _row(method: str, budget: int | str | None, stats: Stats, matches_plain: bool, read: int | None) -> dict[str, Any]:
+def _label(method: str, budget: int | str | None, accept: str, accepts: tuple[str, ...]) -> str:
+    if budget is None:
+        return method
+    return f"{method} {budget}" + (f" {accept}" if len(accepts) > 1 else "")
+
+
+def _row(method: str, budget: int | str | None, stats: Stats, matches_plain: bool | None,
+         read: int | None) -> dict[str, Any]:
     figures = stats.as_dict()
     return {
         "method": method,
@@ -194,6 +205,7 @@ def _row(method: str, budget: int | str | None, stats: Stats, matches_plain: boo
         "tree_nodes_per_round": figures["tree_nodes_per_round"],
         "mean_budget": figures["mean_budget"],
         "plain_rounds": stats.plain_rounds if budget == "auto" else 0,
+        "residual_rounds": stats.residual_rounds,
         "matches_plain": matches_plain,
     }
 

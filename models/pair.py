@@ -109,8 +109,9 @@ class Pair:
         if not speculate or self.drafter is None:
             return Decoder(self.target, None, None, sampling)
         if budget != "auto":
-            return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling)
-        return Decoder(self.target, self.drafter, None, sampling, policy=self.auto_budget())
+            return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling,
+                           accept=self.options.accept)
+        return Decoder(self.target, self.drafter, None, sampling, policy=self.auto_budget(), accept=self.options.accept)
 
     def reused_decoder(self, sampling: SamplingConfig, speculate: bool = True,
                        budget: int | str | None = None) -> Decoder:

@@ -193,6 +193,7 @@ def test_broken_inputs_get_one_line(tmp_path: Path) -> None:
     (["--temperature", "inf"], "finite"),
     (["--threads", "0"], "--threads must be at least 1"),
     (["--gpu-layers", "-5"], "--gpu-layers must be 0 or more"),
+    (["--accept", "best"], "--accept must be one of match, residual, auto"),
 ])
 def test_invalid_sampling_values(smollm2: Pair, flags: list[str], fragment: str) -> None:
     assert_one_line_error(run("generate", "hi", *flags), fragment)
@@ -213,6 +214,24 @@ def test_base_model_needs_raw(gemma3: Pair) -> None:
 def test_bad_bench_budgets(smollm2: Pair) -> None:
     assert_one_line_error(run("bench", "--budgets", "1,x"), "--budgets")
     assert_one_line_error(run("bench", "--methods", "plain,beam"), "--methods")
+    assert_one_line_error(run("bench", "--accept", "match,best"), "--accept takes match, residual, auto")
+
+
+def test_sampled_generation_by_rule(smollm2: Pair) -> None:
+    """match: a seed gives --no-spec's exact text; residual: a seed gives the same text run after run (its trees
+    are the drafter's draws, so not plain sampling's), from trees that yield more tokens per pass."""
+    def text_and_stats(*flags: str) -> tuple[str, dict]:
+        result = run("generate", "Write a short poem about the sea.", "-n", "48", "--temperature", "0.8", "--seed",
+                     "3", "--budget", "16", "--json", *flags)
+        assert result.exit_code == 0, result.output
+        reply = json.loads(result.stdout)
+        return reply["text"], reply["stats"]
+
+    plain, _ = text_and_stats("--no-spec")
+    assert text_and_stats("--accept", "match")[0] == plain
+    residual, stats = text_and_stats("--accept", "residual")
+    assert text_and_stats("--accept", "residual")[0] == residual
+    assert stats["residual_rounds"] == stats["rounds"] > 0
     assert_one_line_error(run("generate", "hi", "--budget", "fast"), "--budget", "auto")
     assert_one_line_error(run("generate", "hi", "--placement", "disk"), "--placement")
     assert_one_line_error(run("generate", "hi", "--target-dtype", "q3"), "--target-dtype")
@@ -433,7 +452,7 @@ def test_rm_removes_a_models_cached_files_only(tmp_path: Path, monkeypatch: pyte
     (cache / "models").mkdir(parents=True)
     (cache / "prepared").mkdir()
     ours = [cache / "models" / "fake.gguf", cache / "models" / "fake.gguf.sha256",
-            cache / "models" / "fake.int4-full-kv4.v5.onnx", prepared_path(spec.target)]
+            cache / "models" / "fake.int4-full-kv4.v6.onnx", prepared_path(spec.target)]
     theirs = [cache / "models" / "other.gguf", cache / "models" / "fakeish.gguf"]
     for path in ours + theirs:
         path.write_bytes(b"x" * 1000)

@@ -153,3 +153,31 @@ def test_sampled_first_tokens_follow_the_targets_distribution(smollm2: Pair) -> 
     assert set(counts) <= set(exact)
     for outcome, p in exact.items():
         assert abs(counts.get(outcome, 0) / runs - p) <= 5 * np.sqrt(p * (1 - p) / runs) + 1e-9, outcome
+
+
+def test_residual_rule_follows_the_targets_distribution(smollm2: Pair) -> None:
+    """The residual rule on the real pair (the ONNX drafter's q, llama.cpp's p): two-token continuations over 400
+    seeded generations against their exact probabilities from the target's logits, as above, at a temperature and
+    top-p where the drafter's draws are often not the target's."""
+    sampling = SamplingConfig(temperature=1.0, top_k=5, top_p=0.9)
+    tokens = prompt_tokens(smollm2, "Name a colour.")
+    first = sequential_logits(smollm2.target, tokens[:-1], [tokens[-1]])[0]
+    ids, probs = distribution(first, sampling, tokens)
+    exact = {}
+    for token, p in zip(ids.tolist(), probs.tolist(), strict=True):
+        second = sequential_logits(smollm2.target, tokens, [token])[0]
+        ids2, probs2 = distribution(second, sampling, [*tokens, token])
+        exact.update({(token, t2): p * p2 for t2, p2 in zip(ids2.tolist(), probs2.tolist(), strict=True)})
+    runs, counts, residual_rounds = 400, {}, 0
+    decoder = Decoder(smollm2.target, smollm2.drafter, GrowConfig.for_budget(4), sampling, accept="residual")
+    for seed in range(runs):  # a seed per generation, as separate requests would have
+        decoder.set_sampling(replace(sampling, seed=seed))
+        decoder.load(tokens)
+        steps = list(decoder.generate(2))
+        key = tuple(s.token for s in steps if s.finish_reason is None)
+        counts[key] = counts.get(key, 0) + 1
+        residual_rounds += steps[-1].stats.residual_rounds
+    assert residual_rounds >= runs  # every generation's first round at least
+    assert set(counts) <= set(exact)
+    for outcome, p in exact.items():
+        assert abs(counts.get(outcome, 0) / runs - p) <= 5 * np.sqrt(p * (1 - p) / runs) + 1e-9, outcome

@@ -28,8 +28,9 @@ PROMPT = "Name three colors."
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    """The default pair with a fixed tree budget (so every request runs trees) and an API key."""
-    with ServerProcess([MODEL, "--budget", "16", "--ctx", "1024", "--api-key", KEY]) as running:
+    """The default pair with a fixed tree budget (so every request runs trees) and an API key; sample-and-match, so
+    that a seed gives plain sampling's exact text (greedy replies are the same under every rule)."""
+    with ServerProcess([MODEL, "--budget", "16", "--ctx", "1024", "--api-key", KEY, "--accept", "match"]) as running:
         yield running
     assert running.process.returncode == 130, running.log[-3000:]  # Ctrl-C, as a shell reports it: a clean stop
     assert "Traceback" not in running.log and '" 500' not in running.log, running.log[-3000:]

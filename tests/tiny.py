@@ -84,12 +84,16 @@ class TinyModel:
 
     # Drafter
     def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.expand_logits(tree, nodes, k)[:2]
+
+    def expand_logits(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         self.passes += 1
         base = self.cache + self.pending
         logits = np.array([self.logits(base + _path_tokens(tree, int(v))) for v in nodes])
         logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
         ids = np.argsort(-logp, axis=1, kind="stable")[:, :k]
-        return ids.astype(np.int32), np.take_along_axis(logp, ids, axis=1).astype(np.float32)
+        return (ids.astype(np.int32), np.take_along_axis(logp, ids, axis=1).astype(np.float32),
+                np.take_along_axis(logits, ids, axis=1).astype(np.float32))
 
 
 def _path_tokens(tree: TokenTree, node: int) -> list[int]:

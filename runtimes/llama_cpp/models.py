@@ -142,14 +142,22 @@ class LlamaDrafter(_Runner):
         return shape.n_layers * shape.n_kv_heads * shape.head_dim * 2 * bits / 8
 
     def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return top_k_log_probs(self._run(tree, nodes), k)
+
+    def expand_logits(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        logits = self._run(tree, nodes)  # [len(nodes), n_vocab]
+        ids, log_probs = top_k_log_probs(logits, k)
+        return ids, log_probs, np.take_along_axis(logits, ids, axis=1)
+
+    def _run(self, tree: TokenTree, nodes: np.ndarray) -> np.ndarray:
+        """One pass over `nodes`; their logits [len(nodes), n_vocab]."""
         if len(self._node_seq) + len(nodes) > self.expand_capacity:
             raise ValueError("drafter asked to expand more nodes in one round than it has seq ids")
         if nodes[0] == 0:
             self._run_root(int(tree.tokens[0]))
         else:
             self._run_nodes(tree, nodes)
-        logits = self.ctx.logits(len(nodes))  # [len(nodes), n_vocab]
-        return top_k_log_probs(logits, k)
+        return self.ctx.logits(len(nodes))
 
     def _run_root(self, root: int) -> None:
         """Pending tokens and the root join seq 0 (committed) and seq 1 (the root's path) in one pass."""

@@ -16,7 +16,7 @@ One run of the graph processes n new tokens against the cached ones. Inputs (T =
     k_tree, v_tree [S, L, kvh, d]  this round's earlier tree nodes
 Outputs:
     k_new, v_new [n, L, kvh, d]    the new tokens' keys (after RoPE) and values
-    logits [m, V']                 or  top_ids [m, k] (full-vocabulary ids) + top_log_probs [m, k]
+    logits [m, V']                 or  top_ids [m, k] (full-vocabulary ids) + top_log_probs [m, k] + top_logits [m, k]
 
 Token-major caches ([tokens, layers, ...]) make every prefix a contiguous array, so Python passes views.
 """
@@ -421,10 +421,12 @@ class DecoderBuilder:
                 logits, column_ids = self.context_rows(x, logits, head_name)
             log_probs = g.op("LogSoftmax", logits, axis=-1)
             values, index = g.op("TopK", log_probs, top_k, axis=-1, largest=1, sorted=1, n_out=2)
+            raw = g.op("GatherElements", logits, index, axis=-1)  # the same tokens' logits, for penalties on them
             if column_ids is not None:
                 index = g.op("Gather", column_ids, index, axis=0)
             g.output(index, "top_ids", I64, ["m", "k"])
             g.output(values, "top_log_probs", F, ["m", "k"])
+            g.output(raw, "top_logits", F, ["m", "k"])
         return g.model()
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from edge.grow import MAX_BUDGET
 from edge.tree import TokenTree
 from quant.kv import QuantSpecKV
 from runtimes.onnx.arch import Arch
@@ -23,7 +24,9 @@ from runtimes.onnx.session import DecoderSession
 CATCH_UP = 64  # more pending tokens than this run as a prefill before the root pass
 
 PREFILL_CHUNK = 256
-MAX_TREE = 256
+MAX_TREE = 256  # the target's nodes per verify pass, and the tree slots a model starts with
+# A drafter runs up to this many nodes a round (trees past 255 nodes run more than 256); slots grow as they fill.
+MAX_EXPAND = MAX_BUDGET
 # A trimmed head also scores up to this many of the context's tokens outside its vocabulary (the newest ones):
 # each costs one gathered row and one column of the head per pass.
 MAX_EXTRA = 512
@@ -140,11 +143,23 @@ class _OnnxModel:
                    parent_slots: np.ndarray) -> np.ndarray:
         """Keeps the run's new K/V as tree slots; returns their slot numbers."""
         n = len(positions)
+        if self.n_tree + n > len(self.tree_pos):
+            self._more_slots(self.n_tree + n)
         slots = np.arange(self.n_tree, self.n_tree + n)
         self.tree_k[slots], self.tree_v[slots] = out["k_new"], out["v_new"]
         self.tree_pos[slots], self.tree_token[slots], self.tree_parent[slots] = positions, tokens, parent_slots
         self.n_tree += n
         return slots
+
+    def _more_slots(self, needed: int) -> None:
+        """At least `needed` tree slots, the ones in use kept (doubling: a large tree's round copies them log-few
+        times)."""
+        size = max(needed, 2 * len(self.tree_pos))
+        for name, fill in (("tree_k", 0), ("tree_v", 0), ("tree_pos", 0), ("tree_token", 0), ("tree_parent", -1)):
+            old = getattr(self, name)
+            new = np.full((size, *old.shape[1:]), fill, old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
 
     def _write(self, tokens: Sequence[int]) -> None:
         """Runs committed tokens straight into the cache, a chunk per pass."""
@@ -172,7 +187,7 @@ class OnnxDrafter(_OnnxModel):
 
     def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, shared: bool = False):
         super().__init__(session, arch, kv, shared)
-        self.expand_capacity = MAX_TREE - 1
+        self.expand_capacity = MAX_EXPAND
         self.node_slot = np.full(1024, -1, np.int64)  # grows with the grow-time node ids
         self.pending: list[int] = []  # committed tokens not yet run (a path's unexpanded tail)
         self.base = 0  # the root's position
@@ -197,10 +212,13 @@ class OnnxDrafter(_OnnxModel):
             self._note(np.asarray([*self.history, *self.pending], np.int64))
 
     def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.expand_logits(tree, nodes, k)[:2]
+
+    def expand_logits(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self.n_tree + len(nodes) > self.expand_capacity + 1:  # +1: the root's slot
             raise ValueError("drafter asked to expand more nodes in one round than it has tree slots")
         out = self._run_root(int(tree.tokens[0]), k) if nodes[0] == 0 else self._run_nodes(tree, nodes, k)
-        return out["top_ids"].astype(np.int32), out["top_log_probs"]
+        return out["top_ids"].astype(np.int32), out["top_log_probs"], out["top_logits"]
 
     def _run_root(self, root: int, k: int) -> dict[str, np.ndarray]:
         """Pending tokens and the root in one pass; the pending ones join the committed cache."""

@@ -1,0 +1,158 @@
+"""Multi-candidate speculative sampling (SpecInfer's rule, drawn without replacement as in Sequoia): the second
+acceptance rule, lossless for any drafter, and the one that keeps its yield when the target samples.
+
+Growth (Proposer): each expanded node v gets q_v, the drafter's distribution after the target's own transforms
+(penalties, top-k, top-p, min-p, temperature: edge.sampling.distribution on the drafter's top tokens), and draws
+its candidate children x_1, x_2, ... from q_v without replacement (Gumbel top-k: an ordered draw). Growth keeps
+whichever of them it likes as tree nodes; the candidates stay on record with q_v.
+
+Verification at v (residual_draw), with p the target's distribution there:
+
+    for x_i in candidates, in draw order:
+        accept x_i with probability min(1, p(x_i) / q(x_i))           # one uniform
+        else p = norm(max(p - q, 0)); q[x_i] = 0; q = norm(q)          # the residual, and x_i out of q
+    if all fail: draw from p                                           # one uniform
+
+The token it returns has exactly the distribution p (docs/lossless.md, "The residual rule", has the proof): it
+is a draw from the target, so the output is the target's whatever the drafter proposes, and a candidate kept
+as a node lets the round go on below it. A candidate growth dropped can still be accepted: the round then ends
+with it, as with the target's own token. Unexpanded nodes have no candidates: p is drawn from directly.
+
+Unlike sample-and-match, whose chance to go on is the target's mass on the kept children, a drafter whose q is
+close to p has its first candidate accepted with probability 1 - TV(p, q), near 1 even where p is flat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge.protocols import Drafter
+from edge.sampling import SamplingConfig, distribution
+from edge.tree import TokenTree
+
+POOL = 64  # the drafter's top tokens q is built from, where no smaller top-k bounds the target's support
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """q at one expanded node and the candidates drawn from it."""
+
+    ids: np.ndarray  # [s] int64, q's support, ascending
+    probs: np.ndarray  # [s] float64, q, summing to 1
+    drawn: np.ndarray  # [c] int64, the candidates in draw order (distinct, c <= s)
+
+
+class Proposer:
+    """Draws each expanded node's children from q (grow's `expand` hook) and keeps every node's Proposal, by the
+    node's path of tokens from the root, which no renumbering of the tree changes."""
+
+    def __init__(self, drafter: Drafter, sampling: SamplingConfig, history: Sequence[int], rng: np.random.Generator):
+        self.drafter, self.sampling, self.rng = drafter, sampling, rng
+        self.history = list(history)  # committed tokens before the root
+        self.pool = sampling.top_k if 0 < sampling.top_k <= POOL else POOL
+        self.proposals: dict[tuple[int, ...], Proposal] = {}
+
+    def expand(self, tree: TokenTree, nodes: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """As Drafter.expand: (ids [n, width], log q [n, width]) in draw order; a row with fewer candidates than
+        `width` (q's support is smaller) is padded with -inf, which growth never keeps."""
+        ids, log_probs, logits = self.drafter.expand_logits(tree, nodes, self.pool)  # [n, pool] each
+        out_ids = np.zeros((len(nodes), width), np.int32)
+        out_log_q = np.full((len(nodes), width), -np.inf, np.float32)
+        for row, node in enumerate(nodes.tolist()):
+            path = _path(tree, node)
+            log_mass = float(logits[row, 0] - log_probs[row, 0])  # logit - log-prob: the row's log normalizer
+            q_ids, q = distribution(logits[row], self.sampling, [*self.history, *path], ids=ids[row].astype(np.int64),
+                                    log_mass=log_mass)
+            drawn = _draw_without_replacement(q, width, self.rng)
+            self.proposals[tuple(path)] = Proposal(q_ids, q, q_ids[drawn])
+            out_ids[row, : len(drawn)] = q_ids[drawn]
+            out_log_q[row, : len(drawn)] = np.log(q[drawn])
+        return out_ids, out_log_q
+
+    def at(self, path_tokens: Sequence[int]) -> Proposal | None:
+        return self.proposals.get(tuple(path_tokens))
+
+
+def residual_draw(p_ids: np.ndarray, p: np.ndarray, proposal: Proposal, rng: np.random.Generator) -> int:
+    """One token with exactly the distribution (p_ids, p), accepting the proposal's candidates where it can."""
+    support = np.union1d(p_ids, proposal.ids)  # ascending: the final draw maps a uniform in a fixed order
+    target = np.zeros(len(support))
+    target[np.searchsorted(support, p_ids)] = p
+    draft = np.zeros(len(support))
+    draft[np.searchsorted(support, proposal.ids)] = proposal.probs
+    for token in proposal.drawn.tolist():
+        at = int(np.searchsorted(support, token))
+        if rng.random() * draft[at] < target[at]:  # probability min(1, p/q), without dividing
+            return token
+        residual = np.maximum(target - draft, 0.0)
+        mass = residual.sum()
+        if mass <= 0:  # p == q up to rounding, where every candidate is accepted: cannot happen but by rounding
+            break
+        target = residual / mass
+        draft[at] = 0.0
+        left = draft.sum()
+        if left <= 0:
+            break
+        draft /= left
+    index = int(np.searchsorted(np.cumsum(target), rng.random() * target.sum(), side="right"))
+    return int(support[min(index, len(support) - 1)])
+
+
+def _draw_without_replacement(q: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """Indices of an ordered draw of min(count, support) items from q without replacement: the top of
+    log q + Gumbel noise is distributed exactly as drawing one, removing it, renormalizing, drawing the next."""
+    keys = np.log(q) + rng.gumbel(size=len(q))
+    keys[q <= 0] = -np.inf
+    order = np.argsort(-keys, kind="stable")[: min(count, int((q > 0).sum()))]
+    return order
+
+
+def _path(tree: TokenTree, node: int) -> list[int]:
+    """The tokens from the root to `node`, both included."""
+    path = []
+    while node >= 0:
+        path.append(int(tree.tokens[node]))
+        node = int(tree.parents[node])
+    return path[::-1]
+
+
+class AutoRule:
+    """`--accept auto`: runs both rules on the first rounds at the request's sampling, then the one whose trees
+    yielded more tokens per target pass, trying the other every REVISIT rounds so that a change in the text can
+    turn it round. Greedy decoding never asks (it is sample-and-match). Tokens per pass, not per second: the choice
+    is then the same for the same seed, and the rules cost about the same per round (a few ms of numpy for q)."""
+
+    TRIALS = 4  # tree rounds of each rule before choosing
+    REVISIT = 16
+    DECAY = 0.9  # weight of a rule's earlier rounds after one more of its rounds
+
+    def __init__(self) -> None:
+        self.tokens = {"match": 0.0, "residual": 0.0}  # decayed sums over each rule's tree rounds
+        self.rounds = {"match": 0.0, "residual": 0.0}
+        self.tried = {"match": 0, "residual": 0}
+        self.asked = 0
+
+    def choose(self) -> str:
+        self.asked += 1
+        if min(self.tried.values()) < self.TRIALS:
+            return "match" if self.tried["match"] <= self.tried["residual"] else "residual"
+        best = max(self.tokens, key=lambda rule: self.tokens[rule] / self.rounds[rule])
+        if self.asked % self.REVISIT == 0:
+            return "residual" if best == "match" else "match"
+        return best
+
+    def observe(self, rule: str, tokens: int) -> None:
+        """One tree round of `rule` that emitted `tokens` (its accepted path plus the target's token)."""
+        self.tokens[rule] = self.DECAY * self.tokens[rule] + tokens
+        self.rounds[rule] = self.DECAY * self.rounds[rule] + 1
+        self.tried[rule] += 1
+
+    @property
+    def choice(self) -> str | None:
+        """The rule it runs now, once both are measured."""
+        if min(self.tried.values()) < self.TRIALS:
+            return None
+        return max(self.tokens, key=lambda rule: self.tokens[rule] / self.rounds[rule])

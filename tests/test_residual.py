@@ -1,0 +1,152 @@
+"""The residual acceptance rule (edge/residual.py): its output has the target's distribution.
+
+Tiny numpy models check the logic with a chi-square test over every 3-token continuation, which a deliberately
+wrong rule fails; the real SmolLM2 pair checks it against exact probabilities from the target's logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edge.generate import Decoder
+from edge.grow import GrowConfig
+from edge.residual import AutoRule, Proposal, Proposer, _draw_without_replacement, residual_draw
+from edge.sampling import SamplingConfig, distribution
+from edge.tree import TokenTree
+from tests.test_engine import first_tokens_distribution
+from tests.tiny import TinyModel
+
+CONFIGS = [  # two temperatures, top-p and min-p on, a penalty on one
+    SamplingConfig(temperature=0.7, top_p=0.9, min_p=0.05),
+    SamplingConfig(temperature=1.3, top_p=0.95, min_p=0.02, repeat_penalty=1.2),
+]
+RUNS = 4000
+
+
+def chi_square(counts: dict, exact: dict, runs: int) -> tuple[float, float]:
+    """(statistic, its critical value at p = 1e-4) over the outcomes, those expected fewer than 5 times pooled.
+    The critical value is Wilson and Hilferty's approximation of the chi-square quantile (within 1% here)."""
+    expected = np.array([p * runs for p in exact.values()])
+    observed = np.array([counts.get(outcome, 0) for outcome in exact], float)
+    assert sum(counts.values()) == observed.sum(), "an outcome the target cannot produce"
+    small = expected < 5
+    expected = np.append(expected[~small], expected[small].sum())
+    observed = np.append(observed[~small], observed[small].sum())
+    keep = expected > 0
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    z = 3.719  # the normal quantile at 1 - 1e-4
+    critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return statistic, critical
+
+
+def residual_counts(sampling: SamplingConfig, runs: int = RUNS) -> dict[tuple[int, ...], int]:
+    """3-token continuations of [0, 1], drafted by a noisy copy of the target, verified by the residual rule."""
+    target = TinyModel(n_vocab=4, seed=8, scale=1.0)
+    drafter = target.noisy(1.5, seed=4)
+    decoder = Decoder(target, drafter, GrowConfig(budget=6, beams=2, width=2, max_depth=3, max_steps=3),
+                      sampling, accept="residual")
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(runs):  # one RNG for all runs, as in one long session
+        decoder.load([0, 1])
+        key = tuple(s.token for s in decoder.generate(3) if s.finish_reason is None)
+        counts[key] = counts.get(key, 0) + 1
+    assert decoder.acceptance is decoder.acceptances["residual"]
+    return counts
+
+
+@pytest.mark.parametrize("sampling", CONFIGS, ids=["t0.7", "t1.3-penalty"])
+def test_residual_rule_has_the_targets_distribution(sampling: SamplingConfig) -> None:
+    exact = first_tokens_distribution(4, TinyModel(n_vocab=4, seed=8, scale=1.0), 3, sampling)
+    statistic, critical = chi_square(residual_counts(sampling), exact, RUNS)
+    assert statistic < critical
+
+
+def wrong_residual_draw(p_ids, p, proposal, rng) -> int:
+    """The classic mistake: after rejecting a candidate, draw from p itself instead of the residual."""
+    for token in proposal.drawn.tolist():
+        q = dict(zip(proposal.ids.tolist(), proposal.probs.tolist(), strict=True))[token]
+        p_token = dict(zip(p_ids.tolist(), p.tolist(), strict=True)).get(token, 0.0)
+        if rng.random() * q < p_token:
+            return token
+    return int(p_ids[min(int(np.searchsorted(np.cumsum(p), rng.random(), side="right")), len(p) - 1)])
+
+
+@pytest.mark.parametrize("sampling", CONFIGS, ids=["t0.7", "t1.3-penalty"])
+def test_the_chi_square_test_catches_a_wrong_rule(sampling: SamplingConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("edge.speculative.residual_draw", wrong_residual_draw)
+    exact = first_tokens_distribution(4, TinyModel(n_vocab=4, seed=8, scale=1.0), 3, sampling)
+    statistic, critical = chi_square(residual_counts(sampling), exact, RUNS)
+    assert statistic > critical
+
+
+def test_residual_draw_is_exactly_p() -> None:
+    """At one node: two candidates drawn from q without replacement, then the rule; the token's frequencies are p's,
+    for a q close to p and for one far from it (holding tokens p has not)."""
+    p_ids, p = np.array([2, 3, 5, 7]), np.array([0.1, 0.4, 0.3, 0.2])
+    for q_ids, q in ((np.array([2, 3, 5]), np.array([0.2, 0.5, 0.3])), (np.array([1, 7]), np.array([0.9, 0.1]))):
+        rng = np.random.default_rng(0)
+        draws = []
+        for _ in range(40_000):
+            proposal = Proposal(q_ids, q, q_ids[_draw_without_replacement(q, 2, rng)])
+            draws.append(residual_draw(p_ids, p, proposal, rng))
+        freq = np.array([draws.count(int(t)) for t in p_ids]) / len(draws)
+        assert np.abs(freq - p).max() < 5 * np.sqrt(0.25 / len(draws)), freq
+
+
+def test_q_uses_the_targets_transforms_on_the_drafters_top_tokens() -> None:
+    """With a top-k inside the drafter's pool, q is exactly edge.sampling.distribution of the drafter's full row."""
+    drafter = TinyModel(n_vocab=30, seed=5, scale=3.0)
+    sampling = SamplingConfig(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05, repeat_penalty=1.3,
+                              presence_penalty=0.2)
+    history = [3, 4, 7, 4]
+    drafter.prefill(history[:-1])
+    proposer = Proposer(drafter, sampling, history[:-1], np.random.default_rng(1))
+    proposer.expand(TokenTree.root(history[-1]), np.array([0]), 4)
+    proposal = proposer.at([history[-1]])
+    ids, probs = distribution(drafter.logits(history), sampling, history)
+    assert np.array_equal(proposal.ids, ids) and np.allclose(proposal.probs, probs)
+    assert len(set(proposal.drawn.tolist())) == min(4, len(ids)) and set(proposal.drawn.tolist()) <= set(ids.tolist())
+
+
+def test_residual_yields_more_than_match_with_a_close_drafter() -> None:
+    """The rule's point: with q close to p at temperature 1, far more tokens per target pass."""
+    figures = {}
+    for rule in ("match", "residual"):
+        target = TinyModel(n_vocab=40, seed=3, scale=2.0)
+        decoder = Decoder(target, target.noisy(0.2, seed=4), GrowConfig.for_budget(16),
+                          SamplingConfig(temperature=1.0, seed=5), accept=rule)
+        decoder.load([1, 2, 3])
+        *_, last = decoder.generate(200)
+        figures[rule] = last.stats.tokens_per_pass
+    assert figures["residual"] > 1.5 * figures["match"], figures
+
+
+def test_auto_measures_both_rules_then_runs_the_better() -> None:
+    auto = AutoRule()
+    seen = []
+    for _ in range(2 * AutoRule.TRIALS):
+        rule = auto.choose()
+        seen.append(rule)
+        auto.observe(rule, 6 if rule == "residual" else 2)
+    assert seen.count("match") == seen.count("residual") == AutoRule.TRIALS
+    assert auto.choice == "residual"
+    later = [auto.choose() for _ in range(2 * AutoRule.REVISIT)]
+    assert later.count("match") == 2  # revisited every REVISIT rounds, residual otherwise
+
+
+def test_auto_with_a_drafter_close_to_its_target_picks_residual_and_greedy_stays_match() -> None:
+    target = TinyModel(n_vocab=40, seed=3, scale=2.0)
+    decoder = Decoder(target, target.noisy(0.2, seed=4), GrowConfig.for_budget(16),
+                      SamplingConfig(temperature=1.0, seed=5), accept="auto")
+    decoder.load([1, 2, 3])
+    *_, last = decoder.generate(200)
+    assert decoder.auto_rule.choice == "residual"
+    assert last.stats.residual_rounds > last.stats.rounds / 2
+    decoder.set_sampling(SamplingConfig())
+    decoder.load([1, 2, 3])
+    *_, last = decoder.generate(50)
+    assert last.stats.residual_rounds == 0
