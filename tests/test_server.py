@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -164,21 +164,31 @@ def test_concurrent_clients_each_get_their_own_reply(client: openai.OpenAI, serv
     assert health(server)["queue"] == {"running": 0, "waiting": 0}
 
 
-def test_a_client_that_leaves_stops_its_generation(client: openai.OpenAI, server: ServerProcess) -> None:
-    cancelled = health(server)["requests"]["cancelled"]
+def open_stream(server: ServerProcess, content: str, max_tokens: int) -> http.client.HTTPConnection:
+    """A streamed greedy chat request left open (greedy: it runs all `max_tokens`); read with getresponse()."""
     url = urlsplit(server.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
-            "max_tokens": 1000, "temperature": 0, "stream": True}  # greedy: runs the whole 1000 tokens
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
+    return connection
+
+
+def wait_for(condition: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_client_that_leaves_stops_its_generation(client: openai.OpenAI, server: ServerProcess) -> None:
+    cancelled = health(server)["requests"]["cancelled"]
+    connection = open_stream(server, "Write a very long story about a dragon.", 1000)
     response = connection.getresponse()
     events = [line for line in (response.readline() for _ in range(12)) if line.startswith(b"data:")]
     assert len(events) == 6 and health(server)["queue"]["running"] == 1  # it is generating
     connection.sock.shutdown(2)
     connection.close()
-    deadline = time.monotonic() + 60
-    while health(server)["requests"]["cancelled"] == cancelled and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: health(server)["requests"]["cancelled"] != cancelled, 60)
     state = health(server)
     assert state["requests"]["cancelled"] == cancelled + 1 and state["queue"]["running"] == 0
     started = time.monotonic()
@@ -188,23 +198,13 @@ def test_a_client_that_leaves_stops_its_generation(client: openai.OpenAI, server
 
 def test_a_waiting_client_that_leaves_is_skipped(server: ServerProcess) -> None:
     """Clients queue in arrival order; one that leaves while waiting is dropped from /health's count."""
-    url = urlsplit(server.url)
-    running = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    long_body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
-                 "max_tokens": 300, "temperature": 0, "stream": True}  # greedy: runs the whole 300 tokens
-    running.request("POST", "/v1/chat/completions", json.dumps(long_body), {"Authorization": f"Bearer {KEY}"})
-    first = running.getresponse()
-    first.readline()
-    waiting = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    waiting.request("POST", "/v1/chat/completions", json.dumps(long_body), {"Authorization": f"Bearer {KEY}"})
-    deadline = time.monotonic() + 30
-    while health(server)["queue"]["waiting"] != 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    running = open_stream(server, "Tell me a long story.", 300)
+    running.getresponse().readline()
+    waiting = open_stream(server, "Tell me a long story.", 300)
+    wait_for(lambda: health(server)["queue"]["waiting"] == 1, 30)
     assert health(server)["queue"]["waiting"] == 1
     waiting.close()
-    deadline = time.monotonic() + 30
-    while health(server)["queue"]["waiting"] != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: health(server)["queue"]["waiting"] == 0, 30)
     assert health(server)["queue"]["waiting"] == 0
     running.close()
 
