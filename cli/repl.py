@@ -98,9 +98,23 @@ class Chat:
             f"drafter    {drafting}",
             f"budget     {budget if self.speculate else 'off (--no-spec)'}",
             f"sampling   {self.sampling.described()}",
+            f"accept     {self._accept_rule()}",
             f"replies    at most {self.max_tokens} tokens",
             f"context    {used} of {loaded.target.n_ctx} tokens used",
         ])
+
+    def _accept_rule(self) -> str:
+        """The acceptance rule in force, and auto's current pick once it has measured both."""
+        decoder, rule = self.session.decoder, self.loaded.options.accept
+        if not self.speculate:
+            return "off (--no-spec)"
+        if self.sampling.greedy:
+            return f"{rule} (greedy: sample-and-match)"
+        if rule == "auto" and decoder.auto_rule.choice is not None:
+            auto = decoder.auto_rule
+            return (f"auto (tokens per tree round: residual {auto.mean('residual'):.1f}, match "
+                    f"{auto.mean('match'):.1f}; running {auto.choice})")
+        return rule
 
 
 def greedy_penalty(temperature: float | None, default: float) -> float:

@@ -139,7 +139,7 @@ class AutoRule:
         self.asked += 1
         if min(self.tried.values()) < self.TRIALS:
             return "match" if self.tried["match"] <= self.tried["residual"] else "residual"
-        best = max(self.tokens, key=lambda rule: self.tokens[rule] / self.rounds[rule])
+        best = max(self.tokens, key=self.mean)
         if self.asked % self.REVISIT == 0:
             return "residual" if best == "match" else "match"
         return best
@@ -150,9 +150,13 @@ class AutoRule:
         self.rounds[rule] = self.DECAY * self.rounds[rule] + 1
         self.tried[rule] += 1
 
+    def mean(self, rule: str) -> float:
+        """Tokens per tree round measured for `rule` (recent rounds weigh more)."""
+        return self.tokens[rule] / self.rounds[rule] if self.rounds[rule] else 0.0
+
     @property
     def choice(self) -> str | None:
         """The rule it runs now, once both are measured."""
         if min(self.tried.values()) < self.TRIALS:
             return None
-        return max(self.tokens, key=lambda rule: self.tokens[rule] / self.rounds[rule])
+        return max(self.tokens, key=self.mean)

@@ -554,3 +554,9 @@ def test_chat_set_keeps_greedy_plain_unless_a_penalty_is_chosen(smollm2: Pair) -
     with pytest.raises(UserError, match="not a number"):
         chat.set("top_p", "high")
     assert chat.set("budget", "4") == "tree budget: 4" and "context    0 of" in chat.show()
+    assert "accept     auto (greedy: sample-and-match)" in chat.show()
+    chat.set("temperature", "0.8")
+    for _ in chat.session.decoder.reply(smollm2.prompt_tokens("Tell me about the sea."), 64):
+        pass
+    assert re.search(r"accept     auto \(tokens per tree round: residual \d+\.\d, match \d+\.\d; running \w+\)",
+                     chat.show()), chat.show()
