@@ -1,0 +1,99 @@
+"""offload/memcap.py: a child under a cgroup v1 memory cap below the size of SmolLM2's F16 file decodes the same greedy
+tokens as without the cap, reading the file from the disk on every pass (the kernel streams it); the cgroup is gone
+afterwards, also when the child fails or is killed for memory. Skipped where cgroups cannot be made (not root, no v1
+memory controller)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from offload import memcap
+
+MIB = 1 << 20
+CAP = 200 * MIB  # the file is 258 MiB; the child allocates ~45 MiB of its own (killed at 80 MiB here)
+PROMPT = [1, 504, 3458, 28, 2]
+
+reason = memcap.unavailable()
+pytestmark = pytest.mark.skipif(reason is not None, reason=f"no memory cgroups here: {reason}")
+
+
+@pytest.fixture(scope="module")
+def f16_file() -> Path:
+    from models.pair import materialize
+    from models.registry import load_registry
+
+    spec = load_registry().pair("smollm2-135m")
+    return materialize(replace(spec.target, quantize="f16"), lambda message: None)
+
+
+def greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
+    """n greedy tokens of the target alone, and the bytes read from storage by each pass."""
+    from edge.tree import TokenTree
+    from offload.ssd import read_bytes
+    from runtimes.llama_cpp import RunOptions, load_target
+
+    target = load_target(path, RunOptions(n_ctx=64, kv_type="bf16"))
+    tokens, reads = [], []
+    try:
+        target.prefill(prompt[:-1])
+        last = prompt[-1]
+        for _ in range(n):
+            tree = TokenTree.root(last)
+            before = read_bytes() or 0
+            logits = target.verify(tree)  # [1, n_vocab]
+            reads.append((read_bytes() or 0) - before)
+            last = int(np.argmax(logits[0]))
+            target.commit(tree, [0])
+            tokens.append(last)
+    finally:
+        target.close()
+    return tokens, reads
+
+
+def fail() -> None:
+    raise ValueError("on purpose")
+
+
+def allocate(n_bytes: int) -> int:
+    block = np.ones(n_bytes, np.uint8)  # touched: resident
+    return int(block.sum())
+
+
+def left_behind() -> list[str]:
+    """This process's cgroups still there (another test run may have its own at the same time)."""
+    mount = memcap.memory_mount()
+    return sorted(p.name for p in mount.glob(f"edge-spec-{os.getpid()}-*")) if mount else []
+
+
+def test_a_capped_child_streams_the_file_and_decodes_the_same_tokens(f16_file: Path) -> None:
+    size = f16_file.stat().st_size
+    assert size > CAP
+    tokens, _ = greedy(f16_file, PROMPT, 4)
+    run = memcap.call_capped(greedy, f16_file, PROMPT, 4, limit_bytes=CAP, drop_cache=[f16_file])
+    capped_tokens, reads = run.value
+    assert capped_tokens == tokens
+    assert run.peak_bytes <= CAP and run.oom_kills == 0
+    assert min(reads) > 0.5 * size, [r // MIB for r in reads]  # every pass read (most of) the file from the disk
+    assert left_behind() == []
+
+
+def test_a_failure_or_an_oom_kill_removes_the_cgroup() -> None:
+    with pytest.raises(RuntimeError, match="ValueError: on purpose"):
+        memcap.call_capped(fail, limit_bytes=64 * MIB)
+    with pytest.raises(MemoryError, match=r"died under a 64 MiB cap \(killed for memory"):
+        memcap.call_capped(allocate, 256 * MIB, limit_bytes=64 * MIB)
+    assert left_behind() == []
+
+
+def test_a_command_runs_inside_its_cgroup() -> None:
+    run = memcap.run_capped([sys.executable, "-c", "print(open('/proc/self/cgroup').read())"], 64 * MIB)
+    assert run.returncode == 0 and run.oom_kills == 0
+    line = next(line for line in run.stdout.splitlines() if "memory" in line.split(":")[1].split(","))
+    assert line.split(":")[2].rsplit("/", 1)[1].startswith("edge-spec-")
+    assert left_behind() == []
