@@ -25,7 +25,8 @@ from edge.tree import TokenTree
 # (tree, nodes, width) -> (token ids [len(nodes), width], log-probs [len(nodes), width]): Drafter.expand's top-k best
 # first, or edge/residual.py's draws from q in draw order
 Expand = Callable[[TokenTree, np.ndarray, int], tuple[np.ndarray, np.ndarray]]
-MAX_LEAVES = 255  # llama.cpp has 256 seq ids per context
+MAX_LEAVES = 255  # llama.cpp has 256 seq ids per context: one per leaf of the tree a target pass verifies
+MAX_BUDGET = 2048  # draft nodes per tree: past MAX_LEAVES nodes the leaf bound shapes the tree (for_budget)
 # A budget's tree keeps extending its best path past max_steps while the target would reach and accept it with at
 # least this (measured) chance: each such pass adds that many tokens per round on average.
 EXTEND_PROB = 0.02
@@ -72,13 +73,25 @@ class GrowConfig:
         "Tree shapes"). One node per drafter pass, the best one: its pass then reads exactly the keys a chain's pass
         at that node reads, so it drafts what the chain would there (several nodes in a pass read each other's
         masked keys, which rounds near-ties otherwise), and the tree's top path is the chain's. The width comes
-        free with each pass: a node's top `width` children are scored, and kept where they beat deeper nodes."""
+        free with each pass: a node's top `width` children are scored, and kept where they beat deeper nodes.
+
+        Past MAX_LEAVES nodes the leaf bound shapes the tree: with at most 255 leaves, b nodes have at least b - 255
+        inner nodes, every one of them a node the drafter ran, so such a tree takes b - 255 expansions or more where
+        a 255-node tree takes a few dozen. One node a pass would take as many passes; instead each pass expands the
+        best budget / 16 nodes (64 at 1024, 128 at 2048) in the 24 passes budget 255 takes before extending, room
+        for 1.5x the expansions needed after the first passes, which have fewer nodes to expand. This is meant for
+        targets whose pass costs about the same for 2049 tokens as for 256 (a GPU, weights streamed), where the
+        drafter's is also about flat in its nodes. The width stays 4: once the leaves are spent, a node's best
+        child alone can join (it extends a leaf without adding one), so wider rows would only be scored."""
         if budget < 1:
             raise UserError(f"--budget must be at least 1 (got {budget}); use --no-spec for plain decoding")
-        if budget > MAX_LEAVES:
-            raise UserError(f"--budget can be at most {MAX_LEAVES} (one target pass holds {MAX_LEAVES + 1} nodes)")
+        if budget > MAX_BUDGET:
+            raise UserError(f"--budget can be at most {MAX_BUDGET} (got {budget})")
         if budget <= 4:
             return cls(budget=budget, beams=1, width=1, max_depth=budget, max_steps=budget)
+        if budget > MAX_LEAVES:
+            return cls(budget=budget, beams=budget // 16, width=4, max_depth=budget, max_steps=24,
+                       extend_prob=EXTEND_PROB)
         steps = int(np.clip(round(2 * budget**0.5) - 2, 4, 24))
         return cls(budget=budget, beams=1, width=4, max_depth=budget, max_steps=steps, extend_prob=EXTEND_PROB)
 
@@ -88,7 +101,11 @@ def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance
     """Grow a tree under `root`; returns the kept tree and the number of drafter passes it took. Nodes carrying a
     stop token are never expanded: the reply ends there, so the budget goes to other branches. `expand` (default:
     the drafter's top-k) gives each expanded node's children; a child it gives log-prob -inf is never kept."""
-    capacity = 1 + (config.max_steps * config.beams + config.max_passes - config.max_steps) * config.width
+    # Trees of up to MAX_LEAVES nodes run at most that many nodes through the drafter, as they always have; larger
+    # ones may run as many as it has room for, and keep every node they ran (_leaf_bound_order).
+    room = drafter.expand_capacity if config.budget > MAX_LEAVES else min(drafter.expand_capacity, MAX_LEAVES)
+    expansions = config.max_steps * config.beams + config.max_passes - config.max_steps
+    capacity = 1 + min(expansions, room) * config.width
     extend_from = float(np.log(config.extend_prob)) if config.extend_prob else 0.0
     tokens = np.zeros(capacity, np.int32)
     parents = np.full(capacity, -1, np.int32)
@@ -101,7 +118,7 @@ def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance
     stops = np.fromiter(stop_tokens, np.int32, len(stop_tokens))
     tokens[0], score[0], kept[0] = root, 0.0, True
     n = 1
-    expand_room = drafter.expand_capacity
+    expand_room = room
     steps = 0
     while steps < config.max_passes:
         candidates = np.flatnonzero(kept[:n] & ~expanded[:n] & (depth[:n] < config.max_depth))
@@ -134,9 +151,9 @@ def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance
         kept[new] = offered.ravel()
         expanded[new] = np.isin(tokens[new], stops)
         n += ids.size
-        _keep_best(kept[:n], score[:n], depth[:n], config.budget)
+        _keep_best(kept[:n], score[:n], depth[:n], parents[:n], config.budget)
     tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n], draft[:n], rank[:n]).subset(kept[:n])
-    return tree.limit_leaves(MAX_LEAVES), steps
+    return tree, steps
 
 
 def _sharpen(log_probs: np.ndarray, temperature: float) -> np.ndarray:
@@ -146,10 +163,44 @@ def _sharpen(log_probs: np.ndarray, temperature: float) -> np.ndarray:
     return (scaled - peak - np.log(np.exp(scaled - peak).sum(axis=1, keepdims=True))).astype(np.float32)
 
 
-def _keep_best(kept: np.ndarray, score: np.ndarray, depth: np.ndarray, budget: int) -> None:
-    """Unmark all but the root and the best `budget` other kept nodes (ties: shallower first)."""
+def _keep_best(kept: np.ndarray, score: np.ndarray, depth: np.ndarray, parents: np.ndarray, budget: int) -> None:
+    """Unmark all but the root and the best `budget` other kept nodes (ties: shallower first), taken best first as
+    long as the tree keeps at most MAX_LEAVES leaves: a node whose parent already has a kept child adds a leaf, a
+    first child does not. Nodes the drafter ran come first (see _leaf_bound_order). All arrays: [n]."""
     alive = np.flatnonzero(kept)[1:]
-    if len(alive) <= budget:
+    if budget <= MAX_LEAVES:  # b nodes have at most b leaves: the budget alone binds
+        if len(alive) > budget:
+            order = np.lexsort((alive, depth[alive], -score[alive]))
+            kept[alive[order[budget:]]] = False
         return
-    order = np.lexsort((alive, depth[alive], -score[alive]))
-    kept[alive[order[budget:]]] = False
+    order = _leaf_bound_order(alive, score, depth, parents)
+    kept[alive] = False
+    kept[order[:budget]] = True
+
+
+def _leaf_bound_order(alive: np.ndarray, score: np.ndarray, depth: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """The nodes of `alive` (a connected set, root excluded) that best-first selection under the leaf bound takes,
+    in the order it takes them.
+
+    The order: nodes the drafter ran, then the best score, the shallower, the lower index. A parent comes before
+    its children, so taking nodes in this order with no bound keeps them all; the bound turns nodes away only once
+    MAX_LEAVES - 1 nodes that add a leaf have been taken (the root alone is the first leaf). From there a node
+    joins only as the first child of a kept parent, and the nodes below one turned away go with it. Ran nodes are
+    never turned away: at most MAX_LEAVES leaves lie below them (each was a kept leaf when it ran), so a llama.cpp
+    drafter holding one sequence per branch of the nodes it ran never needs more than it has."""
+    ran = np.zeros(len(score), bool)
+    ran[parents[1:]] = True
+    order = alive[np.lexsort((alive, depth[alive], -score[alive], ~ran[alive]))]
+    _, first_child = np.unique(parents[order], return_index=True)  # each parent's first child in the order
+    adds_leaf = np.ones(len(order), bool)
+    adds_leaf[first_child] = False
+    turned_away = adds_leaf & (np.cumsum(adds_leaf) >= MAX_LEAVES)
+    if not turned_away.any():
+        return order
+    place = np.full(len(score), -1)
+    place[order] = np.arange(len(order))
+    up = place[parents[order]]  # [len(order)]: each node's parent's place in the order, -1 for the root
+    while (inner := up >= 0).any():  # pointer jumping: log2(depth) steps mark every node below one turned away
+        turned_away[inner] |= turned_away[up[inner]]
+        up[inner] = up[up[inner]]
+    return order[~turned_away]

@@ -60,17 +60,3 @@ class TokenTree:
         draft = None if self.draft is None else self.draft[keep]
         rank = None if self.rank is None else self.rank[keep]
         return TokenTree(self.tokens[keep], parents, self.depth[keep], self.score[keep], draft, rank)
-
-    def limit_leaves(self, max_leaves: int) -> TokenTree:
-        """Drop the lowest-scored leaves until at most `max_leaves` remain (llama.cpp has 256 seq ids)."""
-        tree = self
-        while True:
-            leaves = tree.leaves()
-            excess = len(leaves) - max_leaves
-            if excess <= 0:
-                return tree
-            drop = leaves[np.argsort(tree.score[leaves], kind="stable")[:excess]]
-            drop = drop[drop != 0]
-            keep = np.ones(len(tree), dtype=bool)
-            keep[drop] = False
-            tree = tree.subset(keep)

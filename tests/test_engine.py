@@ -33,15 +33,6 @@ def test_tree_masks_and_leaves() -> None:
     assert tree.child(1, 4) == 4 and tree.child(1, 5) is None
 
 
-def test_limit_leaves_keeps_a_connected_tree() -> None:
-    tree = tree_of([-1, *[0] * 10, *range(1, 11)])  # 10 chains of two
-    tree.score[:] = -np.arange(len(tree), dtype=np.float32)
-    limited = tree.limit_leaves(4)
-    assert len(limited.leaves()) == 4
-    assert all(p < i for i, p in enumerate(limited.parents) if p >= 0)
-    assert set(limited.tokens[limited.leaves()].tolist()) == {1, 2, 3, 4}  # the best-scored survive
-
-
 @pytest.mark.parametrize("budget", [1, 2, 4, 8, 16, 64, 255])
 def test_grow_respects_budget_and_shape(budget: int) -> None:
     drafter = TinyModel(n_vocab=12, seed=3)
