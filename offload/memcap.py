@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -34,6 +35,7 @@ from typing import Any
 
 _names = itertools.count()
 REMOVE_WAIT_S = 5.0  # for the kernel to let go of a cgroup whose last process has just exited
+SAMPLE_S = 0.05  # how often the anonymous memory is sampled for its peak (the kernel keeps only the total's)
 
 
 class CgroupUnavailable(Exception):
@@ -43,7 +45,7 @@ class CgroupUnavailable(Exception):
 @dataclass(frozen=True)
 class MemoryCgroup:
     path: Path  # the cgroup's folder
-    limit_bytes: int
+    limit_bytes: int | None  # None: no limit, the cgroup only counts
 
     @property
     def procs(self) -> Path:
@@ -52,6 +54,11 @@ class MemoryCgroup:
     def peak_bytes(self) -> int:
         """The most memory (anonymous and page cache) charged to the cgroup at once."""
         return int(_read(self.path / "memory.max_usage_in_bytes") or 0)
+
+    def anon_bytes(self) -> int:
+        """Anonymous memory charged now (memory.stat's rss: what cannot be reclaimed without swap)."""
+        stat = dict(line.split() for line in (_read(self.path / "memory.stat") or "").splitlines() if " " in line)
+        return int(stat.get("total_rss", stat.get("rss", 0)))
 
     def oom_kills(self) -> int:
         """Processes the kernel killed for reaching the limit (memory.oom_control's oom_kill, where it says)."""
@@ -65,8 +72,9 @@ class MemoryCgroup:
 @dataclass(frozen=True)
 class CappedRun:
     returncode: int
-    limit_bytes: int
+    limit_bytes: int | None
     peak_bytes: int  # memory.max_usage_in_bytes: anonymous memory and page cache together
+    peak_anon_bytes: int  # the most anonymous memory seen (sampled every SAMPLE_S)
     oom_kills: int
     seconds: float
     stdout: str | None = None
@@ -74,9 +82,9 @@ class CappedRun:
     value: Any = None  # what the callable returned (call_capped)
 
 
-def memory_mount() -> Path | None:
-    """Where this process's cgroup v1 memory hierarchy is mounted, and its own cgroup's folder in it; None when there
-    is no v1 memory controller (cgroup v2 alone)."""
+def own_memory_folder() -> Path | None:
+    """This process's own memory cgroup's folder, where its cgroup v1 memory hierarchy is mounted; None when there is
+    no v1 memory controller (cgroup v2 alone)."""
     own = _own_memory_cgroup()
     if own is None:
         return None
@@ -106,10 +114,11 @@ def unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def memory_cgroup(limit_bytes: int) -> Iterator[MemoryCgroup]:
-    """A new memory cgroup limited to `limit_bytes` (swap included, where swap is accounted), removed on leaving:
-    any process still in it is killed first (only processes started into it can be there)."""
-    parent = memory_mount()
+def memory_cgroup(limit_bytes: int | None) -> Iterator[MemoryCgroup]:
+    """A new memory cgroup limited to `limit_bytes` (swap included, where swap is accounted; None: no limit, for
+    the accounting alone), removed on leaving: any process still in it is killed first (only processes started into
+    it can be there)."""
+    parent = own_memory_folder()
     if parent is None:
         raise CgroupUnavailable("no cgroup v1 memory controller is mounted here (cgroup v2 alone is not supported); "
                                 "a memory cap needs one")
@@ -119,17 +128,41 @@ def memory_cgroup(limit_bytes: int) -> Iterator[MemoryCgroup]:
     except OSError as error:
         raise CgroupUnavailable(f"cannot make a memory cgroup in {parent}: {error.strerror} (run as root)") from None
     try:
-        try:
-            (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
-            memsw = path / "memory.memsw.limit_in_bytes"  # only where swap is accounted; at least the memory limit
-            if memsw.exists():
-                with contextlib.suppress(OSError):
-                    memsw.write_text(str(limit_bytes))
-        except OSError as error:
-            raise CgroupUnavailable(f"cannot set a memory limit on {path}: {error.strerror}") from None
+        if limit_bytes is not None:
+            _set_limit(path, limit_bytes)
         yield MemoryCgroup(path, limit_bytes)
     finally:
         _remove(path)
+
+
+def _set_limit(path: Path, limit_bytes: int) -> None:
+    try:
+        (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        memsw = path / "memory.memsw.limit_in_bytes"  # only where swap is accounted; never below the memory limit
+        if memsw.exists():
+            with contextlib.suppress(OSError):
+                memsw.write_text(str(limit_bytes))
+    except OSError as error:
+        raise CgroupUnavailable(f"cannot set a memory limit on {path}: {error.strerror}") from None
+
+
+@contextlib.contextmanager
+def _anon_peak(cgroup: MemoryCgroup) -> Iterator[list[int]]:
+    """Samples the cgroup's anonymous memory from a thread while the block runs; [peak] once it ends."""
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], cgroup.anon_bytes())
+            stop.wait(SAMPLE_S)
+
+    thread = threading.Thread(target=sample, name="edge-spec-memcap", daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join()
 
 
 def drop_from_cache(paths: Iterable[Path]) -> None:
@@ -142,7 +175,7 @@ def drop_from_cache(paths: Iterable[Path]) -> None:
             os.close(fd)
 
 
-def run_capped(command: Sequence[str], limit_bytes: int, drop_cache: Iterable[Path] = (), capture: bool = True,
+def run_capped(command: Sequence[str], limit_bytes: int | None, drop_cache: Iterable[Path] = (), capture: bool = True,
                **popen: Any) -> CappedRun:
     """Run `command` in a new memory cgroup of `limit_bytes`; its output captured (text) unless capture is False.
     A tiny shell enters the cgroup and then execs the command, so everything the command allocates is counted."""
@@ -151,18 +184,20 @@ def run_capped(command: Sequence[str], limit_bytes: int, drop_cache: Iterable[Pa
         drop_from_cache(drop_cache)
         enter = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.procs), *command]
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True} if capture else {}
-        child = subprocess.Popen(enter, **pipes, **popen)
-        try:
-            stdout, stderr = child.communicate()
-        except BaseException:  # Ctrl-C: stop the child, then the cgroup goes
-            child.kill()
-            child.wait()
-            raise
-        return CappedRun(child.returncode, limit_bytes, cgroup.peak_bytes(), cgroup.oom_kills(),
+        with _anon_peak(cgroup) as anon:
+            child = subprocess.Popen(enter, **pipes, **popen)
+            try:
+                stdout, stderr = child.communicate()
+            except BaseException:  # Ctrl-C: stop the child, then the cgroup goes
+                child.kill()
+                child.wait()
+                raise
+        return CappedRun(child.returncode, limit_bytes, cgroup.peak_bytes(), anon[0], cgroup.oom_kills(),
                          time.perf_counter() - start, stdout, stderr)
 
 
-def call_capped(fn: Callable[..., Any], *args: Any, limit_bytes: int, drop_cache: Iterable[Path] = ()) -> CappedRun:
+def call_capped(fn: Callable[..., Any], *args: Any, limit_bytes: int | None,
+                drop_cache: Iterable[Path] = ()) -> CappedRun:
     """fn(*args) in a fresh Python process (spawned: `fn` and its arguments must pickle) that enters a new memory
     cgroup of `limit_bytes` before calling it; its return value in `.value`. An exception in fn is raised here as a
     RuntimeError with the child's traceback; a child killed for memory raises MemoryError."""
@@ -172,29 +207,34 @@ def call_capped(fn: Callable[..., Any], *args: Any, limit_bytes: int, drop_cache
         drop_from_cache(drop_cache)
         receive, send = spawn.Pipe(duplex=False)
         child = spawn.Process(target=_call_in_cgroup, args=(str(cgroup.procs), fn, args, send), daemon=True)
-        child.start()
-        send.close()
-        try:
+        with _anon_peak(cgroup) as anon:
+            child.start()
+            send.close()
             try:
-                status, value = receive.recv()
-            except EOFError:  # the child died without answering
-                status, value = "died", None
-            child.join()
-        except BaseException:
-            child.kill()
-            child.join()
-            raise
-        finally:
-            receive.close()
-        run = CappedRun(child.exitcode or 0, limit_bytes, cgroup.peak_bytes(), cgroup.oom_kills(),
+                try:
+                    status, value = receive.recv()
+                except EOFError:  # the child died without answering
+                    status, value = "died", None
+                child.join()
+            except BaseException:
+                child.kill()
+                child.join()
+                raise
+            finally:
+                receive.close()
+        run = CappedRun(child.exitcode or 0, limit_bytes, cgroup.peak_bytes(), anon[0], cgroup.oom_kills(),
                         time.perf_counter() - start, value=value if status == "ok" else None)
     if status == "error":
-        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed under a {limit_bytes >> 20} MiB cap:\n{value}")
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed under {_cap(limit_bytes)}:\n{value}")
     if status == "died":
         why = "killed for memory" if run.oom_kills else f"exit code {run.returncode}"
-        raise MemoryError(f"{getattr(fn, '__name__', fn)} died under a {limit_bytes >> 20} MiB cap ({why}; "
+        raise MemoryError(f"{getattr(fn, '__name__', fn)} died under {_cap(limit_bytes)} ({why}; "
                           f"peak {run.peak_bytes >> 20} MiB)")
     return run
+
+
+def _cap(limit_bytes: int | None) -> str:
+    return "no cap" if limit_bytes is None else f"a {limit_bytes >> 20} MiB cap"
 
 
 def _call_in_cgroup(procs: str, fn: Callable[..., Any], args: tuple, send: Any) -> None:
