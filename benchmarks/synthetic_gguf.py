@@ -4,6 +4,7 @@ text is meaningless. Every figure measured on such a file must say that it comes
     python benchmarks/synthetic_gguf.py --shape llama3.1-70b --type q4_0 --out /data/llama3.1-70b-random.q4_0.gguf
     python benchmarks/synthetic_gguf.py --shape tiny-70b --out /tmp/tiny-70b.gguf     # 2 layers, 1/64 wide: ~7 MB
     python benchmarks/synthetic_gguf.py --shape llama3.1-70b --dry-run                # the size and the disk check
+    python benchmarks/synthetic_gguf.py --shape llama3.1-70b --sparse --out x.gguf   # header + hole, for the plan
 
 The tokenizer (vocabulary, merges, special tokens, chat template) is copied from a real small model of the family:
 SmolLM2-135M (llama architecture, the offline pair's target; `--tokenizer-from FILE` for another GGUF). Llama 3.1's
@@ -256,9 +257,10 @@ def tensor_chunks(spec: TensorSpec, shape: ArchShape, bits: np.random.BitGenerat
 
 
 def write_synthetic(name: str, shape: ArchShape, type_name: str, out: Path, tokenizer: Path, force: bool = False,
-                    seed: int = 0, dry_run: bool = False) -> tuple[int, float]:
+                    seed: int = 0, dry_run: bool = False, sparse: bool = False) -> tuple[int, float]:
     """Write the file (as out.partial, renamed when complete); (its size in bytes, seconds taken). With dry_run,
-    only the checks and the size the data section will take."""
+    only the checks and the size the data section will take; sparse, the header alone and the data a hole (a file
+    of the full size that takes a few MB: the plan reads its header; passes over it would read zeros and no disk)."""
     start = time.perf_counter()
     qtype, file_type = TYPES[type_name]
     check_new(out, force)  # before the tokenizer's second or two
@@ -267,11 +269,11 @@ def write_synthetic(name: str, shape: ArchShape, type_name: str, out: Path, toke
     if qtype != GGMLQuantizationType.F16 and shape.n_embd % 32:
         raise Refused(f"{type_name} needs rows of a multiple of 32 values; the embedding is {shape.n_embd} wide")
     specs = tensor_specs(shape, n_vocab, qtype)
-    needed = data_bytes(specs) + DISK_MARGIN
-    check_room(out, needed, force)
+    check_room(out, (0 if sparse else data_bytes(specs)) + DISK_MARGIN, force)
     if dry_run:
         return data_bytes(specs), time.perf_counter() - start
-    writer = _writer(name, shape, n_vocab, file_type, fields)
+    writer = _writer(name + (" sparse, no weights: for planning only" if sparse else ""), shape, n_vocab, file_type,
+                     fields)
     for spec in specs:
         writer.add_tensor_info(spec.name, spec.byte_shape, np.dtype(np.uint8), spec.n_bytes, raw_dtype=spec.qtype)
     partial = out.with_name(out.name + ".partial")
@@ -282,7 +284,10 @@ def write_synthetic(name: str, shape: ArchShape, type_name: str, out: Path, toke
         writer.write_ti_data_to_file()
         assert writer.fout is not None
         file = writer.fout[0]
-        for spec in specs:
+        if sparse:
+            _pad(file, writer.data_alignment)
+            file.truncate(file.tell() + data_bytes(specs, writer.data_alignment))
+        for spec in [] if sparse else specs:
             _pad(file, writer.data_alignment)  # each tensor's data starts aligned, as write_tensor_data does
             for chunk in tensor_chunks(spec, shape, bits):
                 file.write(chunk.data)
@@ -345,6 +350,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--dry-run", action="store_true", help="print the size and check the disk; write nothing")
+    parser.add_argument("--sparse", action="store_true",
+                        help="the header alone, the weights a hole (a few MB on disk): for `edge-spec plan`, never for "
+                             "timing (a pass would read zeros, not the disk)")
     args = parser.parse_args()
     if args.out is None and not args.dry_run:
         parser.error("--out is required (or --dry-run)")
@@ -352,12 +360,16 @@ def main() -> None:
     out = (args.out or Path.cwd() / f"{args.shape}.{args.type}.gguf").expanduser().absolute()
     tokenizer = args.tokenizer_from or default_tokenizer_file()
     n_bytes, seconds = write_synthetic(args.shape, shape, args.type, out, tokenizer, args.force, args.seed,
-                                       args.dry_run)
+                                       args.dry_run, args.sparse)
     layout = (f"{args.shape} ({shape.arch}, {shape.n_layers} layers, embd {shape.n_embd}, FFN {shape.n_ff}, "
               f"{shape.n_heads} heads / {shape.n_kv_heads} KV heads of {shape.head_dim}), {args.type}, "
               f"tokenizer of {tokenizer.name}")
     if args.dry_run:
         print(f"would write {out}: {_size(n_bytes)} of tensors ({n_bytes / GIB:.2f} GiB), {layout}; the disk has room")
+    elif args.sparse:
+        print(f"wrote {out}: {_size(n_bytes)} apparent, {_size(out.stat().st_blocks * 512)} on disk, {layout}")
+        print("SPARSE: no weights (a hole of zeros); for `edge-spec plan` and header checks, never for timing")
+        return
     else:
         print(f"wrote {out}: {_size(n_bytes)} ({n_bytes / GIB:.2f} GiB) in {seconds:.1f} s "
               f"({n_bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s), {layout}")

@@ -80,6 +80,25 @@ def test_full_shapes_have_the_published_parameter_counts() -> None:
     assert round(synthetic.data_bytes(synthetic.tensor_specs(llama70, 49152, q4_0)) / 1e9, 2) == 38.96
 
 
+def test_the_plan_streams_a_70b_shaped_file_from_the_ssd_on_24_gb(tmp_path: Path, tokenizer_file: Path) -> None:
+    """The full 70B layout as a sparse file (its header and a hole: 2 MB on disk) is what `edge-spec plan` sizes:
+    on a 24 GB machine every pass reads its 38.7 GB of layers and head from the drive; with 64 GB it fits in RAM."""
+    from models.registry import load_registry
+    from offload.plan import parse_machine, plan_pair
+
+    out = tmp_path / "llama3.1-70b.sparse.gguf"
+    size, _ = synthetic.write_synthetic("llama3.1-70b", synthetic.SHAPES["llama3.1-70b"], "q4_0", out,
+                                       tokenizer_file, sparse=True)
+    assert size == out.stat().st_size > 38.9e9 and out.stat().st_blocks * 512 < 10e6
+    pair = load_registry().pair("smollm2-135m")
+    target, drafter = Shape.from_gguf(out), Shape.from_gguf(tokenizer_file)
+    assert (target.n_layers, target.n_embd, target.n_kv_heads, target.head_dim) == (80, 8192, 8, 128)
+    small = plan_pair(pair, target, drafter, parse_machine("ram=24G,disk=2GB/s,cores=2"))
+    assert small.target.placement == "ssd" and round(small.ssd_bytes / 1e9, 1) == 38.7  # the token table is looked up
+    assert small.one_token.bound == "disk"
+    assert plan_pair(pair, target, drafter, parse_machine("ram=64G,cores=2")).target.placement == "ram"
+
+
 def test_refuses_when_the_disk_is_short(tmp_path: Path, tokenizer_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 * 10**9, 99 * 10**9, 10**9))
