@@ -2,7 +2,7 @@
 text is meaningless. Every figure measured on such a file must say that it comes from random weights.
 
     python benchmarks/synthetic_gguf.py --shape llama3.1-70b --type q4_0 --out /data/llama3.1-70b-random.q4_0.gguf
-    python benchmarks/synthetic_gguf.py --shape tiny-70b --out /tmp/tiny-70b.gguf     # 2 layers, 1/64 wide: ~7 MB
+    python benchmarks/synthetic_gguf.py --shape tiny-70b --out /tmp/tiny-70b.gguf     # 2 layers, 1/64 wide: 9 MB
     python benchmarks/synthetic_gguf.py --shape llama3.1-70b --dry-run                # the size and the disk check
     python benchmarks/synthetic_gguf.py --shape llama3.1-70b --sparse --out x.gguf   # header + hole, for the plan
 
@@ -10,12 +10,18 @@ The tokenizer (vocabulary, merges, special tokens, chat template) is copied from
 SmolLM2-135M (llama architecture, the offline pair's target; `--tokenizer-from FILE` for another GGUF). Llama 3.1's
 own 128256-token vocabulary and Qwen2.5's 152064 are not at hand offline, so every shape takes the copied
 vocabulary (SmolLM2: 49152 tokens) and keeps every other dimension of the published config: the 70B's embedding
-and output tables are then 1.3 GB smaller in Q4_0 than the real model's, the 80 layers are the same bytes.
+and output tables then hold 1.3 billion parameters fewer than the real model's (0.73 GB in Q4_0: a 38.96 GB file
+instead of 39.69 GB); the 80 layers are the same bytes.
 
-Tensors stream to disk a few MB at a time (gguf's GGUFWriter writes the header and tensor infos; the data follows
-chunk by chunk), so a 40 GB file needs no more memory than a small one. Quantized blocks are valid blocks (a finite
-positive fp16 scale sized so that a row's dot products stay near 1, then random quants), norms are ones and biases
-zeros, so llama.cpp computes finite numbers. The file is written as FILE.partial and renamed when complete.
+Tensors stream to disk 32 MB at a time (gguf's GGUFWriter writes the header and tensor infos; the data follows
+chunk by chunk), so a 40 GB file needs no more memory than a small one (215 MB peak RSS writing a 2.4 GB one).
+Quantized blocks are valid blocks (a finite positive fp16 scale sized so that a row's dot products stay near 1, then
+random quants), norms are ones and biases zeros, so llama.cpp computes finite numbers. The file is written as
+FILE.partial and renamed when complete.
+
+Q4_0 on x86: llama.cpp copies Q4_0 weights into repacked buffers at load (anonymous memory, here too: a 2.4 GB
+4-layer cut took 2.1 GB of RSS), so a Q4_0 file larger than RAM streams only with llama.cpp's extra buffer types off
+(runtimes/llama_cpp/_native.py, USE_EXTRA_BUFFERS); Q8_0 and F16 are read from the mapping.
 """
 
 from __future__ import annotations
