@@ -15,7 +15,7 @@ from runtimes.llama_cpp._native import (
     quantize,
     supports_gpu_offload,
 )
-from runtimes.llama_cpp.models import LlamaDrafter, LlamaTarget
+from runtimes.llama_cpp.models import PENDING_ROOM, LlamaDrafter, LlamaTarget
 
 __all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "default_threads", "load_drafter",
            "load_target", "quantize", "supports_gpu_offload"]
@@ -37,16 +37,19 @@ def _load_model(path: Path, options: RunOptions) -> Model:
 
 
 def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ) -> LlamaTarget:
+    """A target verifying trees of up to `max_tree` nodes a pass. Its logits take max_tree rows of the vocabulary
+    (2049 x 262144 float32 are 2 GB), so size it for the budget the run uses (LlamaTarget.enlarge grows it)."""
     model = _load_model(path, options)
     # The batch also carries the previous round's accepted tokens (see LlamaTarget); only tree nodes output.
-    ctx = Context(model, options.n_ctx, n_batch=max_tree + 64, kv_type=options.kv_type,
+    ctx = Context(model, options.n_ctx, n_batch=max_tree + PENDING_ROOM, kv_type=options.kv_type,
                   n_threads=options.n_threads, flash_attn=True, n_outputs=max_tree)
     return LlamaTarget(model, ctx, max_tree)
 
 
-def load_drafter(path: Path, options: RunOptions) -> LlamaDrafter:
+def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ - 1) -> LlamaDrafter:
+    """A drafter that runs up to `expand_capacity` nodes a round (the root included)."""
     model = _load_model(path, options)
     # Room past the target's context for the round's expanded nodes, which the drafter caches until commit.
-    ctx = Context(model, options.n_ctx + MAX_SEQ, n_batch=MAX_SEQ, kv_type=options.kv_type,
+    ctx = Context(model, options.n_ctx + expand_capacity + 1, n_batch=MAX_SEQ, kv_type=options.kv_type,
                   n_threads=options.n_threads)
-    return LlamaDrafter(model, ctx, options.kv_type)
+    return LlamaDrafter(model, ctx, options.kv_type, expand_capacity)

@@ -209,6 +209,8 @@ class Context:
             enabled, disabled = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED, ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
             params.flash_attn_type = enabled if flash_attn else disabled
         self.model = model
+        self._settings = {"n_ctx": n_ctx, "n_batch": n_batch, "kv_type": kv_type, "n_threads": n_threads,
+                          "flash_attn": flash_attn, "op_offload": op_offload, "n_outputs": n_outputs}
         self._ptr = ll.llama_init_from_model(model.ptr, params)
         if not self._ptr:
             raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "
@@ -224,6 +226,13 @@ class Context:
 
     def __del__(self) -> None:
         self.close()
+
+    def resized(self, **changes: int) -> Context:
+        """A new context over the same model with these settings changed (n_ctx, n_batch, n_outputs), its KV cache
+        empty. This one is closed first, so its KV cache and logits are freed before the new ones are allocated."""
+        settings = {**self._settings, **changes}
+        self.close()
+        return Context(self.model, **settings)
 
     def decode(self, batch: Batch) -> None:
         rc = ll.llama_decode(self._ptr, batch.struct)

@@ -2,7 +2,9 @@
 
 Seq 0 always holds the committed tokens. During a round, other seq ids name branches: for the target one
 per leaf (a node belongs to every leaf below it, so the seq-id mask IS the tree attention mask); for the
-drafter one per expanded node (its cells are the node's whole path, copied from its parent's seq).
+drafter one per branch of the nodes it ran (a node's seq holds its whole path: its parent's seq extended, or
+the parent's path copied into a new seq where a sibling extends it already). So both bound a tree's leaves by
+llama.cpp's 256 sequences, not its nodes: those are bounded by the batch and the KV cells sized for them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import numpy as np
 
 from edge.tree import TokenTree
 from runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model
+
+PENDING_ROOM = 64  # a target's batch also carries the previous round's accepted tokens (see LlamaTarget)
 
 
 class _Runner:
@@ -79,6 +83,16 @@ class LlamaTarget(_Runner):
         self.stop_tokens = model.eog_tokens()
         self._n_leaves = 0
 
+    def enlarge(self, max_tree: int) -> None:
+        """Verify trees of up to `max_tree` nodes from now on: a new context with a batch and logits that large,
+        over the same weights (nothing is read again). The KV cache starts empty, as after truncate(0)."""
+        if max_tree <= self.max_tree:
+            return
+        self.ctx = self.ctx.resized(n_batch=max_tree + PENDING_ROOM, n_outputs=max_tree)
+        self.batch = Batch(self.ctx.n_batch)
+        self.max_tree = min(max_tree, self.ctx.n_batch)
+        self.n_past, self._pending, self._n_leaves = 0, [], 0
+
     def verify(self, tree: TokenTree) -> np.ndarray:
         n, n_pending = len(tree), len(self._pending)
         if n > self.max_tree:
@@ -115,23 +129,38 @@ class LlamaTarget(_Runner):
 
 
 class LlamaDrafter(_Runner):
-    """Expands tree nodes, one pass per call; each expanded node gets a seq holding its whole path.
+    """Expands tree nodes, one pass per call; each node run has a seq holding its whole path.
 
     Like the target, it keeps only the root after a round and runs the accepted tokens again in the
     next root pass: the committed cells stay in order, so its drafts match a fresh run of the same text.
+    The context holds `expand_capacity` cells past the target's context for the nodes a round runs.
     """
 
-    def __init__(self, model: Model, ctx: Context, kv_type: str):
+    def __init__(self, model: Model, ctx: Context, kv_type: str, expand_capacity: int = MAX_SEQ - 1):
         super().__init__(model, ctx)
         self.kv_type = kv_type
         self.vocab = model.n_vocab  # llama.cpp always computes the full head
-        self.expand_capacity = MAX_SEQ - 1
+        self.expand_capacity = expand_capacity
         self._base = 0  # position of this round's root
         self._node_seq: dict[int, int] = {}  # tree node -> the seq holding its path
+        self._tip: dict[int, int] = {}  # seq -> its deepest node (the seq holds that node's path, nothing more)
+
+    def enlarge(self, expand_capacity: int) -> None:
+        """Room for `expand_capacity` nodes a round from now on: a new context over the same weights, with that many
+        more cells past the target's context. The KV cache starts empty, as after truncate(0)."""
+        if expand_capacity <= self.expand_capacity:
+            return
+        extra = expand_capacity - self.expand_capacity
+        self.ctx = self.ctx.resized(n_ctx=self.ctx.n_ctx + extra)
+        self.n_ctx, self.expand_capacity = self.ctx.n_ctx, expand_capacity
+        self.n_past, self._pending = 0, []
+        self._node_seq.clear()
+        self._tip.clear()
 
     def truncate(self, n: int) -> None:
         super().truncate(n)
         self._node_seq.clear()
+        self._tip.clear()
 
     def kv_bytes_per_token(self) -> float:
         """Bytes one committed token takes in the KV cache (keys + values, all layers)."""
@@ -163,7 +192,7 @@ class LlamaDrafter(_Runner):
         """Pending tokens and the root join seq 0 (committed) and seq 1 (the root's path) in one pass."""
         if len(self._pending) + 1 > self.batch.capacity:  # after a long plain stretch (--budget auto)
             self.prefill([])
-        self._node_seq = {0: 1}
+        self._node_seq, self._tip = {0: 1}, {1: 0}
         self.ctx.seq_cp(0, 1)
         n = len(self._pending) + 1
         self._base = self.n_past + n - 1
@@ -174,10 +203,20 @@ class LlamaDrafter(_Runner):
         self._pending = []
 
     def _run_nodes(self, tree: TokenTree, nodes: np.ndarray) -> None:
+        """A node extends its parent's seq when the parent is still that seq's tip; otherwise (a sibling ran first)
+        the parent's path, the committed cells included, is copied into a new seq. One seq per branch of the nodes
+        run: growth keeps those branches within the leaf bound (edge/grow.py), so trees of more nodes than seq ids
+        can be grown."""
         seqs = []
-        for node in nodes.tolist():
-            seq = len(self._node_seq) + 1
-            self.ctx.seq_cp(self._node_seq[int(tree.parents[node])], seq)
+        for node, parent in zip(nodes.tolist(), tree.parents[nodes].tolist(), strict=True):
+            seq = self._node_seq[parent]
+            if self._tip[seq] != parent:
+                if len(self._tip) + 1 >= MAX_SEQ:
+                    raise ValueError(f"drafter asked to run more than {MAX_SEQ - 1} branches in one round")
+                branch = len(self._tip) + 1
+                self.ctx.seq_cp(seq, branch, -1, self._base + int(tree.depth[parent]) + 1)  # positions up to parent
+                seq = branch
+            self._tip[seq] = node
             self._node_seq[node] = seq
             seqs.append(seq)
         self.batch.fill(tree.tokens[nodes], self._base + tree.depth[nodes], outputs=True)
@@ -189,9 +228,10 @@ class LlamaDrafter(_Runner):
         if not self._node_seq:  # this round ran without the drafter: catch up at the next root
             self._pending += tokens
             return
-        for seq in self._node_seq.values():  # every branch cell goes; the root stays in seq 0
+        for seq in self._tip:  # every branch cell goes; the root stays in seq 0
             self.ctx.seq_rm(seq)
         self._node_seq.clear()
+        self._tip.clear()
         self._pending = tokens[1:]
 
 
