@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from edge.errors import UserError
+from edge.options import MAX_BUDGET
 from models.bench import METHODS, DrafterChoice
 
 
@@ -21,8 +22,8 @@ def parse_budgets(text: str) -> list[int | str]:
     except ValueError:
         raise UserError(f"--budgets takes comma-separated integers or auto, like auto,1,16,64,255 (got {text!r})"
                         ) from None
-    if not budgets or any(b != "auto" and not 1 <= b <= 255 for b in budgets):
-        raise UserError(f"--budgets must be auto or between 1 and 255 (got {text!r})")
+    if not budgets or any(b != "auto" and not 1 <= b <= MAX_BUDGET for b in budgets):
+        raise UserError(f"--budgets must be auto or between 1 and {MAX_BUDGET} (got {text!r})")
     return budgets
 
 

@@ -573,6 +573,7 @@ def bench(
     with load(ctx, pair=pair, ctx=ctx_size, threads=threads, provider=provider, placement=placement, mlock=mlock,
               readahead=readahead, target_dtype=target_dtype) as loaded, \
             Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        loaded.fit_budget(max((b for b in budget_list if b != "auto"), default=1))  # a 1025-node batch for 1024
         task = bar.add_task("bench", total=None)
         result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list,
                            tuple(method_list), lambda done, total: bar.update(task, completed=done, total=total),

@@ -2,7 +2,8 @@
 
 Speculation is lossless in floating point only if a token's logits do not depend on how many tokens shared
 its pass. This measures that for a target as configured (weights, KV type, kernels), on tree shapes that
-matter: a deep chain, the widest tree llama.cpp allows, and a tree grown by the drafter.
+matter: a deep chain, the widest tree llama.cpp allows, and a tree grown by the drafter; and where the target
+verifies trees past 255 nodes, a 1024-node tree of 255 leaves and a grown one of that budget.
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ def tree_shapes(drafter: Drafter, prefix: list[int], root: int) -> dict[str, Tok
     grown, _ = grow(drafter, root, replace(GrowConfig.for_budget(255), extend_prob=None))
     drafter.truncate(0)
     return {"chain of 16": chain, "255 leaves": star, "grown, budget 255": grown}
+
+
+def large_tree_shapes(drafter: Drafter, prefix: list[int], root: int, nodes: int = 1024) -> dict[str, TokenTree]:
+    """Trees of `nodes` draft nodes and the most leaves llama.cpp allows: MAX_LEAVES chains of (nearly) equal length
+    under the root, and the tree growth makes at that budget."""
+    chain = np.arange(nodes) // MAX_LEAVES  # node i + 1 is the (i // 255)-th token of chain i % 255
+    parents = np.where(chain == 0, 0, np.arange(nodes) + 1 - MAX_LEAVES).astype(np.int32)
+    wide = TokenTree(np.array([root, *range(300, 300 + nodes)], np.int32), np.array([-1, *parents], np.int32),
+                     np.array([0, *(chain + 1)], np.int32), np.zeros(nodes + 1, np.float32))
+    drafter.truncate(0)
+    drafter.prefill(prefix)
+    grown, _ = grow(drafter, root, replace(GrowConfig.for_budget(nodes), extend_prob=None))
+    drafter.truncate(0)
+    return {f"{nodes} nodes, {MAX_LEAVES} leaves": wide, f"grown, budget {nodes}": grown}
 
 
 def sequential_logits(target: Target, prefix: list[int], tokens: list[int]) -> np.ndarray:
@@ -81,6 +96,8 @@ def check_batch_invariance(target: Target, drafter: Drafter, tokens: list[int],
     prefix, root = tokens[:-1], tokens[-1]
     results = []
     shapes = tree_shapes(drafter, prefix, root)
+    if target.max_tree > 1024 and target.n_ctx > len(tokens) + 1024:
+        shapes.update(large_tree_shapes(drafter, prefix, root))
     for shape, tree in shapes.items():
         checked, worst, flips = compare(target, tree, prefix)
         results.append(ShapeResult(shape, len(tree), checked, worst, flips))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge.errors import UserError
+from edge.grow import MAX_BUDGET
 
 ACCEPT_RULES = ("match", "residual", "auto")  # sample-and-match, multi-candidate speculative sampling, measured
 
@@ -14,7 +15,6 @@ PLACEMENTS = ("ram", "ssd")
 TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
 PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
 RUNTIMES = ("llama_cpp", "onnx")
-MAX_BUDGET = 255  # one target pass holds at most 256 nodes (llama.cpp's sequence ids), the root included
 MIN_CTX = 256  # llama.cpp sizes a context in steps of 256 tokens: a smaller one would silently hold 256
 
 
@@ -82,5 +82,5 @@ def parse_budget(value: int | str | None) -> int | str | None:
     if value < 1:
         raise UserError(f"--budget must be at least 1 (got {value}); use --no-spec for plain decoding")
     if value > MAX_BUDGET:
-        raise UserError(f"--budget can be at most {MAX_BUDGET} (one target pass holds {MAX_BUDGET + 1} nodes)")
+        raise UserError(f"--budget can be at most {MAX_BUDGET} (got {value})")
     return value

@@ -20,11 +20,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from edge.generate import Decoder, Stats
+from edge.grow import MAX_BUDGET
 from edge.protocols import Target, Tokenizer
 from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
 
-DEFAULT_MAX_TREE = 256  # llama.cpp's sequence ids: the most nodes one pass holds
+# A replay holds no batch: it takes the largest tree any budget grows (MAX_BUDGET nodes and the root), whatever the
+# target it stands for is loaded to verify, so budgets past 255 nodes can be compared without sizing a real one.
+DEFAULT_MAX_TREE = MAX_BUDGET + 1
 
 
 class ReplyRows:
@@ -71,8 +74,8 @@ class ReplayTarget:
 
     @classmethod
     def like(cls, target: Target) -> ReplayTarget:
-        """A replay with `target`'s vocabulary, tokenizer, stop tokens, context and tree limit."""
-        return cls(target.tokenizer, target.n_vocab, target.stop_tokens, target.n_ctx, target.max_tree)
+        """A replay with `target`'s vocabulary, tokenizer, stop tokens and context (and DEFAULT_MAX_TREE)."""
+        return cls(target.tokenizer, target.n_vocab, target.stop_tokens, target.n_ctx)
 
     def expect(self, prompt: Sequence[int], reply: Sequence[int]) -> None:
         """Replay `reply` (the target's own tokens after `prompt`) from now on; the cache starts empty."""

@@ -21,7 +21,7 @@ from edge.chat import Prompt, prompt_tokens
 from edge.chat_template import ChatTemplate
 from edge.errors import UserError
 from edge.generate import Decoder
-from edge.grow import GrowConfig
+from edge.grow import MAX_LEAVES, GrowConfig
 from edge.options import LoadOptions
 from edge.protocols import Drafter, Target
 from edge.sampling import CHAT_DEFAULTS, SamplingConfig
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 Report = Callable[[str], None]
 
 NESTED = "· "  # load_seconds keys of phases that ran inside the one before (their times overlap)
-COSTS_VERSION = "costs 3"  # bumped when what the cached pass times measure changes (tree shapes, eviction)
+COSTS_VERSION = "costs 4"  # bumped when what the cached pass times measure changes (tree shapes, eviction, sizes)
 # Timing passes for --budget auto needs some context; what it says does not matter.
 CALIBRATION_TEXT = "The committee met on Tuesday to review the budget, and after a long discussion it agreed to"
 
@@ -109,6 +109,7 @@ class Pair:
         if not speculate or self.drafter is None:
             return Decoder(self.target, None, None, sampling)
         if budget != "auto":
+            self.fit_budget(int(budget))
             return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling,
                            accept=self.options.accept)
         return Decoder(self.target, self.drafter, None, sampling, policy=self.auto_budget(), accept=self.options.accept)
@@ -124,9 +125,22 @@ class Pair:
             self._decoder.set_sampling(sampling)
         return self._decoder
 
+    def fit_budget(self, budget: int) -> None:
+        """Room for trees of `budget` draft nodes: a llama.cpp target and drafter get a larger batch and KV room over
+        the same weights (their caches start empty), sized for what is asked, not for every run (a 2049-node batch
+        over Gemma's 262144-token vocabulary holds 2 GB of logits). An onnx target verifies 256 nodes at most."""
+        from offload.tuning import fit_trees
+
+        before = self.target.max_tree
+        if budget + 1 <= before and (self.drafter is None or budget <= self.drafter.expand_capacity):
+            return
+        if not fit_trees(self.target, self.drafter, budget + 1):
+            raise UserError(budget_refused(self.name, budget, before))
+        self._decoder = self._decoder_key = None  # the caches were emptied
+
     def auto_budget(self) -> AutoBudget:
         """--budget auto's policy; its pass times are measured once per machine, placement and pair (cached)."""
-        from offload.tuning import AutoBudget, Costs, measure_costs
+        from offload.tuning import AutoBudget, Costs, budget_limit, measure_costs
 
         if self.costs is None:
             with _phase(self.load_seconds, "pass times (--budget auto)"):
@@ -142,6 +156,7 @@ class Pair:
                     self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree)
                     if key is not None:
                         cache.write(_newest({**known, key: {**self.costs.to_json(), "measured": time.time()}}))
+        self.fit_budget(budget_limit(self.costs))  # the larger trees its measured flat passes allow
         return AutoBudget(self.costs)
 
     def swap_drafter(self, runtime_name: str | None = None, vocab: int | None = None, quantize: str | None = None,
@@ -158,7 +173,8 @@ class Pair:
             self.drafter = None
         self._decoder = self._decoder_key = None
         self.costs = None
-        self.drafter = open_drafter(self.spec, model, self.target.model.path, self.drafter_threads, 0, report)
+        self.drafter = open_drafter(self.spec, model, self.target.model.path, self.drafter_threads, 0, report,
+                                    max_tree=self.target.max_tree)
         return self.drafter
 
     def _costs_key(self) -> str | None:
@@ -176,6 +192,17 @@ class Pair:
 
 
 PASS_TIMES_KEPT = 64  # pass-times.json keeps the newest entries: one is made per machine, placement and file
+
+
+def tree_nodes(budget: int | str) -> int:
+    """Nodes a verify pass must hold for `budget`: 256 for auto (it enlarges the target where larger trees can pay,
+    Pair.auto_budget) and any budget within llama.cpp's sequence ids; the budget and the root past that."""
+    return int(budget) + 1 if budget != "auto" and int(budget) > MAX_LEAVES else MAX_LEAVES + 1
+
+
+def budget_refused(name: str, budget: int, max_tree: int) -> str:
+    return (f"--budget {budget}: {name} verifies at most {max_tree} nodes a pass (an onnx target, QuantSpec); use "
+            f"--budget {max_tree - 1} or less, or auto")
 
 
 def _newest(entries: dict[str, Any]) -> dict[str, Any]:
@@ -379,12 +406,16 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     if spec.drafter.runtime == SELF_DRAFT:
         spec = replace(spec, drafter=replace(spec.drafter, runtime=self_draft_runtime(drafter_file)))
     draft_threads = drafter_threads(options.threads, options.placement, options.readahead)
+    budget = spec.budget if options.budget is None else options.budget
+    nodes = tree_nodes(budget)
+    if spec.target.runtime == "onnx" and nodes > MAX_LEAVES + 1:  # refused before anything loads
+        raise UserError(budget_refused(spec.name, int(budget), MAX_LEAVES + 1))
     if spec.target.runtime == "onnx":
         with _phase(times, "target and drafter (QuantSpec)"):
             target, drafter = _load_quantspec(spec, target_file, options.threads, report)
         warning = None
     else:
-        target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times)
+        target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes)
         if options.placement == "ssd":
             try:
                 with _phase(times, "ssd placement check"):
@@ -397,7 +428,6 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
     with _phase(times, "chat template"):
         template = _template(info.chat_template, target)
-    budget = spec.budget if options.budget is None else options.budget
     return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
                 sampling=chat_sampling(target_file, report), load_seconds=times, report=report)
 
@@ -415,10 +445,11 @@ def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:
 
 
 def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, draft_threads: int | None,
-                       report: Report, times: dict[str, float]) -> tuple[Any, Drafter]:
+                       report: Report, times: dict[str, float], max_tree: int) -> tuple[Any, Drafter]:
     """The llama.cpp target and the drafter, the drafter loading on a thread while the target loads: both spend
     their time in native code (llama.cpp mapping weights and allocating its KV cache, onnxruntime reading and
-    packing the drafter's), so on a machine with two cores or more the slower of the two is what start-up waits."""
+    packing the drafter's), so on a machine with two cores or more the slower of the two is what start-up waits.
+    Both take trees of up to `max_tree` nodes."""
     llama = runtime("llama_cpp")
     run = llama.RunOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, n_threads=options.threads,
                            n_gpu_layers=options.gpu_layers or 0, use_mlock=options.mlock)
@@ -426,10 +457,10 @@ def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, 
     with _phase(times, "target and drafter, side by side"), \
             ThreadPoolExecutor(1, thread_name_prefix="edge-spec-drafter") as pool:
         future = pool.submit(open_drafter, spec, spec.drafter, target_file, draft_threads, options.gpu_layers or 0,
-                             report, beside)
+                             report, beside, max_tree)
         try:
             with _phase(beside, "target"):
-                target = llama.load_target(target_file, run)
+                target = llama.load_target(target_file, run, max_tree)
         except BaseException:
             _close_when_loaded(future)
             raise
@@ -476,9 +507,10 @@ def on_ssd(target: Any, path: Path, readahead: bool) -> Any:
 
 
 def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: int | None, gpu_layers: int,
-                 report: Report = _quiet, times: dict[str, float] | None = None) -> Drafter:
+                 report: Report = _quiet, times: dict[str, float] | None = None,
+                 max_tree: int = MAX_LEAVES + 1) -> Drafter:
     """The drafter `model` (the pair's, or another for a comparison) for the llama.cpp target in `target_file`,
-    refused when it does not speak the target's token ids."""
+    refused when it does not speak the target's token ids; it grows trees of up to `max_tree` nodes."""
     from runtimes.gguf_file import check_same_vocab
 
     times = {} if times is None else times
@@ -503,7 +535,7 @@ def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: i
                                 "to another drive) and run again") from None
         llama = runtime("llama_cpp")
         options = llama.RunOptions(n_ctx=spec.ctx, kv_type=model.kv_type, n_threads=threads, n_gpu_layers=gpu_layers)
-        return llama.load_drafter(drafter_file, options)
+        return llama.load_drafter(drafter_file, options, max_tree - 1)
 
 
 def graph_folder(model_file: Path) -> Path | None:

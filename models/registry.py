@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.errors import UserError
-from edge.options import PROVIDERS, RUNTIMES
+from edge.options import MAX_BUDGET, PROVIDERS, RUNTIMES
 
 KV_TYPES = ("f16", "q8_0", "q4_0", "f32", "bf16")
 FTYPES = (
@@ -24,7 +24,6 @@ MODEL_KEYS = ("path", "hf", "pypi", "files", "sha256", "name", "quantize", "kv_t
 PAIR_KEYS = ("about", "ctx", "budget", "target", "drafter")
 TOP_KEYS = ("default", "pairs")
 SOURCE_KEYS = ("path", "hf", "pypi", "from")
-MAX_BUDGET = 1024
 
 _HF_RE = re.compile(r"^[\w.-]+/[\w.-]+:\S+$")
 _SHA_RE = re.compile(r"^[0-9a-fA-F]{64}$")

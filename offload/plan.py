@@ -38,7 +38,7 @@ RAM_HEADROOM = 2 * GIB  # left to the OS, Python, onnxruntime and logits buffers
 GPU_RESERVE = 3 * GIB // 2  # llama.cpp's CUDA context and compute buffers for a batch of a few hundred tokens
 OP_OFFLOAD_MIN_BATCH = 32  # from this batch size llama.cpp computes CPU-resident layers on the GPU (uploading them)
 BATCH_EXTRA = 64  # load_target's batch also carries the previous round's accepted tokens
-DRAFTER_EXTRA_CTX = 256  # load_drafter's cells past the context for a round's expanded nodes
+DRAFTER_EXTRA_CTX = 256  # load_drafter's cells past the context for a round's expanded nodes (a larger tree's nodes)
 AUTO_MAX_BUDGET = 255  # budget = "auto": the largest tree offload/tuning.py may pick (llama.cpp's 256 sequences)
 # KV cache bytes per element: quantized types store blocks of 32 values plus one f16 scale.
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -296,7 +296,7 @@ def kv_bytes(shape: Shape, n_cells: int, kv_type: str) -> int:
 def _place_drafter(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_left: int, n_tree: int) -> ModelPlan:
     model = pair.drafter
     kv_type = _kv_type(model, "drafter")
-    kv = kv_bytes(shape, pair.ctx + DRAFTER_EXTRA_CTX, kv_type)
+    kv = kv_bytes(shape, pair.ctx + max(DRAFTER_EXTRA_CTX, n_tree), kv_type)
     need = shape.file_bytes + kv
     common = {"role": "drafter", "shape": shape, "runtime": model.runtime, "kv_type": kv_type, "kv_bytes": kv,
               "op_offload": gpu and model.runtime == "llama_cpp", "n_ubatch": n_tree, "use_mmap": True,

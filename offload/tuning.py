@@ -18,6 +18,11 @@ that lies among them is what it would have accepted. Budgets above the largest t
 could pay and is dropped when the measurement says it does not. While plain decoding wins, a tree round
 is tried now and then (less and less often, and never for more than 1/PROBE_SHARE of the time spent
 decoding plainly) when twice the tokens per pass measured so far would make it pay.
+
+Budgets past 255 nodes (1024, 2048) are candidates only where a target pass over 256 tokens costs about what one
+token's does (FLAT_RATIO: the pass reads weights, a GPU's or the SSD's, more than it computes): there measure_costs
+gives the target a larger verify batch and times those passes too. On a CPU with the target in RAM they never are,
+and could not pay.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge.grow import GrowConfig
+from edge.grow import MAX_LEAVES, GrowConfig
 from edge.speculative import RoundResult
 from edge.tree import TokenTree
 
-CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 255)
+CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 255, 1024, 2048)
+LARGE = tuple(b for b in CANDIDATES if b > MAX_LEAVES)  # measured, and chosen, only where passes are flat
+FLAT_RATIO = 1.5  # a pass over 256 tokens within this factor of a one-token pass: bound by reading weights
 # Tokens per pass gained per doubling of the budget before any round is seen: the slope of the
 # tokens-per-pass curves in docs/drafter.md (about 5.8-6.1 at budget 64, 8.8 at 255).
 PRIOR_SLOPE = 0.85
@@ -114,17 +121,56 @@ def _interpolate(table: dict[int, float], x: float) -> float:
 
 
 def measure_costs(target, drafter, prefix: list[int], max_tree: int) -> Costs:
-    """Time the target (chains of 1..max_tree tokens) and the drafter (1, 8, 32 nodes) after `prefix`."""
+    """Time the target (chains of 1..max_tree tokens) and the drafter (1, 8, 32 nodes) after `prefix`; where the
+    target's passes are flat (is_flat), also chains of LARGE tokens, after enlarging both (fit_trees)."""
     sizes = tuple(n for n in (1, 16, 64, 256) if n <= max_tree) or (1,)
     cold = pass_ms(target, prefix, sizes, repeats=3)
     drafter_ms = expand_ms(drafter, prefix, repeats=3)
     streamer = getattr(target, "streamer", None)  # offload.ssd.SsdTarget
     if streamer is None or not streamer.readahead:
-        return Costs(cold, drafter_ms)
-    read_ahead = streamer.time_read_ahead()
-    warm = pass_ms(target, prefix, sizes, repeats=3, before=streamer.read_ahead_now)
-    overlap = pass_ms(target, prefix, sizes, repeats=3, before=streamer.prefetch)  # the reading starts with it
-    return Costs(cold, drafter_ms, round(1000 * read_ahead, 3), warm, overlap)
+        costs = Costs(cold, drafter_ms)
+    else:
+        read_ahead = streamer.time_read_ahead()
+        warm = pass_ms(target, prefix, sizes, repeats=3, before=streamer.read_ahead_now)
+        overlap = pass_ms(target, prefix, sizes, repeats=3, before=streamer.prefetch)  # the reading starts with it
+        costs = Costs(cold, drafter_ms, round(1000 * read_ahead, 3), warm, overlap)
+    if not is_flat(costs) or not fit_trees(target, drafter, LARGE[-1] + 1):
+        return costs
+    cold.update(pass_ms(target, prefix, LARGE, repeats=3))
+    drafter_ms.update(expand_ms(drafter, prefix, (64, 128), repeats=3))  # for_budget's beams at 1024 and 2048
+    if costs.warm_ms is not None and costs.overlap_ms is not None:
+        costs.warm_ms.update(pass_ms(target, prefix, LARGE, repeats=3, before=streamer.read_ahead_now))
+        costs.overlap_ms.update(pass_ms(target, prefix, LARGE, repeats=3, before=streamer.prefetch))
+    return costs
+
+
+def is_flat(costs: Costs) -> bool:
+    """Whether a target pass over 256 tokens costs at most FLAT_RATIO one token's (with readahead, once the weights
+    are read: what a pass after growth costs): then it is bound by reading weights, and trees past 255 nodes, which
+    cost 4-8x the compute, may still pay."""
+    table = costs.warm_ms or costs.target_ms
+    return 1 in table and 256 in table and table[256] <= FLAT_RATIO * table[1]
+
+
+def fit_trees(target, drafter, nodes: int) -> bool:
+    """Whether the target can verify trees of `nodes` nodes and the drafter grow them, after enlarging each that can
+    be (llama.cpp: a larger batch and KV room over the same weights; their caches start empty). An onnx target's
+    verify batch is fixed at 256 nodes."""
+    if nodes > target.max_tree:
+        enlarge = getattr(target, "enlarge", None)
+        if enlarge is None:
+            return False
+        enlarge(nodes)
+    if drafter is not None and nodes - 1 > drafter.expand_capacity and hasattr(drafter, "enlarge"):
+        drafter.enlarge(nodes - 1)
+    return True
+
+
+def budget_limit(costs: Costs) -> int:
+    """The largest budget --budget auto may choose: 255, or a LARGE one where the passes were measured that large
+    (measure_costs does only where they are flat)."""
+    measured = max(costs.target_ms)
+    return max([MAX_LEAVES, *(b for b in LARGE if b <= measured)])
 
 
 def pass_ms(target, prefix: list[int], sizes: tuple[int, ...] = (1, 16, 64), repeats: int = 5,
@@ -198,7 +244,7 @@ class AutoBudget:
     """The BudgetPolicy behind `--budget auto` (see the module's docstring)."""
 
     costs: Costs
-    max_budget: int = CANDIDATES[-1]
+    max_budget: int = 0  # 0: budget_limit(costs)
     tokens: dict[int, float] = field(default_factory=dict)  # budget -> running tokens per pass
     passes: dict[int, float] = field(default_factory=dict)  # budget -> running drafter passes per round
     grow_scale: float = 1.0  # measured / predicted growth time
@@ -208,6 +254,9 @@ class AutoBudget:
     plain_for: int = 0  # plain rounds left before the next full comparison
     probe_every: int = FIRST_PROBE
     chosen: list[int] = field(default_factory=list)  # budget per round, 0 = plain (for reports and tests)
+
+    def __post_init__(self) -> None:
+        self.max_budget = self.max_budget or budget_limit(self.costs)
 
     def choose(self, max_nodes: int) -> GrowConfig | None:
         if self.plain_for > 0:  # plain decoding won a moment ago: only plain rounds' timing has changed since

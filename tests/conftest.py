@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,12 +15,13 @@ CHAT_PROMPTS = (REPO / "benchmarks" / "chat-prompts.txt").read_text().splitlines
 TEXT_PROMPTS = (REPO / "benchmarks" / "text-prompts.txt").read_text().splitlines()
 
 
-def _load(name: str, ctx: int = 1024) -> Pair:
+def _load(name: str, ctx: int = 1024, **options: Any) -> Pair:
     """The pair with llama.cpp's drafter on a Q4_0 requantization, whatever models.toml chooses: test_lossless
     checks llama.cpp's own seq-id bookkeeping with a drafter that is often wrong (the target's own weights would
-    rarely be), on the fastest llama.cpp kernels here; tests/test_onnx.py checks the onnx drafter on the same pairs."""
+    rarely be), on the fastest llama.cpp kernels here; tests/test_onnx.py checks the onnx drafter on the same pairs.
+    `options`: other LoadOptions fields (a budget past 255 sizes the target's verify batch for it)."""
     return edge.load(name, ctx=ctx, gpu_layers=0, drafter_runtime="llama_cpp", drafter_quantize="q4_0",
-                     report=lambda message: print(message, flush=True))
+                     report=lambda message: print(message, flush=True), **options)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -9,11 +10,11 @@ import pytest
 
 from edge.generate import Decoder
 from edge.grow import GrowConfig
-from edge.invariance import check_batch_invariance, sequential_logits
+from edge.invariance import check_batch_invariance, compare, large_tree_shapes, sequential_logits
 from edge.sampling import SamplingConfig, distribution
 from models.pair import Pair
 from runtimes.llama_cpp._native import MAX_SEQ
-from tests.conftest import prompt_tokens, prompts_for
+from tests.conftest import CHAT_PROMPTS, _load, prompt_tokens, prompts_for
 
 MAX_TOKENS = 128
 # Budget 255 with fewer, narrower drafter passes than the CLI default: still a full 256-node tree for the
@@ -35,6 +36,49 @@ def test_tree_logits_equal_sequential_decoding(pair: Pair) -> None:
         assert result.nodes_checked >= min(result.nodes, 60), result
         assert result.max_abs_diff == 0.0 and result.argmax_differences == 0, result
     assert results[1].nodes == MAX_SEQ
+
+
+@pytest.fixture(scope="module")
+def smollm2_1024() -> Iterator[Pair]:
+    """SmolLM2 loaded for budget 1024: a verify batch of 1025 nodes, the drafter's room for as many, and a context
+    that holds a prompt and such a tree."""
+    pair = _load("smollm2-135m", ctx=2048, budget=1024)
+    yield pair
+    pair.close()
+
+
+def test_1024_node_trees_equal_sequential_decoding(smollm2_1024: Pair) -> None:
+    """255 chains under the root, and a tree grown at budget 1024: 1025 nodes and 255 leaves in one pass (one seq
+    per leaf), every checked node bit-identical to plain decoding."""
+    pair = smollm2_1024
+    tokens = prompt_tokens(pair, CHAT_PROMPTS[0])
+    shapes = large_tree_shapes(pair.drafter, tokens[:-1], tokens[-1])
+    for name, tree in shapes.items():
+        assert len(tree) == 1025 and len(tree.leaves()) <= MAX_SEQ - 1, name
+        checked, worst, flips = compare(pair.target, tree, tokens[:-1], max_paths=30)  # 30 leaves' paths, ~20 s
+        assert checked >= 120 and worst == 0.0 and flips == 0, (name, checked, worst, flips)
+    assert len(shapes["1024 nodes, 255 leaves"].leaves()) == MAX_SEQ - 1
+
+
+def test_greedy_speculation_at_budget_1024_equals_plain_decoding(smollm2_1024: Pair) -> None:
+    """Short replies (a round here grows for ~1.8 s and verifies 1025 nodes in ~3.4 s): the output token for token,
+    the first round's tree full."""
+    pair = smollm2_1024
+    grow_config = replace(GrowConfig.for_budget(1024), extend_prob=None)
+    for text in (CHAT_PROMPTS[1], CHAT_PROMPTS[2]):
+        tokens = prompt_tokens(pair, text)
+        outputs, first_tree = [], 0
+        for decoder in (Decoder(pair.target), Decoder(pair.target, pair.drafter, grow_config)):
+            decoder.reset()
+            decoder.load(tokens)
+            out = []
+            for step in decoder.generate(12):
+                first_tree = first_tree or (step.stats.tree_nodes if decoder.drafter is not None else 0)
+                out.append(step.token)
+            outputs.append(out)
+        assert outputs[1] == outputs[0], text
+        assert first_tree == 1025 and step.stats.target_passes == step.stats.rounds, step.stats
+        assert_caches_hold_exactly(pair, decoder)
 
 
 def generate(pair: Pair, tokens: list[int], budget: int | None, sampling: SamplingConfig | None = None,
