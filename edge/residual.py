@@ -160,3 +160,45 @@ class AutoRule:
         if min(self.tried.values()) < self.TRIALS:
             return None
         return max(self.tokens, key=self.mean)
+
+
+def residual_law(p_ids: np.ndarray, p: np.ndarray, proposal: Proposal) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution of residual_draw's token given p and the proposal's candidates as drawn (fixed, not
+    redrawn): (ids, probs) over p's and q's tokens. Averaged over the candidate draws it is p; given them it leans
+    on the candidates, which is what edge.replay's weights measure. Mirrors residual_draw step by step (the same
+    updates, in the same order, with the same early ends), each uniform's test replaced by its probability."""
+    support = np.union1d(p_ids, proposal.ids)
+    target = np.zeros(len(support))
+    target[np.searchsorted(support, p_ids)] = p
+    draft = np.zeros(len(support))
+    draft[np.searchsorted(support, proposal.ids)] = proposal.probs
+    law = np.zeros(len(support))
+    reach = 1.0  # the chance that every candidate so far was rejected
+    for token in proposal.drawn.tolist():
+        at = int(np.searchsorted(support, token))
+        taken = min(1.0, target[at] / draft[at]) if draft[at] > 0 else float(target[at] > 0)  # u * q < p
+        law[at] += reach * taken
+        reach *= 1.0 - taken
+        residual = np.maximum(target - draft, 0.0)
+        mass = residual.sum()
+        if mass <= 0:
+            break
+        target = residual / mass
+        draft[at] = 0.0
+        left = draft.sum()
+        if left <= 0:
+            break
+        draft /= left
+    # The last draw takes the first token whose cumulative sum passes u * total, the last one past them all.
+    total = target.sum()
+    edges = np.minimum(np.cumsum(target), total)
+    edges[-1] = total
+    width = np.diff(edges, prepend=0.0) / total if total > 0 else np.eye(len(support))[-1]
+    return support, law + reach * width
+
+
+def residual_probability(p_ids: np.ndarray, p: np.ndarray, proposal: Proposal, token: int) -> float:
+    """The chance that residual_draw returns `token` given p and the proposal's candidates (residual_law's)."""
+    support, law = residual_law(p_ids, p, proposal)
+    at = int(np.searchsorted(support, token))
+    return float(law[at]) if at < len(support) and support[at] == token else 0.0
