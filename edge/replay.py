@@ -22,9 +22,10 @@ where y_v is the reply's token after v, drawn by plain sampling from the target'
 given the candidates (1 where none were drawn). Then E[W f] over replays is E[f] over real rounds from the same
 state, for any figure f of a round. The replay needs each p_v, recorded by plain_replies_with_distributions;
 WeightedStats gives tokens per pass as sum(W tokens) / sum(W) over rounds and the effective sample size
-(sum W)^2 / sum W^2. Deep trees multiply many factors: where the rule reaches much deeper than the reply's walk,
-a few rounds hold the weight and the effective sample size says so. Growth learns acceptance rates from what the
-rule would have done, drawn along the reply where its p is known (ReplayTarget.accept_round).
+(sum W)^2 / sum W^2, which says how far to trust it: the rule nearly always emits a drafted candidate x, which the
+reply holds only with chance p(x), so even one node's factor is large now and then, and deep trees multiply them.
+Growth learns acceptance rates from what the rule would have done, drawn along the reply where its p is known
+(ReplayTarget.accept_round).
 """
 
 from __future__ import annotations

@@ -59,6 +59,21 @@ def test_tree_yield_runs(one_prompt: Path, sampling: list[str]) -> None:
     assert all(1 <= float(row[2]) <= 8 for row in rows)  # a pass yields one token at least, and 8 is the reply
 
 
+def test_tree_yield_replays_the_residual_rule(one_prompt: Path) -> None:
+    """--accept match,residual: the match rows as without it, then the residual rows weighted, with their ESS."""
+    out = run_script("tree_yield.py", "--pair", PAIR, "--prompts", str(one_prompt), "--budgets", "4", "-n", "8",
+                     "--methods", "tree", "--temperature", "0.8", "--top-k", "40", "--seed", "1",
+                     "--accept", "match,residual")
+    lines = out.splitlines()
+    assert re.fullmatch(rf"{PAIR}, 1 prompts x 8 tokens \(\d+ in all\), temperature 0.8, top-k 40, seed 1", lines[0])
+    assert lines[1].split()[:3] == ["method", "budget", "tokens/pass"] and lines[2].split()[:2] == ["tree", "4"]
+    assert lines[3].startswith("residual rule, weighted")
+    assert lines[4].split()[:6] == ["method", "budget", "tokens/pass", "unweighted", "ESS", "rounds"]
+    method, budget, weighted, unweighted, ess, rounds = lines[5].split()[:6]
+    assert (method, budget) == ("tree", "4") and len(lines) == 6
+    assert 1 <= float(unweighted) <= 8 and 0 < float(weighted) <= 5 and 1 <= float(ess) <= int(rounds)
+
+
 def test_tree_rounds_runs(one_prompt: Path) -> None:
     out = run_script("tree_rounds.py", "--pair", PAIR, "--prompts", str(one_prompt), "--budget", "4", "-n", "8")
     assert re.match(rf"{PAIR}, budget 4, 1 prompts x 8 tokens, greedy, \d+ rounds\n"
