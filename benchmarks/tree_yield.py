@@ -13,18 +13,14 @@ prints tokens per pass and growth time per round for a chain and a tree of each 
 Q4_1 / Q8_0 files) the figures are what `edge-spec bench` measures; with `--target-dtype f16` a near-tie can round
 the other way in a tree pass.
 
-    python benchmarks/tree_yield.py --pair smollm2-135m --prompts benchmarks/chat-prompts.txt --budgets 16,64 \
+    python benchmarks/tree_yield.py --pair smollm2-135m --prompts benchmarks/chat-prompts.txt --budgets 64,255,1024 \
         --methods tree --temperature 0.8 --accept match,residual
 
-The residual rule (`--accept residual`, edge/residual.py) does not yield the plain text, so its rows are replayed by
-importance weighting (edge.replay): each round walks the tree along the plain text and is weighed by the rule's
-chance of emitting that text over the target's; its tokens per pass are sum(weight x tokens) / sum(weight) over
-rounds, printed beside the unweighted walk and the effective sample size (sum weight)^2 / sum weight^2. A small
-one says the figure is noise, and sampled chat text makes it small: the rule nearly always emits a drafted candidate
-x, which the plain text holds only with chance p(x), so one node's weight is 1/p(x) now and then, and a round
-multiplies one such factor per node. On the default pair at temperature 0.8 (8 chat prompts x 64 tokens) the
-effective sample size is 77 of 314 rounds with one candidate (budget 1) and 4.5 of 219 at budget 16, whose weighted
-3.09 tokens per pass stands against 8.83 in a real run: there the replay cannot stand in for the target.
+The residual rule (`--accept residual`, edge/residual.py) does not emit plain sampling's text, so no reply can be
+replayed for it: its rows run over edge.replay.PathTarget, the real target run only on the nodes acceptance reads,
+one token a pass down the accepted path (plain decoding's cost, never the tree pass). Exact on a batch-invariant
+target, and the way to compare budgets whose tree passes are slow here (1024 nodes: seconds a pass on 2 cores).
+Rows in the same order as `edge-spec bench`: with a seed, each row's figures are a bench row's.
 """
 
 from __future__ import annotations
@@ -34,26 +30,25 @@ import sys
 from pathlib import Path
 
 import edge
-from edge.generate import Decoder
+from edge.generate import Decoder, Stats
 from edge.grow import GrowConfig
 from edge.protocols import Drafter
-from edge.replay import ReplayTarget, WeightedStats, plain_replies, plain_replies_with_distributions, replay
+from edge.replay import PathTarget, ReplayTarget, plain_replies, replay
 from edge.sampling import SamplingConfig
 from edge.speculative import RoundResult
 from models.bench import read_prompts
 
 
 class Row:
-    """One method, budget and acceptance rule: its own Decoder (acceptance learned across prompts, as a bench row's),
-    and its figures summed over prompts. It is that Decoder's budget policy, a fixed tree shape, to see the depth of
-    each tree."""
+    """One method and budget: its own Decoder (acceptance learned across prompts, as a bench row's), and its figures
+    summed over prompts. It is that Decoder's budget policy, a fixed tree shape, to see the depth of each tree."""
 
-    def __init__(self, method: str, budget: int, accept: str, target: ReplayTarget, drafter: Drafter,
+    def __init__(self, method: str, budget: int, accept: str, target: ReplayTarget | PathTarget, drafter: Drafter,
                  sampling: SamplingConfig):
         self.method, self.budget, self.accept = method, budget, accept
         self.config = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
         self.decoder = Decoder(target, drafter, None, sampling, policy=self, accept=accept)
-        self.stats = WeightedStats()
+        self.stats = Stats()
         self.depths: list[int] = []
 
     def choose(self, max_nodes: int) -> GrowConfig:
@@ -70,7 +65,6 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, required=True)
     parser.add_argument("--budgets", default="16,32,64,255")
     parser.add_argument("--methods", default="chain,tree")
-    parser.add_argument("--accept", default="match", help="acceptance rules: match, residual (sampling only)")
     parser.add_argument("--drafter-vocab", type=int, default=None, help="an onnx drafter with this trimmed head")
     parser.add_argument("--target-dtype", default=None, help="as in edge-spec bench (default: the pair's target)")
     parser.add_argument("-n", type=int, default=64, help="tokens per prompt")
@@ -79,6 +73,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--accept", default="match", help="acceptance rules, comma-separated: match, residual")
     args = parser.parse_args()
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -90,42 +85,35 @@ def main() -> None:
     with edge.load(args.pair, report=lambda message: print(message, file=sys.stderr), target_dtype=args.target_dtype,
                    drafter_runtime="onnx" if args.drafter_vocab else None, drafter_vocab=args.drafter_vocab) as pair:
         prompts = [pair.prompt_tokens(text) for text in read_prompts(args.prompts)]
-        if "residual" in accepts:  # the same plain passes and tokens, and the distributions they were drawn from
-            references, distributions = plain_replies_with_distributions(pair.target, prompts, args.n, sampling)
-        else:
-            references, distributions = plain_replies(pair.target, prompts, args.n, sampling), [None] * len(prompts)
-        target = ReplayTarget.like(pair.target)
-        rows = [Row(method, int(budget), accept, target, pair.drafter, sampling)
+        references = plain_replies(pair.target, prompts, args.n, sampling)
+        replayed, walked = ReplayTarget.like(pair.target), PathTarget(pair.target)
+        rows = [Row(method, int(budget), accept, replayed if accept == "match" else walked, pair.drafter, sampling)
                 for budget in args.budgets.split(",") for method in args.methods.split(",") for accept in accepts]
-        for prompt, reference, reply_p in zip(prompts, references, distributions, strict=True):
-            for row in rows:  # each prompt through every row in turn
-                row.stats.add(replay(row.decoder, prompt, reference, reply_p if row.accept == "residual" else None))
-    how = "greedy"
-    if not sampling.greedy:
-        rules = [f"top-k {args.top_k}"] * bool(args.top_k) + [f"top-p {args.top_p:g}"] * (args.top_p < 1)
-        rules += [f"min-p {args.min_p:g}"] * bool(args.min_p)
-        how = ", ".join([f"temperature {args.temperature}", *rules, f"seed {args.seed}"])
+        for prompt, reference in zip(prompts, references, strict=True):  # each prompt through every row in turn
+            for row in rows:
+                if row.accept == "match":
+                    row.stats.add(replay(row.decoder, prompt, reference))
+                else:
+                    row.stats.add(walk(row.decoder, prompt, args.n))
+    how = "greedy" if sampling.greedy else sampling.described()
     print(f"{args.pair}, {len(prompts)} prompts x {args.n} tokens ({sum(map(len, references))} in all), {how}")
-    match_rows = [row for row in rows if row.accept == "match"]
-    if match_rows:
-        print(f"{'method':>6s} {'budget':>6s} {'tokens/pass':>11s} {'passes/round':>12s} {'grow s/round':>12s} "
-              f"{'mean depth':>10s}")
-    for row in match_rows:
+    print(f"{'method':>6s} {'budget':>6s} {'accept':>8s} {'tokens/pass':>11s} {'passes/round':>12s} "
+          f"{'grow s/round':>12s} {'mean depth':>10s}")
+    for row in rows:
         stats = row.stats
-        print(f"{row.method:>6s} {row.budget:6d} {stats.new_tokens / stats.rounds:11.2f} "
+        print(f"{row.method:>6s} {row.budget:6d} {row.accept:>8s} {stats.new_tokens / stats.rounds:11.2f} "
               f"{stats.drafter_passes / stats.rounds:12.1f} {stats.grow_s / stats.rounds:12.3f} "
               f"{sum(row.depths) / len(row.depths):10.1f}")
-    residual_rows = [row for row in rows if row.accept == "residual"]
-    if residual_rows:
-        print("residual rule, weighted (edge.replay): ESS = effective rounds, unweighted = the walk along the text")
-        print(f"{'method':>6s} {'budget':>6s} {'tokens/pass':>11s} {'unweighted':>10s} {'ESS':>7s} {'rounds':>6s} "
-              f"{'passes/round':>12s} {'grow s/round':>12s} {'mean depth':>10s}")
-    for row in residual_rows:
-        stats = row.stats
-        print(f"{row.method:>6s} {row.budget:6d} {stats.weighted_tokens_per_pass:11.2f} "
-              f"{stats.new_tokens / stats.rounds:10.2f} {stats.effective_rounds:7.1f} {stats.rounds:6d} "
-              f"{stats.drafter_passes / stats.rounds:12.1f} {stats.grow_s / stats.rounds:12.3f} "
-              f"{sum(row.depths) / len(row.depths):10.1f}")
+
+
+def walk(decoder: Decoder, prompt: list[int], max_tokens: int) -> Stats:
+    """One prompt over a PathTarget, from empty caches and the sampling seed, as a bench row decodes it."""
+    decoder.set_sampling(decoder.sampling)
+    decoder.reset()
+    decoder.load(prompt)
+    *_, last = decoder.generate(max_tokens)
+    decoder.reset()
+    return last.stats
 
 
 if __name__ == "__main__":

@@ -12,40 +12,29 @@ random number plain sampling used for it (one uniform per emitted token), so a t
 The figures are what a run of the real target measures as long as its tree passes give the same tokens as its plain
 passes (a batch-invariant target, docs/lossless.md).
 
-The residual rule (edge/residual.py) does not yield plain sampling's text: its token at a node depends on the
-candidates drawn there, so a replay cannot make it emit the reply. It replays by importance weighting instead. Each
-round walks the tree along the reply as sample-and-match would, and weighs itself by
+The residual rule (edge/residual.py) does not emit plain sampling's text: its token at a node depends on the
+candidates the drafter drew there, so it reaches contexts the reply never did, where the target's distribution is
+unknown. (Weighting each replayed round by the rule's chance of emitting the reply over the target's is exact in
+expectation, but on sampled chat text a handful of rounds carry all the weight: an effective sample size of 4.5
+of 219 rounds at budget 16 on the default pair, whose estimate was 3.09 tokens per pass against 8.83 measured.)
+PathTarget answers it exactly instead: acceptance reads only the rows of one path, so it runs the real target on
+those nodes alone, one token a pass as it goes down the path, and never the tree pass. That is plain decoding's
+cost, whatever the tree's size, and with a batch-invariant target the rows are the tree pass's, bit for bit:
 
-    W = prod over the nodes v it visits of P(y_v | p_v, candidates_v) / p_v(y_v)    (edge.residual.residual_law)
-
-where y_v is the reply's token after v, drawn by plain sampling from the target's p_v, and P is the rule's law
-given the candidates (1 where none were drawn). Then E[W f] over replays is E[f] over real rounds from the same
-state, for any figure f of a round. The replay needs each p_v, recorded by plain_replies_with_distributions;
-WeightedStats gives tokens per pass as sum(W tokens) / sum(W) over rounds and the effective sample size
-(sum W)^2 / sum W^2, which says how far to trust it: the rule nearly always emits a drafted candidate x, which the
-reply holds only with chance p(x), so even one node's factor is large now and then, and deep trees multiply them.
-Growth learns acceptance rates from what the rule would have done, drawn along the reply where its p is known
-(ReplayTarget.accept_round).
+    decoder = Decoder(PathTarget(pair.target), pair.drafter, GrowConfig.for_budget(1024), sampling, accept="residual")
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge.acceptance import Acceptance
 from edge.generate import Decoder, Stats
 from edge.grow import MAX_BUDGET
 from edge.protocols import Target, Tokenizer
-from edge.residual import Proposer, residual_law
-from edge.sampling import SamplingConfig, distribution
-from edge.speculative import accept
+from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
-
-Distribution = tuple[np.ndarray, np.ndarray]  # (token ids ascending, probabilities): edge.sampling.distribution's
-KEPT_PROB = 1e-9  # a recorded distribution keeps the tokens this likely (and the one drawn): Gemma has 262144
 
 # A replay holds no batch: it takes the largest tree any budget grows (MAX_BUDGET nodes and the root), whatever the
 # target it stands for is loaded to verify, so budgets past 255 nodes can be compared without sizing a real one.
@@ -93,26 +82,16 @@ class ReplayTarget:
         self.n_past = 0
         self.passes = 0
         self.text = np.zeros(0, np.int64)  # the prompt, then the reply
-        self.reply_start = 0  # where the reply starts in text
-        self.distributions: Sequence[Distribution] | None = None  # the target's p at each reply token
-        self.rounds: list[tuple[float, int]] = []  # each round since `expect`: its weight and the tokens it emitted
 
     @classmethod
     def like(cls, target: Target) -> ReplayTarget:
         """A replay with `target`'s vocabulary, tokenizer, stop tokens and context (and DEFAULT_MAX_TREE)."""
         return cls(target.tokenizer, target.n_vocab, target.stop_tokens, target.n_ctx)
 
-    def expect(self, prompt: Sequence[int], reply: Sequence[int],
-               distributions: Sequence[Distribution] | None = None) -> None:
-        """Replay `reply` (the target's own tokens after `prompt`) from now on; the cache starts empty. With
-        `distributions`, the target's p at each reply token (plain_replies_with_distributions'), rounds under the
-        residual rule are replayed, weighted."""
-        if distributions is not None and len(distributions) != len(reply):
-            raise ValueError(f"{len(distributions)} distributions for a reply of {len(reply)} tokens")
+    def expect(self, prompt: Sequence[int], reply: Sequence[int]) -> None:
+        """Replay `reply` (the target's own tokens after `prompt`) from now on; the cache starts empty."""
         self.text = np.asarray([*prompt, *reply], np.int64)
-        self.reply_start, self.distributions = len(prompt), distributions
         self.n_past = 0
-        self.rounds = []
 
     @property
     def root(self) -> int:
@@ -134,52 +113,6 @@ class ReplayTarget:
                 break
             path.append(child)
         return path
-
-    def accept_round(self, tree: TokenTree, logits: ReplyRows, sampling: SamplingConfig, history: Sequence[int],
-                     rng: np.random.Generator, proposer: Proposer | None,
-                     acceptance: Acceptance | None) -> tuple[list[int], int]:
-        """edge.speculative.accept for this target, which speculative_round calls instead when a target has it, and
-        what `acceptance` learns from the round. Sample-and-match runs edge.speculative.accept itself, which walks
-        the reply by its rows. The residual rule (a `proposer`) walks along the reply too, and the round is weighed
-        (the module's docstring); acceptance then learns what the rule would have done: at each node of the walk
-        the rule's token is drawn from its law, coupled to the reply's token so that it agrees where it can, and
-        the round is observed as far as they agree (past there, the rule's path leaves the text whose p is known).
-        Records (weight, tokens emitted) in `rounds`."""
-        if proposer is None:
-            path, token = accept(tree, logits, sampling, history, rng)
-            weight, observed = 1.0, (path, token)
-        else:
-            path, token, weight, observed = self._residual_round(tree, proposer, rng)
-        if acceptance is not None:
-            acceptance.observe(tree, *observed)
-        self.rounds.append((weight, min(len(path), self.tokens_left)))  # a run stops at the reply's end too
-        return path, token
-
-    def _residual_round(self, tree: TokenTree, proposer: Proposer,
-                        rng: np.random.Generator) -> tuple[list[int], int, float, tuple[list[int], int]]:
-        """(path along the reply, the reply's token after it, the round's weight, the path and token to observe)."""
-        if self.distributions is None:
-            raise ValueError("a residual round needs the target's distributions: expect(..., distributions) from "
-                             "plain_replies_with_distributions")
-        path = self.accepted_path(tree)
-        end = self.n_past + len(path)  # the text's position of the token the round ends with
-        token = int(self.text[end]) if end < len(self.text) else self.end_token
-        weight, observed = 1.0, None
-        for depth in range(len(path)):  # path[depth] is at that depth
-            position = self.n_past + depth + 1
-            if position >= len(self.text):  # the reply ended at this node (a stop token): a run stops here too
-                break
-            reply_token = int(self.text[position])
-            p_ids, p = self.distributions[position - self.reply_start]
-            proposal = proposer.at(tree.path_tokens(path[: depth + 1]))
-            law_ids, law = (p_ids, p) if proposal is None else residual_law(p_ids, p, proposal)
-            p_reply, law_reply = _probability(p_ids, p, reply_token), _probability(law_ids, law, reply_token)
-            weight *= law_reply / p_reply
-            if observed is None:
-                drawn = _coupled_draw(reply_token, p_reply, law_reply, p_ids, p, law_ids, law, rng)
-                if drawn != reply_token:
-                    observed = (path[: depth + 1], drawn)
-        return path, token, weight, observed or (path, token)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         if not tokens:
@@ -218,131 +151,93 @@ class ReplayTarget:
                              f"{self.text[self.n_past] if self.n_past < len(self.text) else 'ended'}")
 
 
+class PathRows:
+    """verify's answer from a PathTarget: row v is computed when read, by one pass of the real target over v's token,
+    which acceptance reads root first and then down one path (each node read is a child of the one read before)."""
+
+    def __init__(self, owner: PathTarget, tree: TokenTree):
+        self.owner, self.tree = owner, tree
+        self.path: list[int] = []  # the nodes run so far, root first
+        self.shape = (len(tree), owner.n_vocab)
+
+    def __getitem__(self, node: int) -> np.ndarray:
+        expected_parent = self.path[-1] if self.path else -1
+        if int(self.tree.parents[node]) != expected_parent:
+            raise ValueError(f"PathTarget rows are read down one path: node {node} is not a child of {expected_parent}")
+        inner = self.owner.inner
+        one = TokenTree.root(int(self.tree.tokens[node]))
+        row = np.array(inner.verify(one)[0], dtype=np.float32)  # [n_vocab], a copy: the next pass overwrites it
+        inner.commit(one, [0])  # the node's cell stays: the next row's pass reads it
+        self.path.append(node)
+        return row
+
+
+class PathTarget:
+    """A Target (edge.protocols) over a real one that verifies a tree by running only the nodes acceptance reads
+    (PathRows): exact for any acceptance rule on a batch-invariant target, at one one-token pass per emitted token.
+    `passes` counts one per verify, as a tree pass would be; the inner target's own count says what really ran."""
+
+    def __init__(self, inner: Target, max_tree: int = DEFAULT_MAX_TREE):
+        self.inner = inner
+        self.tokenizer, self.n_vocab, self.stop_tokens = inner.tokenizer, inner.n_vocab, inner.stop_tokens
+        self.n_ctx, self.max_tree = inner.n_ctx, max_tree
+        self.passes = 0
+        self._rows: PathRows | None = None
+
+    @property
+    def n_past(self) -> int:
+        return self.inner.n_past
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        before = self.inner.passes
+        self.inner.prefill(tokens)
+        self.passes += self.inner.passes - before
+
+    def verify(self, tree: TokenTree) -> PathRows:
+        self.passes += 1
+        self._rows = PathRows(self, tree)
+        return self._rows
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None:
+        """The path's nodes already ran (and stayed) as acceptance read them."""
+        if self._rows is None or self._rows.path != list(path):
+            raise ValueError("commit of a path acceptance did not read")
+        self._rows = None
+
+    def truncate(self, n: int) -> None:
+        self.inner.truncate(n)
+
+    def close(self) -> None:
+        """The inner target is the caller's to close."""
+
+
 def plain_replies(target: Target, prompts: Sequence[Sequence[int]], max_tokens: int,
                   sampling: SamplingConfig) -> list[list[int]]:
     """The target's plain reply to each prompt, up to `max_tokens` tokens, each sampled from the same seed (as
     edge-spec bench does); a stop token that ends a reply is part of it, as it is a new token in a run."""
-    return _decode_plainly(target, prompts, max_tokens, sampling, record=False)[0]
-
-
-def plain_replies_with_distributions(target: Target, prompts: Sequence[Sequence[int]], max_tokens: int,
-                                     sampling: SamplingConfig) -> tuple[list[list[int]], list[list[Distribution]]]:
-    """plain_replies' replies (the same passes, the same tokens), and for each reply token the distribution it was
-    drawn from (edge.sampling.distribution of that pass's logits): a residual replay's p. Each keeps the tokens of
-    probability KEPT_PROB or more and the one drawn, unnormalized: without top-k a row is most of the vocabulary."""
-    return _decode_plainly(target, prompts, max_tokens, sampling, record=True)
-
-
-def _decode_plainly(target: Target, prompts: Sequence[Sequence[int]], max_tokens: int, sampling: SamplingConfig,
-                    record: bool) -> tuple[list[list[int]], list[list[Distribution]]]:
-    plain, replies, distributions = Decoder(target, sampling=sampling), [], []
+    plain, replies = Decoder(target, sampling=sampling), []
     for prompt in prompts:
         plain.set_sampling(sampling)
         plain.reset()
         plain.load(prompt)
-        recorder = _Recorder(target, plain) if record else None
-        if recorder is not None:  # after load, which must name the target itself as the one its caches serve
-            plain.target = recorder
-        try:
-            for _ in plain.generate(max_tokens):
-                pass
-        finally:
-            plain.target = target
+        for _ in plain.generate(max_tokens):
+            pass
         replies.append(plain.context[len(prompt):])
-        distributions.append([] if recorder is None else recorder.finish(replies[-1]))
     plain.reset()
-    return replies, distributions
+    return replies
 
 
-class _Recorder:
-    """The target, whose verify also keeps the sampling distribution of each pass (plain decoding: one node, its
-    history the decoder's context), as draw computes it."""
-
-    def __init__(self, target: Target, decoder: Decoder):
-        self._target, self._decoder = target, decoder
-        self.distributions: list[Distribution] = []
-
-    def verify(self, tree: TokenTree) -> np.ndarray:
-        logits = self._target.verify(tree)  # [1, n_vocab]
-        if self.distributions:  # the root is the token drawn from the last one
-            self.distributions[-1] = _kept(*self.distributions[-1], int(tree.tokens[0]))
-        self.distributions.append(distribution(logits[0], self._decoder.sampling, self._decoder.context))
-        return logits
-
-    def finish(self, reply: Sequence[int]) -> list[Distribution]:
-        if self.distributions:
-            self.distributions[-1] = _kept(*self.distributions[-1], reply[-1])
-        return self.distributions
-
-    def __getattr__(self, name: str):  # everything else is the target's
-        return getattr(self._target, name)
-
-
-def _kept(ids: np.ndarray, probs: np.ndarray, drawn: int) -> Distribution:
-    keep = (probs >= KEPT_PROB) | (ids == drawn)
-    return ids[keep].astype(np.int32), probs[keep]
-
-
-def _probability(ids: np.ndarray, probs: np.ndarray, token: int) -> float:
-    at = int(np.searchsorted(ids, token))
-    return float(probs[at]) if at < len(ids) and ids[at] == token else 0.0
-
-
-def _coupled_draw(reply_token: int, p_reply: float, law_reply: float, p_ids: np.ndarray, p: np.ndarray,
-                  law_ids: np.ndarray, law: np.ndarray, rng: np.random.Generator) -> int:
-    """A token from `law` that is the reply's token (itself a draw from p) as often as can be: kept with chance
-    min(1, law/p) there, else drawn from the law's excess over p. Its distribution is exactly `law`."""
-    if rng.random() * p_reply < law_reply:
-        return reply_token
-    p_on_law = np.zeros(len(law_ids))  # law's support holds p's
-    p_on_law[np.searchsorted(law_ids, p_ids)] = p
-    excess = np.maximum(law - p_on_law, 0.0)
-    if excess.sum() <= 0:
-        return reply_token
-    index = int(np.searchsorted(np.cumsum(excess), rng.random() * excess.sum(), side="right"))
-    return int(law_ids[min(index, len(law_ids) - 1)])
-
-
-@dataclass
-class WeightedStats(Stats):
-    """A replay's Stats and each of its rounds' weight and tokens (the module's docstring). Under sample-and-match
-    every weight is 1 and the weighted figure is the plain one."""
-
-    round_weights: list[float] = field(default_factory=list)
-    round_tokens: list[int] = field(default_factory=list)
-
-    @property
-    def weighted_tokens_per_pass(self) -> float:
-        """sum(W tokens) / sum(W) over rounds (one target pass each): the self-normalized estimate of a real run's
-        tokens per pass. Unweighted, the same sum is the replay's own walk along the reply (tokens_per_pass)."""
-        weights = np.asarray(self.round_weights)
-        return float(weights @ np.asarray(self.round_tokens) / weights.sum()) if weights.sum() > 0 else 0.0
-
-    @property
-    def effective_rounds(self) -> float:
-        """(sum W)^2 / sum W^2: about how many real rounds the weighted figure is worth (rounds, when all are 1)."""
-        weights = np.asarray(self.round_weights)
-        return float(weights.sum() ** 2 / (weights**2).sum()) if weights.any() else 0.0
-
-
-def replay(decoder: Decoder, prompt: Sequence[int], reply: Sequence[int],
-           distributions: Sequence[Distribution] | None = None) -> WeightedStats:
+def replay(decoder: Decoder, prompt: Sequence[int], reply: Sequence[int]) -> Stats:
     """Decode `prompt` with `decoder`, whose target is a ReplayTarget, answering with `reply` (plain_replies'), from
-    empty caches and the sampling seed, as plain_replies decoded it. Returns the run's stats with each round's
-    weight; a decoder with the residual rule needs the reply's `distributions` (plain_replies_with_distributions')."""
+    empty caches and the sampling seed, as plain_replies decoded it. Returns the run's stats."""
     target = decoder.target
     if not isinstance(target, ReplayTarget):
         raise TypeError(f"replay needs a decoder over a ReplayTarget, not {type(target).__name__}")
-    if decoder.accept == "auto" and not decoder.sampling.greedy:
-        raise ValueError("--accept auto is not replayed: it would choose between rules by the reply's walk")
-    target.expect(prompt, reply, distributions)
+    target.expect(prompt, reply)
     decoder.set_sampling(decoder.sampling)  # restart the seed's random numbers, as plain_replies did
     decoder.reset()
     decoder.load(prompt)
     *_, last = decoder.generate(len(reply))
     if decoder.context[len(prompt):] != list(reply):  # acceptance is lossless: a bug if this ever happens
         raise RuntimeError("the replayed decoding strayed from the reply")
-    weights, tokens = zip(*target.rounds, strict=True) if target.rounds else ((), ())
-    if sum(tokens) != last.stats.new_tokens:
-        raise RuntimeError(f"the replay's rounds hold {sum(tokens)} tokens, its run {last.stats.new_tokens}")
-    return WeightedStats(**vars(last.stats), round_weights=list(weights), round_tokens=list(tokens))
+    return last.stats

@@ -92,13 +92,9 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
                                     None if proposer is None else proposer.expand)
     grown = time.perf_counter()
     logits = target.verify(tree)
-    replayed = getattr(target, "accept_round", None)  # edge.replay's target walks its known reply itself
-    if replayed is not None:
-        path, token = replayed(tree, logits, sampling, context[:-1], rng, proposer, acceptance)
-    else:
-        path, token = accept(tree, logits, sampling, context[:-1], rng, proposer)
-        if acceptance is not None:
-            acceptance.observe(tree, path, token)
+    path, token = accept(tree, logits, sampling, context[:-1], rng, proposer)
+    if acceptance is not None:
+        acceptance.observe(tree, path, token)
     verified = time.perf_counter()
     target.commit(tree, path)
     committed = time.perf_counter()
