@@ -165,7 +165,7 @@ class AutoRule:
 def residual_law(p_ids: np.ndarray, p: np.ndarray, proposal: Proposal) -> tuple[np.ndarray, np.ndarray]:
     """The distribution of residual_draw's token given p and the proposal's candidates as drawn (fixed, not
     redrawn): (ids, probs) over p's and q's tokens. Averaged over the candidate draws it is p; given them it leans
-    on the candidates, which is what edge.replay's weights measure. Mirrors residual_draw step by step (the same
+    on the candidates (tests/test_residual_law.py checks both). Mirrors residual_draw step by step (the same
     updates, in the same order, with the same early ends), each uniform's test replaced by its probability."""
     support = np.union1d(p_ids, proposal.ids)
     target = np.zeros(len(support))
