@@ -77,28 +77,44 @@ class Proposer:
 
 
 def residual_draw(p_ids: np.ndarray, p: np.ndarray, proposal: Proposal, rng: np.random.Generator) -> int:
-    """One token with exactly the distribution (p_ids, p), accepting the proposal's candidates where it can."""
-    support = np.union1d(p_ids, proposal.ids)  # ascending: the final draw maps a uniform in a fixed order
-    target = np.zeros(len(support))
-    target[np.searchsorted(support, p_ids)] = p
-    draft = np.zeros(len(support))
-    draft[np.searchsorted(support, proposal.ids)] = proposal.probs
+    """One token with exactly the distribution (p_ids, p), accepting the proposal's candidates where it can.
+
+    p may span a whole vocabulary (262144 tokens for Gemma at temperature alone) and q a few dozen, so p is held as
+    `base * scale` and a rejection touches only q's support: max(p - q, 0) equals p off it."""
+    support, at_q = _support(p_ids, proposal.ids)
+    base = np.zeros(len(support))
+    base[np.searchsorted(support, p_ids)] = p
+    scale = 1.0  # the current target is base * scale; it sums to 1
+    draft = np.array(proposal.probs, dtype=np.float64)  # [len(q)], q over its support, at support[at_q]
     for token in proposal.drawn.tolist():
-        at = int(np.searchsorted(support, token))
-        if rng.random() * draft[at] < target[at]:  # probability min(1, p/q), without dividing
+        j = int(np.searchsorted(proposal.ids, token))
+        if rng.random() * draft[j] < base[at_q[j]] * scale:  # probability min(1, p/q), without dividing
             return token
-        residual = np.maximum(target - draft, 0.0)
-        mass = residual.sum()
+        old = base[at_q] * scale  # the target on q's support
+        new = np.maximum(old - draft, 0.0)
+        mass = 1.0 - old.sum() + new.sum()  # the residual's total: unchanged off q's support
         if mass <= 0:  # p == q up to rounding, where every candidate is accepted: cannot happen but by rounding
             break
-        target = residual / mass
-        draft[at] = 0.0
+        base[at_q] = new / scale
+        scale /= mass
+        draft[j] = 0.0
         left = draft.sum()
         if left <= 0:
             break
         draft /= left
-    index = int(np.searchsorted(np.cumsum(target), rng.random() * target.sum(), side="right"))
+    weights = base * scale
+    index = int(np.searchsorted(np.cumsum(weights), rng.random() * weights.sum(), side="right"))
     return int(support[min(index, len(support) - 1)])
+
+
+def _support(p_ids: np.ndarray, q_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of p and q, ascending (a uniform then maps to the same token every time), and where q's lie in
+    it. Mostly q's tokens are among p's, and p's ids are the support as they are (no sort of a whole vocabulary)."""
+    at = np.minimum(np.searchsorted(p_ids, q_ids), len(p_ids) - 1)
+    if len(p_ids) and (p_ids[at] == q_ids).all():
+        return p_ids, at
+    support = np.union1d(p_ids, q_ids)
+    return support, np.searchsorted(support, q_ids)
 
 
 def _draw_without_replacement(q: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -123,11 +139,13 @@ class AutoRule:
     """`--accept auto`: runs both rules on the first rounds at the request's sampling, then the one whose trees
     yielded more tokens per target pass, trying the other every REVISIT rounds so that a change in the text can
     turn it round. Greedy decoding never asks (it is sample-and-match). Tokens per pass, not per second: the choice
-    is then the same for the same seed, and the rules cost about the same per round (a few ms of numpy for q)."""
+    is then the same for the same seed; the residual rule's deeper trees take more drafter passes, which its tokens
+    paid for wherever it yielded more here (docs/performance.md). Rounds cut short by the reply's end (its length, a
+    stop token) are not counted: they would pull the better rule's figure down most."""
 
     TRIALS = 4  # tree rounds of each rule before choosing
     REVISIT = 16
-    DECAY = 0.9  # weight of a rule's earlier rounds after one more of its rounds
+    DECAY = 0.95  # weight of a rule's earlier rounds after one more of its rounds (about its last 20 count)
 
     def __init__(self) -> None:
         self.tokens = {"match": 0.0, "residual": 0.0}  # decayed sums over each rule's tree rounds
