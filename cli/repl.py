@@ -112,8 +112,8 @@ class Chat:
             return f"{rule} (greedy: sample-and-match)"
         if rule == "auto" and decoder.auto_rule.choice is not None:
             auto = decoder.auto_rule
-            return (f"auto (tokens per tree round: residual {auto.mean('residual'):.1f}, match "
-                    f"{auto.mean('match'):.1f}; running {auto.choice})")
+            return (f"auto (walks went on at {auto.rate('residual'):.0%} of nodes under residual, "
+                    f"{auto.rate('match'):.0%} under match; running {auto.choice})")
         return rule
 
 

@@ -218,16 +218,13 @@ class Decoder:
                 break
             started, passes = time.perf_counter(), self.target.passes
             rule = self._rule() if self.drafter is not None else "match"
-            wanted = max_tokens - stats.new_tokens
-            config = self._grow_config(room, wanted, rule)
+            config = self._grow_config(room, max_tokens - stats.new_tokens, rule)
             result = speculative_round(self.target, self.drafter, self.context, config, self.sampling, self.rng,
                                        self.acceptances[rule], stop_tokens, rule, self.draft_rng)
             if self.policy is not None:
                 self.policy.observe(config, result)
-            # Rounds the reply's end cut short (its length, a stop token) say less of the better rule: not counted
-            if (config is not None and self.accept == "auto" and not self.sampling.greedy
-                    and len(result.tokens) < wanted and not stop_tokens.intersection(result.tokens)):
-                self.auto_rule.observe(rule, len(result.tokens))
+            if config is not None and self.accept == "auto" and not self.sampling.greedy and result.path:
+                self.auto_rule.observe(rule, result.tree, result.path)
             stats.rounds += 1
             stats.plain_rounds += config is None
             stats.residual_rounds += config is not None and rule == "residual" and not self.sampling.greedy

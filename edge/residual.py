@@ -136,20 +136,25 @@ def _path(tree: TokenTree, node: int) -> list[int]:
 
 
 class AutoRule:
-    """`--accept auto`: runs both rules on the first rounds at the request's sampling, then the one whose trees
-    yielded more tokens per target pass, trying the other every REVISIT rounds so that a change in the text can
-    turn it round. Greedy decoding never asks (it is sample-and-match). Tokens per pass, not per second: the choice
-    is then the same for the same seed; the residual rule's deeper trees take more drafter passes, which its tokens
-    paid for wherever it yielded more here (docs/performance.md). Rounds cut short by the reply's end (its length, a
-    stop token) are not counted: they would pull the better rule's figure down most."""
+    """`--accept auto`: runs both rules on the first tree rounds at the request's sampling, then the one whose walks
+    went on more often, trying the other every REVISIT rounds so that a change in the text can turn it round.
+    Greedy decoding never asks (it is sample-and-match).
 
-    TRIALS = 4  # tree rounds of each rule before choosing
-    REVISIT = 16
+    A round's walk down its tree goes on at every node of the accepted path but the last, and stops at the last
+    if the tree offered children there; a last node without children (the tree's depth, which the reply's end
+    also caps, or a stop token) says nothing. The rule's rate, went-on / (went-on + stopped), is what sets
+    tokens per pass (about 1 / (1 - rate) down a deep tree), without the bias of counting tokens per round, which
+    the reply's end cuts short for the better rule most. Tokens per pass, not per second: the choice is then the
+    same for the same seed; the residual rule's deeper trees take more drafter passes, which its tokens paid for
+    wherever it yielded more here (docs/performance.md)."""
+
+    TRIALS = 3  # tree rounds of each rule before choosing
+    REVISIT = 24
     DECAY = 0.95  # weight of a rule's earlier rounds after one more of its rounds (about its last 20 count)
 
     def __init__(self) -> None:
-        self.tokens = {"match": 0.0, "residual": 0.0}  # decayed sums over each rule's tree rounds
-        self.rounds = {"match": 0.0, "residual": 0.0}
+        self.went_on = {"match": 0.0, "residual": 0.0}  # decayed counts over each rule's tree rounds
+        self.stopped = {"match": 0.0, "residual": 0.0}
         self.tried = {"match": 0, "residual": 0}
         self.asked = 0
 
@@ -157,27 +162,29 @@ class AutoRule:
         self.asked += 1
         if min(self.tried.values()) < self.TRIALS:
             return "match" if self.tried["match"] <= self.tried["residual"] else "residual"
-        best = max(self.tokens, key=self.mean)
+        best = max(self.went_on, key=self.rate)
         if self.asked % self.REVISIT == 0:
             return "residual" if best == "match" else "match"
         return best
 
-    def observe(self, rule: str, tokens: int) -> None:
-        """One tree round of `rule` that emitted `tokens` (its accepted path plus the target's token)."""
-        self.tokens[rule] = self.DECAY * self.tokens[rule] + tokens
-        self.rounds[rule] = self.DECAY * self.rounds[rule] + 1
+    def observe(self, rule: str, tree: TokenTree, path: list[int]) -> None:
+        """One tree round of `rule`: the tree it verified and its accepted path (node ids, root first)."""
+        stopped = bool((tree.parents == path[-1]).any())  # the tree offered children where the walk ended
+        self.went_on[rule] = self.DECAY * self.went_on[rule] + len(path) - 1
+        self.stopped[rule] = self.DECAY * self.stopped[rule] + stopped
         self.tried[rule] += 1
 
-    def mean(self, rule: str) -> float:
-        """Tokens per tree round measured for `rule` (recent rounds weigh more)."""
-        return self.tokens[rule] / self.rounds[rule] if self.rounds[rule] else 0.0
+    def rate(self, rule: str) -> float:
+        """How often `rule`'s walks went on where the tree offered children (recent rounds weigh more)."""
+        seen = self.went_on[rule] + self.stopped[rule]
+        return self.went_on[rule] / seen if seen else 0.0
 
     @property
     def choice(self) -> str | None:
         """The rule it runs now, once both are measured."""
         if min(self.tried.values()) < self.TRIALS:
             return None
-        return max(self.tokens, key=self.mean)
+        return max(self.went_on, key=self.rate)
 
 
 def residual_law(p_ids: np.ndarray, p: np.ndarray, proposal: Proposal) -> tuple[np.ndarray, np.ndarray]:

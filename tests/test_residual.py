@@ -126,16 +126,23 @@ def test_residual_yields_more_than_match_with_a_close_drafter() -> None:
 
 
 def test_auto_measures_both_rules_then_runs_the_better() -> None:
+    """Rates from walks: a chain of 4 whose walk goes on at 3 nodes and stops at the 4th (children offered) under
+    residual, at 1 of 2 under match; a walk ending on a leaf counts no stop."""
+    chain = TokenTree(np.arange(5, dtype=np.int32), np.arange(-1, 4, dtype=np.int32), np.arange(5, dtype=np.int32),
+                      np.zeros(5, np.float32))
     auto = AutoRule()
     seen = []
     for _ in range(2 * AutoRule.TRIALS):
         rule = auto.choose()
         seen.append(rule)
-        auto.observe(rule, 6 if rule == "residual" else 2)
+        auto.observe(rule, chain, [0, 1, 2, 3] if rule == "residual" else [0, 1])
     assert seen.count("match") == seen.count("residual") == AutoRule.TRIALS
+    assert auto.rate("residual") == pytest.approx(0.75) and auto.rate("match") == pytest.approx(0.5)
     assert auto.choice == "residual"
     later = [auto.choose() for _ in range(2 * AutoRule.REVISIT)]
     assert later.count("match") == 2  # revisited every REVISIT rounds, residual otherwise
+    auto.observe("match", chain, [0, 1, 2, 3, 4])  # to the leaf: 4 more went-on, no stop
+    assert auto.rate("match") > 0.5
 
 
 def test_auto_with_a_drafter_close_to_its_target_picks_residual_and_greedy_stays_match() -> None:
