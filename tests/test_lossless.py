@@ -171,6 +171,24 @@ def test_sampled_speculation_with_a_seed_is_plain_sampling(pair: Pair, sampling:
         assert generate(pair, tokens, 16, sampling, 48)[0] == generate(pair, tokens, None, sampling, 48)[0]
 
 
+def two_token_probabilities(pair: Pair, tokens: list[int], sampling: SamplingConfig) -> dict[tuple[int, int], float]:
+    """The exact probability of every two-token continuation of `tokens`, from the target's sequential logits."""
+    first = sequential_logits(pair.target, tokens[:-1], [tokens[-1]])[0]
+    ids, probs = distribution(first, sampling, tokens)
+    exact = {}
+    for token, p in zip(ids.tolist(), probs.tolist(), strict=True):
+        second = sequential_logits(pair.target, tokens, [token])[0]
+        ids2, probs2 = distribution(second, sampling, [*tokens, token])
+        exact.update({(token, t2): p * p2 for t2, p2 in zip(ids2.tolist(), probs2.tolist(), strict=True)})
+    return exact
+
+
+def assert_within_five_sigma(counts: dict, exact: dict, runs: int) -> None:
+    assert set(counts) <= set(exact)
+    for outcome, p in exact.items():
+        assert abs(counts.get(outcome, 0) / runs - p) <= 5 * np.sqrt(p * (1 - p) / runs) + 1e-9, outcome
+
+
 def test_sampled_first_tokens_follow_the_targets_distribution(smollm2: Pair) -> None:
     """Two-token continuations over 400 draws vs their exact probabilities from the target's logits.
 
@@ -180,13 +198,7 @@ def test_sampled_first_tokens_follow_the_targets_distribution(smollm2: Pair) -> 
     """
     sampling = SamplingConfig(temperature=1.0, top_k=5)
     tokens = prompt_tokens(smollm2, "Name a colour.")
-    first = sequential_logits(smollm2.target, tokens[:-1], [tokens[-1]])[0]
-    ids, probs = distribution(first, sampling, tokens)
-    exact = {}
-    for token, p in zip(ids.tolist(), probs.tolist(), strict=True):
-        second = sequential_logits(smollm2.target, tokens, [token])[0]
-        ids2, probs2 = distribution(second, sampling, [*tokens, token])
-        exact.update({(token, t2): p * p2 for t2, p2 in zip(ids2.tolist(), probs2.tolist(), strict=True)})
+    exact = two_token_probabilities(smollm2, tokens, sampling)
     decoder = Decoder(smollm2.target, smollm2.drafter, GrowConfig.for_budget(4), SamplingConfig(1.0, 5, seed=21))
     decoder.reset()
     runs, counts = 400, {}
@@ -194,9 +206,7 @@ def test_sampled_first_tokens_follow_the_targets_distribution(smollm2: Pair) -> 
         decoder.load(tokens)
         key = tuple(s.token for s in decoder.generate(2) if s.finish_reason is None)
         counts[key] = counts.get(key, 0) + 1
-    assert set(counts) <= set(exact)
-    for outcome, p in exact.items():
-        assert abs(counts.get(outcome, 0) / runs - p) <= 5 * np.sqrt(p * (1 - p) / runs) + 1e-9, outcome
+    assert_within_five_sigma(counts, exact, runs)
 
 
 def test_residual_rule_follows_the_targets_distribution(smollm2: Pair) -> None:
@@ -205,13 +215,7 @@ def test_residual_rule_follows_the_targets_distribution(smollm2: Pair) -> None:
     top-p where the drafter's draws are often not the target's."""
     sampling = SamplingConfig(temperature=1.0, top_k=5, top_p=0.9)
     tokens = prompt_tokens(smollm2, "Name a colour.")
-    first = sequential_logits(smollm2.target, tokens[:-1], [tokens[-1]])[0]
-    ids, probs = distribution(first, sampling, tokens)
-    exact = {}
-    for token, p in zip(ids.tolist(), probs.tolist(), strict=True):
-        second = sequential_logits(smollm2.target, tokens, [token])[0]
-        ids2, probs2 = distribution(second, sampling, [*tokens, token])
-        exact.update({(token, t2): p * p2 for t2, p2 in zip(ids2.tolist(), probs2.tolist(), strict=True)})
+    exact = two_token_probabilities(smollm2, tokens, sampling)
     runs, counts, residual_rounds = 400, {}, 0
     decoder = Decoder(smollm2.target, smollm2.drafter, GrowConfig.for_budget(4), sampling, accept="residual")
     for seed in range(runs):  # a seed per generation, as separate requests would have
@@ -222,6 +226,4 @@ def test_residual_rule_follows_the_targets_distribution(smollm2: Pair) -> None:
         counts[key] = counts.get(key, 0) + 1
         residual_rounds += steps[-1].stats.residual_rounds
     assert residual_rounds >= runs  # every generation's first round at least
-    assert set(counts) <= set(exact)
-    for outcome, p in exact.items():
-        assert abs(counts.get(outcome, 0) / runs - p) <= 5 * np.sqrt(p * (1 - p) / runs) + 1e-9, outcome
+    assert_within_five_sigma(counts, exact, runs)
