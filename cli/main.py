@@ -148,12 +148,12 @@ def read_stdin() -> str:
         raise UserError(f"standard input is not UTF-8 text (byte {problem.start}); convert it (iconv)") from None
 
 
-def named(command: typer.Context, model: str | None):
-    """The pair a MODEL argument names (a pair of models.toml, a GGUF file, a Hugging Face reference), and the
-    models.toml it came from."""
+def named(command: typer.Context, model: str | None, drafter: str | None = None):
+    """The pair a MODEL argument names (a pair of models.toml, a GGUF file, a Hugging Face reference; a file's
+    drafter, if given), and the models.toml it came from."""
     from models.pair import resolve_spec
 
-    return resolve_spec(LoadOptions(models_file=command.obj, pair=model))
+    return resolve_spec(LoadOptions(models_file=command.obj, pair=model, drafter=drafter))
 
 
 def load(command: typer.Context, **options: Any):
@@ -525,6 +525,7 @@ def prepare(
 def bench(
     ctx: typer.Context,
     pair: PairOpt = None,
+    drafter: DrafterOpt = None,
     prompts: Annotated[Path | None, typer.Option(help="one prompt per line (default: the repo's chat prompts)",
                                                  show_default=False)] = None,
     budgets: Annotated[str, typer.Option(
@@ -570,8 +571,8 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("bench: prompts x rows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with load(ctx, pair=pair, ctx=ctx_size, threads=threads, provider=provider, placement=placement, mlock=mlock,
-              readahead=readahead, target_dtype=target_dtype) as loaded, \
+    with load(ctx, pair=pair, drafter=drafter, ctx=ctx_size, threads=threads, provider=provider, placement=placement,
+              mlock=mlock, readahead=readahead, target_dtype=target_dtype) as loaded, \
             Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         loaded.fit_budget(max((b for b in budget_list if b != "auto"), default=1))  # a 1025-node batch for 1024
         task = bar.add_task("bench", total=None)
@@ -627,28 +628,42 @@ def check(
 def plan(
     ctx: typer.Context,
     pair: ModelArg = None,
+    drafter: DrafterOpt = None,
     machine: Annotated[str | None, typer.Option(
         help="plan for a described machine instead of this one: ram=32G,vram=24G,disk=3GB/s (optional: cores=N, "
              "pcie=25GB/s, rambw=20GB/s)", show_default=False)] = None,
     ctx_size: CtxOpt = None,
+    acceptance: Annotated[Path | None, typer.Option(
+        help="a bench JSON (edge-spec bench --json): print the tokens/s expected at each of its tree budgets from "
+             "its tokens per pass and this plan's pass times, and the budget the plan would pick",
+        show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Where each part of a pair goes (GPU, RAM, SSD) and what a target pass costs; loads and downloads nothing."""
     from dataclasses import replace
 
-    from cli.planning import render_plan
+    from cli.planning import render_plan, render_rates
     from models.planning import make_plan, unused_gpu
+    from offload.expected import expected_rates, pick, read_acceptance
 
     if ctx_size is not None and ctx_size < MIN_CTX:
         raise UserError(f"--ctx must be at least {MIN_CTX} tokens (got {ctx_size})")
-    spec, models_file = named(ctx, pair)
+    spec, models_file = named(ctx, pair, drafter)
     if (unused := unused_gpu()) is not None:
         warning(unused)
+    measured = read_acceptance(acceptance) if acceptance is not None else None
     result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, models_file)
+    rates = expected_rates(result, measured) if measured is not None else None
     if as_json:
-        print(json.dumps(result.as_dict(), indent=2))
-    else:
-        render_plan(result, Console())
+        out = result.as_dict()
+        if measured is not None and rates is not None:
+            out["acceptance"] = {"file": str(acceptance), "measured_on": measured.source,
+                                 "rates": [rate.as_dict() for rate in rates], "pick": pick(rates).budget}
+        print(json.dumps(out, indent=2))
+        return
+    render_plan(result, Console())
+    if measured is not None and rates is not None:
+        render_rates(measured.source, rates, pick(rates), Console())
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from offload.expected import ExpectedRate
 from offload.plan import GIB, Plan
 
 
@@ -33,6 +34,22 @@ def render_plan(plan: Plan, console: Console) -> None:
     ]
     for line in lines:
         console.print(line, soft_wrap=True, highlight=False, markup=False)
+
+
+def render_rates(source: str, rates: list[ExpectedRate], best: ExpectedRate, console: Console) -> None:
+    """plan --acceptance: the expected tokens/s at each budget, and the pick."""
+    plain = rates[0].tokens_per_s
+    table = Table("budget", "tokens/pass", "draft s/round", "verify s/round", "tokens/s", "vs plain",
+                  box=box.SIMPLE_HEAD, pad_edge=False,
+                  title=escape(f"expected with the tokens per pass of {source}"))
+    for rate in rates:
+        table.add_row("plain" if rate.budget == 0 else str(rate.budget), f"{rate.tokens_per_pass:.2f}",
+                      f"{rate.draft_s:.3f}", _seconds(rate.verify_s), f"{rate.tokens_per_s:.3g}",
+                      f"{rate.tokens_per_s / plain:.2f}x")
+    console.print(table)
+    choice = "plain decoding" if best.budget == 0 else f"budget {best.budget}"
+    console.print(f"the plan would pick {choice}: {best.tokens_per_s:.3g} tokens/s, "
+                  f"{best.tokens_per_s / plain:.2f}x plain decoding", highlight=False, markup=False)
 
 
 def _settings(options: dict) -> str:

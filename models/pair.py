@@ -231,10 +231,8 @@ def open_pair(options: LoadOptions, report: Report = _quiet) -> Pair:
     times: dict[str, float] = {}
     with _phase(times, "models.toml and plan"):
         spec, models_file = resolve_spec(options)
-        gpu_layers = options.gpu_layers
-        if gpu_layers is None:
-            gpu_layers = planned_gpu_layers(spec, models_file, report)
-    return load_pair(spec, replace(options, gpu_layers=gpu_layers), report, models_file, times)
+        planned = planned_target(spec, models_file, report)  # None until a model file is here (fetched first)
+    return load_pair(spec, options, report, models_file, times, planned)
 
 
 @contextmanager
@@ -341,20 +339,33 @@ def self_draft_runtime(drafter_file: Path) -> str:
     return "onnx" if gguf_header(drafter_file).field("general.architecture") in ARCHITECTURES else "llama_cpp"
 
 
-def planned_gpu_layers(spec: PairSpec, models_file: Path | None, report: Report = _quiet) -> int:
-    """Apply `edge-spec plan`: refuse a pair that cannot run here (with the numbers), and give the target's GPU
-    layers when a GPU is visible. The rest of the plan is what loading does anyway (mmap'd weights, the kernel
-    streams what RAM cannot hold). Skipped while a model file is not here yet (it is fetched first)."""
+@dataclass(frozen=True)
+class PlannedTarget:
+    """What `edge-spec plan` decides for loading the target."""
+
+    gpu_layers: int  # target layers on the GPU (0 without one)
+    streamed: bool  # its weights do not fit in RAM: used from the file's mapping (never repacked), read every pass
+
+
+def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _quiet) -> PlannedTarget | None:
+    """Apply `edge-spec plan`: refuse a pair that cannot run here (with the numbers), give the target's GPU layers
+    when a GPU is visible, and say whether the target streams from the drive. The rest of the plan is what loading
+    does anyway (mmap'd weights, the kernel streams what RAM cannot hold). None while a model file is not here yet
+    (load_pair plans once it is fetched)."""
     if any(path is None or not path.is_file() for path in (model_path(spec.target), model_path(spec.drafter))):
-        return 0
+        return None
     from models.planning import make_plan
     from offload.probe import probe_gpus
 
     plan = make_plan(spec, None, models_file)
+    streamed = plan.target.placement == "ssd"
+    if streamed:
+        report(f"plan: the target does not fit in RAM ({plan.machine.ram_free / 2**30:.1f} GiB free): "
+               f"{plan.ssd_bytes / 2**30:.1f} GiB of its weights are read from the drive on every pass")
     if not probe_gpus():
-        return 0
+        return PlannedTarget(0, streamed)
     report(f"plan: {plan.target.n_gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
-    return plan.target.n_gpu_layers
+    return PlannedTarget(plan.target.n_gpu_layers, streamed)
 
 
 def materialize(spec: ModelSpec, report: Report = _quiet) -> Path:
@@ -391,11 +402,12 @@ def _quantized_size(source: Path, ftype: str) -> int:
 
 
 def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, models_file: Path | None = None,
-              times: dict[str, float] | None = None) -> Pair:
-    """Load `spec` (already resolved: resolve_spec) with `options`' placement, threads and budget; `times` gathers
-    the seconds of each phase.
+              times: dict[str, float] | None = None, planned: PlannedTarget | None = None) -> Pair:
+    """Load `spec` (already resolved: resolve_spec) with `options`' placement, threads and budget, where `planned`
+    (planned_target; made here once the files are) puts the target; `times` gathers the seconds of each phase.
 
-    placement "ssd": the target is mmap'd and its pages evicted after every pass (offload/ssd.py)."""
+    A target the plan streams is used from its file's mapping: the kernel reads it on every pass and evicts it.
+    placement "ssd": the same for a target that would fit, its pages evicted after every pass (offload/ssd.py)."""
     from runtimes.gguf_file import check_gguf, lossless_guarantee
 
     times = {} if times is None else times
@@ -403,6 +415,11 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         target_file = materialize(spec.target, report)
         info = check_gguf(target_file)
         drafter_file = materialize(spec.drafter, report)  # here, not beside the target's load: one download at a time
+    if planned is None:
+        with _phase(times, "plan"):
+            planned = planned_target(spec, models_file, report) or PlannedTarget(0, False)
+    if options.gpu_layers is None:
+        options = replace(options, gpu_layers=planned.gpu_layers)
     if spec.drafter.runtime == SELF_DRAFT:
         spec = replace(spec, drafter=replace(spec.drafter, runtime=self_draft_runtime(drafter_file)))
     draft_threads = drafter_threads(options.threads, options.placement, options.readahead)
@@ -415,7 +432,9 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
             target, drafter = _load_quantspec(spec, target_file, options.threads, report)
         warning = None
     else:
-        target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes)
+        streamed = planned.streamed or options.placement == "ssd"
+        target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes,
+                                             repack=not streamed)
         if options.placement == "ssd":
             try:
                 with _phase(times, "ssd placement check"):
@@ -445,14 +464,15 @@ def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:
 
 
 def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, draft_threads: int | None,
-                       report: Report, times: dict[str, float], max_tree: int) -> tuple[Any, Drafter]:
+                       report: Report, times: dict[str, float], max_tree: int,
+                       repack: bool = True) -> tuple[Any, Drafter]:
     """The llama.cpp target and the drafter, the drafter loading on a thread while the target loads: both spend
     their time in native code (llama.cpp mapping weights and allocating its KV cache, onnxruntime reading and
     packing the drafter's), so on a machine with two cores or more the slower of the two is what start-up waits.
-    Both take trees of up to `max_tree` nodes."""
+    Both take trees of up to `max_tree` nodes; `repack` False keeps the target's weights in its file's mapping."""
     llama = runtime("llama_cpp")
     run = llama.RunOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, n_threads=options.threads,
-                           n_gpu_layers=options.gpu_layers or 0, use_mlock=options.mlock)
+                           n_gpu_layers=options.gpu_layers or 0, use_mlock=options.mlock, repack=repack)
     beside: dict[str, float] = {}  # the two sides' own times, shown under the block's wall time
     with _phase(times, "target and drafter, side by side"), \
             ThreadPoolExecutor(1, thread_name_prefix="edge-spec-drafter") as pool:
@@ -488,8 +508,8 @@ def drafter_threads(threads: int | None, placement: str, readahead: bool) -> int
 
 
 def on_ssd(target: Any, path: Path, readahead: bool) -> Any:
-    """The target streamed from its file; refused when a pass does not read its weights from the mapping
-    (llama.cpp copies weights it repacks for faster kernels, e.g. Q4_0 on x86, and leaves the file mapped)."""
+    """The target streamed from its file; refused when a pass does not read its weights from the mapping (a guard:
+    the target is loaded without llama.cpp's repacked buffers, which copy e.g. Q4_0 weights into RAM on x86)."""
     from edge.tree import TokenTree
     from offload.ssd import SsdStreamer, SsdTarget, resident_fraction
 
@@ -502,7 +522,7 @@ def on_ssd(target: Any, path: Path, readahead: bool) -> Any:
     if touched < 0.5:
         target.close()
         raise UserError(f"--placement ssd: a pass of {path.name} read only {touched:.0%} of the file (llama.cpp "
-                        "copied its weights into repacked buffers); use --target-dtype f16 or q8_0")
+                        "copied its weights into RAM); use --target-dtype f16 or q8_0")
     return SsdTarget(target, path, readahead)
 
 

@@ -28,9 +28,10 @@ RAM_GBPS = 20.0  # GB/s a CPU streams weights from DRAM inside matmuls (dual-cha
 PCIE_GBPS = 25.0  # GB/s of host-to-GPU uploads: PCIe 4.0 x16 in practice (32 peak)
 DISK_GBPS = 2.0  # GB/s when the drive cannot be measured: a mid-range NVMe SSD under mmap page faults
 VRAM_GBPS = 500.0  # GB/s a GPU reads its own memory (RTX 3060: 360, RTX 4090: 1000)
-# SmolLM2-135M Q4_1 took 587 ms for 256 tokens on 2 cores: 2 * 135M * 256 / 0.587 s / 2 = 59 GFLOP/s per core
-# (Q4_0's repacked kernels reach ~170; docs/plan.md, "The constants").
-CPU_GFLOPS_PER_CORE = 60.0
+# Fitted to a 70B-shaped Q4_0 target streamed from the SSD on 2 cores of an AMD EPYC, passes of 1 to 256 tokens
+# (benchmarks/pass_times.py): 135 GFLOP/s per core on its large matrices. A small model's passes run slower (SmolLM2
+# -135M Q4_1 in RAM: ~56), so the plan under-estimates small models' compute (docs/plan.md, "The constants").
+CPU_GFLOPS_PER_CORE = 135.0
 GPU_TFLOPS = 80.0  # effective fp16 tensor-core matmul rate of a consumer GPU (about half an RTX 4090's dense peak)
 DESCRIBED_CORES = 8  # cores of a described machine that does not say
 
@@ -45,7 +46,7 @@ KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 3
 Q4_0_BYTES_PER_PARAM = 18 / 32  # to estimate parameters from a file size when models.toml does not give them
 
 MACHINE_KEYS = ("ram", "vram", "disk", "cores", "pcie", "rambw")
-PLACEMENT_KEYS = ("placement", "n_gpu_layers", "op_offload", "n_ubatch", "use_mmap", "use_mlock")
+PLACEMENT_KEYS = ("placement", "n_gpu_layers", "op_offload", "n_ubatch", "use_mmap", "use_mlock", "repack")
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class ModelPlan:
     n_ubatch: int
     use_mmap: bool
     use_mlock: bool
+    repack: bool  # llama.cpp may copy weights into its repacked buffers (faster Q4_0 kernels): not when streamed
     ram_bytes: int  # resident in RAM: weights placed there and the KV cache of layers off the GPU
     vram_bytes: int
 
@@ -245,7 +247,8 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine) -
     notes = []
     if main.placement == "ssd":
         notes.append(f"the target does not fit in RAM: {_gib(_off_gpu_bytes(main))} of it is read from the drive "
-                     "on every pass")
+                     "on every pass, from the file's mapping (not repacked: llama.cpp's faster Q4_0 kernels need a "
+                     "copy in RAM)")
         if draft.placement == "ram":
             # Streaming the target through the page cache would evict an mmap'd drafter's pages every pass.
             draft = replace(draft, use_mmap=False)
@@ -264,27 +267,64 @@ def largest_tree(pair: PairSpec) -> int:
     return (AUTO_MAX_BUDGET if pair.budget == "auto" else int(pair.budget)) + 1
 
 
-def pass_cost(plan: ModelPlan, machine: Machine, n_tokens: int) -> PassCost:
+def pass_cost(plan: ModelPlan, machine: Machine, n_tokens: int,
+              cpu_gflops_per_core: float = CPU_GFLOPS_PER_CORE) -> PassCost:
     """Predicted time of one target pass over n_tokens: each part of the weights costs the longer of moving
-    them (at the bandwidth of where they live) and computing with them (where the op runs)."""
+    them (at the bandwidth of where they live) and computing with them (where the op runs); for weights the CPU
+    computes from the drive, the sum of the two."""
     shape = plan.shape
     off_bytes = _off_gpu_bytes(plan)
     on_bytes = shape.streamed_bytes - off_bytes
     flops_per_byte = 2 * shape.n_params * n_tokens / max(shape.streamed_bytes, 1)
-    gpu_flops, cpu_flops = GPU_TFLOPS * 1e12, machine.cores * CPU_GFLOPS_PER_CORE * 1e9
-    parts = [("VRAM", on_bytes / (VRAM_GBPS * GB), "GPU compute", on_bytes * flops_per_byte / gpu_flops)]
+    gpu_flops, cpu_flops = GPU_TFLOPS * 1e12, machine.cores * cpu_gflops_per_core * 1e9
+    # (where the weights move from, seconds, where they are computed, seconds, whether the two add up)
+    parts = [("VRAM", on_bytes / (VRAM_GBPS * GB), "GPU compute", on_bytes * flops_per_byte / gpu_flops, False)]
     source, source_gbps = ("disk", machine.disk_gbps) if plan.placement == "ssd" else ("RAM", machine.ram_gbps)
     if plan.op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH:
         # The GPU computes these layers too, after uploading them: DMA reads RAM faster than PCIe carries it, so
         # PCIe paces weights in RAM; weights on the drive go at the slower of the drive and PCIe.
         slow_disk = plan.placement == "ssd" and machine.disk_gbps < machine.pcie_gbps
         link, link_gbps = ("disk", machine.disk_gbps) if slow_disk else ("PCIe", machine.pcie_gbps)
-        parts.append((link, off_bytes / (link_gbps * GB), "GPU compute", off_bytes * flops_per_byte / gpu_flops))
+        parts.append((link, off_bytes / (link_gbps * GB), "GPU compute", off_bytes * flops_per_byte / gpu_flops,
+                      False))
     else:
-        parts.append((source, off_bytes / (source_gbps * GB), "CPU compute", off_bytes * flops_per_byte / cpu_flops))
-    seconds = sum(max(move, compute) for _, move, _, compute in parts)
-    terms = [(move, label) for label, move, _, _ in parts] + [(compute, label) for _, _, label, compute in parts]
+        # Weights mapped from the drive are read by page faults in the computing threads: a layer's reading and its
+        # arithmetic take turns, so they add up (measured on a 70B-shaped file: docs/plan.md, "The constants").
+        parts.append((source, off_bytes / (source_gbps * GB), "CPU compute", off_bytes * flops_per_byte / cpu_flops,
+                      source == "disk"))
+    seconds = sum(move + compute if serial else max(move, compute) for _, move, _, compute, serial in parts)
+    terms = [(move, label) for label, move, *_ in parts] + [(compute, label) for _, _, label, compute, _ in parts]
     return PassCost(n_tokens=n_tokens, seconds=seconds, bound=max(terms)[1])
+
+
+def fit_constants(plan: ModelPlan, machine: Machine, passes: dict[int, list[float]]) -> dict[str, float] | None:
+    """The read rate and the CPU's GFLOP/s per core that measured passes {n: [seconds, ...]} of a target placed by
+    `plan` imply, under pass_cost's model: from the drive, t(n) = read + n x per-token compute, fitted by least
+    squares on relative errors; in RAM, the one-token pass reads and the largest computes. None with fewer than two
+    sizes."""
+    points = [(n, t) for n, times in passes.items() for t in times if t > 0]
+    if len({n for n, _ in points}) < 2:
+        return None
+    shape, moved = plan.shape, _off_gpu_bytes(plan)
+    if plan.placement == "ssd":
+        # minimise sum ((a + b n) / t - 1)^2: weighted least squares with weights 1 / t^2
+        weights = [1 / t**2 for _, t in points]
+        s0, s1 = sum(weights), sum(w * n for w, (n, _) in zip(weights, points, strict=True))
+        s2 = sum(w * n * n for w, (n, _) in zip(weights, points, strict=True))
+        y0 = sum(w * t for w, (_, t) in zip(weights, points, strict=True))
+        y1 = sum(w * n * t for w, (n, t) in zip(weights, points, strict=True))
+        per_token = (s0 * y1 - s1 * y0) / (s0 * s2 - s1 * s1)
+        read = (y0 - per_token * s1) / s0
+    else:
+        def median(n: int) -> float:
+            times = sorted(passes[n])
+            return times[len(times) // 2]
+
+        read, largest = median(min(passes)), max(passes)
+        per_token = median(largest) / largest
+    key = "disk_gbps" if plan.placement == "ssd" else "ram_gbps"
+    return {key: round(moved / max(read, 1e-9) / GB, 3),
+            "cpu_gflops_per_core": round(2 * shape.n_params / max(per_token, 1e-12) / machine.cores / 1e9, 1)}
 
 
 def kv_bytes(shape: Shape, n_cells: int, kv_type: str) -> int:
@@ -300,7 +340,7 @@ def _place_drafter(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_
     need = shape.file_bytes + kv
     common = {"role": "drafter", "shape": shape, "runtime": model.runtime, "kv_type": kv_type, "kv_bytes": kv,
               "op_offload": gpu and model.runtime == "llama_cpp", "n_ubatch": n_tree, "use_mmap": True,
-              "use_mlock": False}
+              "use_mlock": False, "repack": True}
     if gpu and _can_use_gpu(model) and need <= vram_left:
         n_gpu_layers = shape.n_layers + 1 if model.runtime == "llama_cpp" else 0
         return ModelPlan(placement="gpu", n_gpu_layers=n_gpu_layers, ram_bytes=0, vram_bytes=need, **common)
@@ -319,7 +359,7 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
     kv = kv_bytes(shape, pair.ctx, kv_type)
     common = {"role": "target", "shape": shape, "runtime": model.runtime, "kv_type": kv_type, "kv_bytes": kv,
               "op_offload": gpu and model.runtime == "llama_cpp", "n_ubatch": n_tree + BATCH_EXTRA,
-              "use_mmap": True, "use_mlock": False}
+              "use_mmap": True, "use_mlock": False, "repack": True}
     if model.runtime != "llama_cpp":  # an onnx target (QuantSpec) loads whole: no layer split, no streaming
         need = shape.file_bytes + kv
         if gpu and _can_use_gpu(model) and need <= vram_left:
@@ -349,6 +389,8 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
         placement, ram = "ram", kv_ram + off_gpu
     else:
         placement, ram = "ssd", kv_ram  # mapped: the weights pass through the page cache, nothing stays
+    # Streamed weights must be used from the mapping: a repacked copy of a file larger than RAM cannot be made.
+    common["repack"] = placement != "ssd"
     return ModelPlan(placement=placement, n_gpu_layers=n_gpu + (1 if with_head else 0), ram_bytes=ram,
                      vram_bytes=vram, **common)
 

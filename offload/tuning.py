@@ -52,6 +52,8 @@ PLAIN_WINDOW = 15  # plain rounds' timing: the median of this many
 REVIEW_PLAIN = 8  # once plain decoding wins, rounds before comparing again (each comparison costs ~0.1 ms)
 FIRST_PROBE = 16  # plain rounds before a tree is tried again; doubles after each try that does not pay
 MAX_PROBE = 1024
+SLOW_PASS_S = 1.0  # pass_ms: a pass this long is timed once (its noise is small against its length)
+LONG_PASS_S = 10.0  # pass_ms: after a pass this long, larger sizes are extrapolated from the two measured
 PROBE_SHARE = 20  # a tree tried while plain decoding wins costs at most 1/20 of the plain time before it
 
 
@@ -174,17 +176,21 @@ def budget_limit(costs: Costs) -> int:
 
 
 def pass_ms(target, prefix: list[int], sizes: tuple[int, ...] = (1, 16, 64), repeats: int = 5,
-            before=None) -> dict[int, float]:
+            before=None, slow_s: float = SLOW_PASS_S, long_s: float = LONG_PASS_S) -> dict[int, float]:
     """Median milliseconds of one target pass over a chain of n new tokens after `prefix` (`before()`, untimed,
-    runs ahead of each pass)."""
+    runs ahead of each pass). A pass longer than `slow_s` is timed once; after one longer than `long_s` the
+    larger sizes are left to extrapolation (_interpolate), once two sizes are measured: a 70B target streamed from
+    the drive takes ~20 s a token, and timing 64 tokens five times would take a quarter of an hour."""
     target.truncate(0)
     target.prefill(prefix[:-1])
-    result = {}
+    result: dict[int, float] = {}
     for n in sizes:
+        if len(result) >= 2 and result[max(result)] > 1000 * long_s:
+            break
         chain = TokenTree(np.array([prefix[-1], *range(100, 99 + n)], np.int32), np.arange(-1, n - 1, dtype=np.int32),
                           np.arange(n, dtype=np.int32), np.zeros(n, np.float32))
-        times = []
-        for _ in range(repeats):
+        times: list[float] = []
+        while len(times) < repeats and not (times and times[-1] > slow_s):
             if before is not None:
                 before()
             start = time.perf_counter()

@@ -1,6 +1,7 @@
 """--placement ssd on the real SmolLM2 target rewritten to F16 (offload/ssd.py): every pass reads the file from
-the disk, readahead fills the page cache from a thread, the logits do not change, and a target whose weights
-llama.cpp copies (repacked Q4_0) is refused in one line."""
+the disk, readahead fills the page cache from a thread, the logits do not change; a Q4_0 target that llama.cpp would
+copy into repacked buffers is loaded from the mapping when it streams (--placement ssd, or a plan that puts it on
+the drive), and refused in one line where it was repacked."""
 
 from __future__ import annotations
 
@@ -60,17 +61,42 @@ def test_every_pass_reads_the_weights_and_logits_stay_the_same(f16_file) -> None
         target.close()
 
 
-def test_repacked_target_is_refused(f16_file) -> None:
+def test_a_q4_0_target_streams_unless_repacked(f16_file) -> None:
+    """llama.cpp copies Q4_0 weights into repacked buffers on x86: loaded so, a pass reads nothing from the file and
+    streaming it is refused; loaded without repacking (what load_pair does for a streamed target), it streams."""
     spec = load_registry().pair("smollm2-135m")
-    q4_0 = materialize(replace(spec.drafter, quantize="q4_0"), lambda message: None)  # repacked by llama.cpp on x86
+    q4_0 = materialize(replace(spec.drafter, quantize="q4_0"), lambda message: None)
+    mapped = on_ssd(load_target(q4_0, RunOptions(n_ctx=256, kv_type="bf16", repack=False)), q4_0, readahead=False)
+    assert isinstance(mapped, SsdTarget)
+    mapped.close()
     target = load_target(q4_0, RunOptions(n_ctx=256, kv_type="bf16"))
     try:
         wrapped = on_ssd(target, q4_0, readahead=False)
     except UserError as error:
         assert "--target-dtype f16" in str(error)
-    else:  # a CPU without repacked Q4_0 kernels maps the weights: then streaming them must work
+    else:  # a CPU without repacked Q4_0 kernels maps the weights either way
         assert isinstance(wrapped, SsdTarget)
-        wrapped.streamer.close()
+        wrapped.close()
+
+
+def test_a_target_the_plan_streams_is_used_from_its_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target larger than RAM (the plan's placement "ssd"), without --placement ssd: loaded with repacking off, so
+    a pass reads its weights from the file (a repacked Q4_0 copy would read nothing and could not fit)."""
+    import edge
+    import models.pair as pair_module
+    from models.pair import PlannedTarget
+
+    spec = load_registry().pair("smollm2-135m")
+    q4_0 = materialize(replace(spec.drafter, quantize="q4_0"), lambda message: None)
+    drafter = materialize(spec.drafter, lambda message: None)
+    monkeypatch.setattr(pair_module, "planned_target", lambda *args, **kwargs: PlannedTarget(0, streamed=True))
+    with edge.load(target=q4_0, drafter=drafter, ctx=256, budget=4) as pair:
+        assert not isinstance(pair.target, SsdTarget)  # the kernel evicts; edge-spec does not
+        streamer = SsdStreamer(q4_0, readahead=False)
+        streamer.evict()
+        pair.target.verify(chain([1, 2]))
+        assert resident_fraction(q4_0) > 0.5
+        streamer.close()
 
 
 def test_readahead_reads_a_small_tied_table_first_a_large_one_last_and_an_untied_one_not_at_all() -> None:

@@ -137,3 +137,57 @@ def test_auto_is_lossless_and_uses_trees_when_the_target_is_slow(seed: int) -> N
     assert min(policy.chosen) > 0  # a slow target: every round grew a tree
     assert steps[-1].stats.target_passes < n / 2  # trees paid
     assert target.cache == [*prompt, *expected][:-1]
+
+
+class SleepyTarget:
+    """A target whose pass sleeps `base + per_token x n` seconds (pass_ms times real passes)."""
+
+    def __init__(self, base: float, per_token: float):
+        self.base, self.per_token, self.passes = base, per_token, []
+
+    def truncate(self, n: int) -> None:
+        pass
+
+    def prefill(self, tokens: list[int]) -> None:
+        pass
+
+    def verify(self, tree: TokenTree) -> None:
+        import time
+
+        self.passes.append(len(tree))
+        time.sleep(self.base + self.per_token * len(tree))
+
+
+def test_slow_passes_are_timed_once_and_long_ones_end_the_sizes() -> None:
+    """A 70B target from the drive takes ~20 s a token: pass_ms times each slow size once and extrapolates past a
+    long pass once two sizes are measured, instead of 5 x (1 + 16 + 64 + 256) tokens' passes."""
+    from offload.tuning import pass_ms
+
+    fast = SleepyTarget(0.0, 0.0)
+    assert set(pass_ms(fast, [1, 2], (1, 16, 64), repeats=3, slow_s=0.05, long_s=0.1)) == {1, 16, 64}
+    assert fast.passes == [1] * 3 + [16] * 3 + [64] * 3
+    slow = SleepyTarget(0.06, 0.001)  # every pass is slow (> 0.05 s); 16 tokens are long (> 0.07 s)
+    measured = pass_ms(slow, [1, 2], (1, 16, 64, 256), repeats=3, slow_s=0.05, long_s=0.07)
+    assert slow.passes == [1, 16] and set(measured) == {1, 16}
+    costs = Costs(measured, {1: 1.0})
+    assert costs.target_s(64) > costs.target_s(16)  # the larger sizes extrapolated along the two measured
+
+
+def test_fitted_constants_recover_the_model_they_come_from() -> None:
+    from dataclasses import replace
+
+    from models.registry import ModelFacts, load_registry
+    from offload.plan import Shape, fit_constants, parse_machine, pass_cost, plan_pair
+
+    pair = load_registry().pair("llama3.1-70b")
+    target, drafter = (Shape.from_facts(m.facts) for m in (pair.target, pair.drafter))
+    assert isinstance(pair.target.facts, ModelFacts)
+    machine = parse_machine("ram=16G,disk=3GB/s,cores=2")
+    plan = plan_pair(pair, target, drafter, machine)
+    assert plan.target.placement == "ssd" and not plan.target.repack  # streamed from the mapping
+    truth = replace(machine, disk_gbps=2.5)
+    passes = {n: [pass_cost(plan.target, truth, n, cpu_gflops_per_core=90.0).seconds] for n in (1, 4, 16, 64)}
+    fit = fit_constants(plan.target, machine, passes)
+    assert fit is not None and fit["disk_gbps"] == pytest.approx(2.5, rel=1e-3)
+    assert fit["cpu_gflops_per_core"] == pytest.approx(90.0, rel=1e-3)
+    assert fit_constants(plan.target, machine, {1: [10.0, 11.0]}) is None  # one size: nothing to fit

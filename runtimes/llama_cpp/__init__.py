@@ -29,11 +29,15 @@ class RunOptions:
     n_gpu_layers: int = 0
     use_mmap: bool = True
     use_mlock: bool = False
+    # False: every weight is used from the file's mapping, never copied into llama.cpp's repacked buffers (its
+    # faster Q4_0 kernels on x86 need such a RAM copy): a target streamed from the drive, which cannot fit in RAM.
+    repack: bool = True
 
 
 def _load_model(path: Path, options: RunOptions) -> Model:
     check_gguf(path)  # a clear error for missing, foreign or truncated files before llama.cpp sees them
-    return Model(path, n_gpu_layers=options.n_gpu_layers, use_mmap=options.use_mmap, use_mlock=options.use_mlock)
+    return Model(path, n_gpu_layers=options.n_gpu_layers, use_mmap=options.use_mmap, use_mlock=options.use_mlock,
+                 repack=options.repack)
 
 
 def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ) -> LlamaTarget:

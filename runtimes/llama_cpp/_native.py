@@ -90,13 +90,14 @@ def default_threads() -> int:
 class Model:
     """A loaded GGUF model: weights and vocabulary."""
 
-    def __init__(self, path: Path, n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False):
+    def __init__(self, path: Path, n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False,
+                 repack: bool = True):
         _init_backend()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_mmap = use_mmap
         params.use_mlock = use_mlock
-        params.use_extra_bufts = USE_EXTRA_BUFFERS
+        params.use_extra_bufts = USE_EXTRA_BUFFERS and repack  # repacked weights are copies in RAM, not the mapping
         self.path = path
         self._ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not self._ptr:
