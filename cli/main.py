@@ -633,6 +633,9 @@ def plan(
         help="plan for a described machine instead of this one: ram=32G,vram=24G,disk=3GB/s (optional: cores=N, "
              "pcie=25GB/s, rambw=20GB/s)", show_default=False)] = None,
     ctx_size: CtxOpt = None,
+    placement: Annotated[str, typer.Option(
+        help="ram: the target where it fits (RAM, else streamed from the drive); ssd: streamed from its file even "
+             "where it would fit, as `--placement ssd` runs it")] = "ram",
     acceptance: Annotated[Path | None, typer.Option(
         help="a bench JSON (edge-spec bench --json): print the tokens/s expected at each of its tree budgets from "
              "its tokens per pass and this plan's pass times, and the budget the plan would pick",
@@ -651,8 +654,11 @@ def plan(
     spec, models_file = named(ctx, pair, drafter)
     if (unused := unused_gpu()) is not None:
         warning(unused)
+    if placement not in ("ram", "ssd"):
+        raise UserError(f"--placement must be ram or ssd (got {placement!r})")
     measured = read_acceptance(acceptance) if acceptance is not None else None
-    result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, models_file)
+    result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, models_file,
+                       stream=placement == "ssd")
     rates = expected_rates(result, measured) if measured is not None else None
     if as_json:
         out = result.as_dict()

@@ -94,7 +94,7 @@ class Chat:
         used = len(self.session.decoder.context)
         return "\n".join([
             f"pair       {loaded.name}: target {loaded.spec.target.source.describe()}",
-            f"placement  {loaded.placement}",
+            f"placement  {loaded.placement}" + (" (larger than RAM: read from its file)" if loaded.streamed else ""),
             f"drafter    {drafting}",
             f"budget     {budget if self.speculate else 'off (--no-spec)'}",
             f"sampling   {self.sampling.described()}",

@@ -117,6 +117,7 @@ def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_toke
         row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0
     target_file = model_path(pair.spec.target)
     return {"pair": pair.name, "machine": probe_machine(), "placement": pair.placement,
+            "evicted_by": "kernel" if pair.streamed else "edge-spec" if pair.placement == "ssd" else None,
             "target": target_file.name if target_file is not None else None, "prompts": len(prompts),
             "max_tokens": max_tokens, "temperature": sampling.temperature, "sampling": sampling.described(),
             "lossless_warning": pair.lossless_warning,

@@ -63,12 +63,15 @@ class Pair:
     costs: Costs | None = None  # measured pass times for --budget auto, once per load
     load_seconds: dict[str, float] = field(default_factory=dict)  # where loading took its time, by phase
     report: Report = field(default=_quiet, repr=False)
+    streamed: bool = False  # the plan put the target on the drive (larger than RAM): the kernel streams it
     _decoder: Decoder | None = field(default=None, repr=False)
     _decoder_key: tuple | None = field(default=None, repr=False)
 
     @property
     def placement(self) -> str:
-        return self.options.placement
+        """"ssd" where the target is read from its file every pass: larger than RAM (the kernel evicts it), or
+        --placement ssd (edge-spec evicts it after each pass); else "ram"."""
+        return "ssd" if self.streamed else self.options.placement
 
     def __enter__(self) -> Pair:
         return self
@@ -427,14 +430,14 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     nodes = tree_nodes(budget)
     if spec.target.runtime == "onnx" and nodes > MAX_LEAVES + 1:  # refused before anything loads
         raise UserError(budget_refused(spec.name, int(budget), MAX_LEAVES + 1))
+    streamed = planned.streamed and spec.target.runtime != "onnx"
     if spec.target.runtime == "onnx":
         with _phase(times, "target and drafter (QuantSpec)"):
             target, drafter = _load_quantspec(spec, target_file, options.threads, report)
         warning = None
     else:
-        streamed = planned.streamed or options.placement == "ssd"
         target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes,
-                                             repack=not streamed)
+                                             repack=not (streamed or options.placement == "ssd"))
         if options.placement == "ssd":
             try:
                 with _phase(times, "ssd placement check"):
@@ -448,7 +451,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     with _phase(times, "chat template"):
         template = _template(info.chat_template, target)
     return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
-                sampling=chat_sampling(target_file, report), load_seconds=times, report=report)
+                sampling=chat_sampling(target_file, report), load_seconds=times, report=report, streamed=streamed)
 
 
 def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:

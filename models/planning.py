@@ -12,7 +12,7 @@ from models.sources import model_path, source_path
 from offload.plan import Machine, Plan, Shape, parse_machine, plan_pair, probe_here
 
 
-def make_plan(pair: PairSpec, machine: str | None, models_file: Path) -> Plan:
+def make_plan(pair: PairSpec, machine: str | None, models_file: Path, stream: bool = False) -> Plan:
     target_file = _local_file(pair.target)
     target = model_shape(pair, "target", pair.target, models_file)
     drafter = model_shape(pair, "drafter", pair.drafter, models_file)
@@ -20,7 +20,7 @@ def make_plan(pair: PairSpec, machine: str | None, models_file: Path) -> Plan:
         here: Machine = parse_machine(machine)
     else:
         here = probe_here(target_file or cache_dir() / "models", JsonFile(cache_dir() / "machine.json"))
-    return plan_pair(pair, target, drafter, here)
+    return plan_pair(pair, target, drafter, here, stream)
 
 
 def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) -> Shape:

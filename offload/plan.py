@@ -233,9 +233,10 @@ def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
                    disk_gbps=round(disk, 2) if disk else DISK_GBPS, cores=probed["cores"], name=name, assumed=assumed)
 
 
-def plan_pair(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine) -> Plan:
+def plan_pair(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine, stream: bool = False) -> Plan:
     """Place the drafter (memory only: it runs many small passes), then the target's KV cache and layers:
-    as many layers on the GPU as fit, the rest in RAM when they fit, else mmap'd from the SSD."""
+    as many layers on the GPU as fit, the rest in RAM when they fit, else mmap'd from the SSD (`stream`: from the
+    SSD even where they would fit, as `--placement ssd` runs them)."""
     n_tree = largest_tree(pair)
     gpu = machine.vram_free > 0
     vram_left = max(0, machine.vram_free - GPU_RESERVE) if gpu else 0
@@ -244,9 +245,15 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine) -
     vram_left -= draft.vram_bytes
     ram_left -= draft.ram_bytes
     main = _place_target(pair, target, gpu, vram_left, ram_left, n_tree)
+    fits = main.placement != "ssd"
+    if stream and main.placement == "ram":
+        if main.runtime != "llama_cpp":
+            raise UserError("--placement ssd streams a llama.cpp target from its file: not with an onnx target")
+        main = replace(main, placement="ssd", ram_bytes=main.kv_bytes, repack=False)
     notes = []
     if main.placement == "ssd":
-        notes.append(f"the target does not fit in RAM: {_gib(_off_gpu_bytes(main))} of it is read from the drive "
+        why = "streamed as asked (--placement ssd)" if fits else "does not fit in RAM"
+        notes.append(f"the target {why}: {_gib(_off_gpu_bytes(main))} of it is read from the drive "
                      "on every pass, from the file's mapping (not repacked: llama.cpp's faster Q4_0 kernels need a "
                      "copy in RAM)")
         if draft.placement == "ram":

@@ -412,3 +412,19 @@ def test_plan_acceptance_prints_the_pick(tmp_path: Path) -> None:
     assert "the plan would pick budget 16:" in result.stdout
     data = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
     assert data["acceptance"]["pick"] == 16 and [r["budget"] for r in data["acceptance"]["rates"]] == [0, 16, 64, 255]
+
+
+def test_plan_placement_ssd_streams_a_target_that_fits() -> None:
+    """`plan --placement ssd` plans what `--placement ssd` runs: the target read from the drive every pass."""
+    args = ["plan", "llama3.1-70b", "--machine", "ram=64G,disk=3GB/s"]
+    fits = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    assert fits["target"]["placement"] == "ram" and fits["target"]["repack"]
+    result = runner.invoke(app, [*args, "--placement", "ssd", "--json"])
+    assert result.exit_code == 0, result.output
+    streamed = json.loads(result.stdout)
+    assert streamed["target"]["placement"] == "ssd" and not streamed["target"]["repack"]
+    assert streamed["target_pass"]["bound_1"] == "disk"
+    assert streamed["target_pass"]["tokens_1_s"] > 5 * fits["target_pass"]["tokens_1_s"]  # 3 GB/s, not 20
+    assert any("streamed as asked" in note for note in streamed["notes"])
+    bad = runner.invoke(app, [*args, "--placement", "disk"])
+    assert bad.exit_code == 1 and bad.stderr.count("\n") == 1 and "--placement must be ram or ssd" in bad.stderr

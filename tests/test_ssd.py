@@ -92,6 +92,7 @@ def test_a_target_the_plan_streams_is_used_from_its_mapping(monkeypatch: pytest.
     monkeypatch.setattr(pair_module, "planned_target", lambda *args, **kwargs: PlannedTarget(0, streamed=True))
     with edge.load(target=q4_0, drafter=drafter, ctx=256, budget=4) as pair:
         assert not isinstance(pair.target, SsdTarget)  # the kernel evicts; edge-spec does not
+        assert pair.streamed and pair.placement == "ssd"
         streamer = SsdStreamer(q4_0, readahead=False)
         streamer.evict()
         pair.target.verify(chain([1, 2]))
