@@ -1,0 +1,191 @@
+"""The commands that measure: bench (plain against speculative decoding), check (batch invariance) and plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from cli.app import app
+from cli.options import (
+    CtxOpt,
+    DrafterOpt,
+    MinPOpt,
+    MlockOpt,
+    ModelArg,
+    PairOpt,
+    PlacementOpt,
+    ProviderOpt,
+    RawOpt,
+    ReadaheadOpt,
+    SeedOpt,
+    TargetDtypeOpt,
+    TempOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    load,
+    named,
+    sampling_config,
+    user_errors,
+    working,
+)
+from cli.render import err, report, warning
+from edge.errors import UserError
+from edge.options import MIN_CTX
+
+
+@app.command()
+@user_errors
+def bench(
+    ctx: typer.Context,
+    pair: PairOpt = None,
+    drafter: DrafterOpt = None,
+    prompts: Annotated[Path | None, typer.Option(help="one prompt per line (default: the repo's chat prompts)",
+                                                 show_default=False)] = None,
+    budgets: Annotated[str, typer.Option(
+        help="comma-separated tree budgets; auto picks one per round")] = "auto,1,16,64,255",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 128,
+    temperature: TempOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    accept: Annotated[str, typer.Option(
+        help="acceptance rules to compare when sampling, comma-separated: match, residual, auto")] = "auto",
+    seed: SeedOpt = 0,
+    raw: RawOpt = False,
+    ctx_size: CtxOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    threads: ThreadsOpt = None,
+    provider: ProviderOpt = None,
+    drafters: Annotated[str | None, typer.Option(
+        help="drafters to compare, comma-separated: llama_cpp, onnx, onnx:K (K-token head), each with an optional "
+             "@QUANT (its file requantized, e.g. llama_cpp@q4_0); default: the pair's",
+        show_default=False)] = None,
+    methods: Annotated[str, typer.Option(help="plain, chain (one draft token per drafter pass), tree")] = "plain,tree",
+    placement: PlacementOpt = "ram",
+    readahead: ReadaheadOpt = True,
+    mlock: MlockOpt = False,
+    target_dtype: TargetDtypeOpt = None,
+    plot: Annotated[Path | None, typer.Option(help="write a PNG: tokens/s and tokens per pass against the budget",
+                                              show_default=False)] = None,
+) -> None:
+    """Plain decoding vs chain and tree speculation on the same prompts, the same placement, in one run."""
+    from cli.benchmark import parse_accepts, parse_budgets, parse_drafters, parse_methods, pyplot, render_table
+    from cli.benchmark import plot as plot_result
+    from models.bench import read_prompts, run_bench
+
+    if plot is not None:
+        pyplot()  # a missing matplotlib is said now, not after the whole run
+    drafter_list = parse_drafters(drafters)
+    budget_list = parse_budgets(budgets)
+    method_list = parse_methods(methods)
+    accept_list = parse_accepts(accept)
+    prompt_list = read_prompts(prompts)
+    sampling = sampling_config(temperature, top_k, top_p, min_p, 1.0, seed)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("bench: prompts x rows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with load(ctx, pair=pair, drafter=drafter, ctx=ctx_size, threads=threads, provider=provider, placement=placement,
+              mlock=mlock, readahead=readahead, target_dtype=target_dtype) as loaded, \
+            Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        loaded.fit_budget(max((b for b in budget_list if b != "auto"), default=1))  # a 1025-node batch for 1024
+        task = bar.add_task("bench", total=None)
+        result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list,
+                           tuple(method_list), lambda done, total: bar.update(task, completed=done, total=total),
+                           accept_list)
+    result["readahead"] = readahead if placement == "ssd" else None
+    if as_json:  # the figures first: a plot that cannot be written loses nothing
+        print(json.dumps(result, indent=2))
+    else:
+        render_table(result, Console())
+    if plot is not None:
+        plot_result(result, plot)
+
+
+@app.command()
+@user_errors
+def check(
+    ctx: typer.Context,
+    model: ModelArg = None,
+    kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type to check")] = "bf16",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Measure whether a model's target is batch-invariant here (the condition for bit-exact lossless
+    speculation)."""
+    from models.checking import run_check
+    from models.pair import materialize
+    from models.planning import unused_gpu
+
+    if (unused := unused_gpu()) is not None:
+        warning(unused)
+    with working("preparing the target") as said:
+        target = materialize(named(ctx, model)[0].target, said)
+    with working(f"checking {target.name} under tree batching") as said:
+        result = run_check(target, kv_type, threads, said)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("tree", "nodes", "nodes checked", "max |logit diff|", "argmax differences",
+                  title=escape(f"{target.name}, {kv_type} KV: "
+                               f"{'bit-exact' if result['bit_exact'] else 'NOT bit-exact'}"))
+    for row in result["shapes"]:
+        table.add_row(row["shape"], str(row["nodes"]), str(row["nodes_checked"]), f"{row['max_abs_diff']:.4g}",
+                      str(row["argmax_differences"]))
+    Console().print(table)
+
+
+@app.command()
+@user_errors
+def plan(
+    ctx: typer.Context,
+    pair: ModelArg = None,
+    drafter: DrafterOpt = None,
+    machine: Annotated[str | None, typer.Option(
+        help="plan for a described machine instead of this one: ram=32G,vram=24G,disk=3GB/s (optional: cores=N, "
+             "pcie=25GB/s, rambw=20GB/s)", show_default=False)] = None,
+    ctx_size: CtxOpt = None,
+    placement: Annotated[str, typer.Option(
+        help="ram: the target where it fits (RAM, else streamed from the drive); ssd: streamed from its file even "
+             "where it would fit, as `--placement ssd` runs it")] = "ram",
+    acceptance: Annotated[Path | None, typer.Option(
+        help="a bench JSON (edge-spec bench --json): print the tokens/s expected at each of its tree budgets from "
+             "its tokens per pass and this plan's pass times, and the budget the plan would pick",
+        show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Where each part of a pair goes (GPU, RAM, SSD) and what a target pass costs; loads and downloads nothing."""
+    from dataclasses import replace
+
+    from cli.planning import render_plan, render_rates
+    from models.planning import make_plan, unused_gpu
+    from offload.expected import expected_rates, pick, read_acceptance
+
+    if ctx_size is not None and ctx_size < MIN_CTX:
+        raise UserError(f"--ctx must be at least {MIN_CTX} tokens (got {ctx_size})")
+    spec, models_file = named(ctx, pair, drafter)
+    if (unused := unused_gpu()) is not None:
+        warning(unused)
+    if placement not in ("ram", "ssd"):
+        raise UserError(f"--placement must be ram or ssd (got {placement!r})")
+    measured = read_acceptance(acceptance) if acceptance is not None else None
+    result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, models_file,
+                       stream=placement == "ssd")
+    rates = expected_rates(result, measured) if measured is not None else None
+    if as_json:
+        out = result.as_dict()
+        if measured is not None and rates is not None:
+            out["acceptance"] = {"file": str(acceptance), "measured_on": measured.source,
+                                 "rates": [rate.as_dict() for rate in rates], "pick": pick(rates).budget}
+        print(json.dumps(out, indent=2))
+        return
+    render_plan(result, Console())
+    if measured is not None and rates is not None:
+        render_rates(measured.source, rates, pick(rates), Console())

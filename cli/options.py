@@ -1,0 +1,146 @@
+"""What the commands share: their option types (the Annotated aliases), one-line user errors, and the helpers that
+read the prompt, name a pair and load it behind a spinner."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.markup import escape
+
+from cli.render import err, error, report
+from edge.errors import UserError
+from edge.options import LoadOptions
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def user_errors(command: F) -> F:
+    """A user's mistake becomes one line on stderr and exit code 1, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except UserError as problem:
+            error(str(problem))
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# Options shared by chat, generate and bench.
+MODEL_HELP = ("a pair of models.toml (`edge-spec models`), a GGUF file, or a Hugging Face user/repo:QUANT "
+              "(default: the default pair)")
+PairOpt = Annotated[str | None, typer.Option("--model", "-m", "--pair", help=MODEL_HELP, show_default=False)]
+ModelArg = Annotated[str | None, typer.Argument(help=MODEL_HELP, show_default=False, metavar="MODEL")]
+TargetOpt = Annotated[Path | None, typer.Option(help="target GGUF file (the same as naming it as the model)",
+                                                show_default=False)]
+DrafterOpt = Annotated[str | None, typer.Option(
+    help="the drafter, for a model that is not a pair: a GGUF file or Hugging Face user/repo:QUANT (default: the "
+         "model drafts for itself, on ONNX Runtime where it can)", show_default=False)]
+BudgetOpt = Annotated[str | None, typer.Option(
+    help="draft tree size in nodes, or auto: the fastest for this machine, chosen as the text goes (default: the "
+         "pair's, auto unless models.toml says)", show_default=False)]
+AcceptOpt = Annotated[str, typer.Option(
+    help="how a sampled reply accepts draft tokens: match (sample-and-match: a seed gives --no-spec's exact text), "
+         "residual (drafts drawn from the drafter's distribution, accepted with probability min(1, p/q): more tokens "
+         "per pass when sampling), or auto (the one measured to yield more); greedy decoding is the same with all")]
+PlacementOpt = Annotated[str, typer.Option(
+    help="where the target's weights live: ram, or ssd (mmap'd and read from the disk every pass, as for a model "
+         "larger than RAM)")]
+ReadaheadOpt = Annotated[bool, typer.Option(
+    "--readahead/--no-readahead", help="ssd: read the next pass's weights while the drafter works")]
+MlockOpt = Annotated[bool, typer.Option("--mlock", help="lock the target's weights in RAM")]
+TargetDtypeOpt = Annotated[str | None, typer.Option(
+    "--target-dtype", help="rewrite the target with llama.cpp's quantizer first (cached): f16, f32, bf16, q8_0, q4_0, "
+    "or as-is (the source file); default: models.toml's", show_default=False)]
+CtxOpt = Annotated[int | None, typer.Option("--ctx", help="context size in tokens (default: the pair's)",
+                                            show_default=False)]
+TempOpt = Annotated[float, typer.Option(help="0 = greedy")]
+TopKOpt = Annotated[int, typer.Option(help="0 = off")]
+TopPOpt = Annotated[float, typer.Option()]
+MinPOpt = Annotated[float, typer.Option()]
+RepeatOpt = Annotated[float, typer.Option(help="1 = off")]
+SeedOpt = Annotated[int | None, typer.Option(show_default=False)]
+ChatSamplingOpt = Annotated[float | None, typer.Option(
+    help="default: the model's recommended sampling (its GGUF's general.sampling.*), else llama.cpp's",
+    show_default=False)]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    help="CPU threads (default: all cores; the drafter one fewer while an SSD target is read ahead)",
+    show_default=False)]
+ProviderOpt = Annotated[str | None, typer.Option(
+    help="onnxruntime execution provider for ONNX models: cpu, cuda, directml, openvino, qnn (default: models.toml)",
+    show_default=False)]
+GpuOpt = Annotated[int | None, typer.Option(
+    "--gpu-layers", help="target layers to place on a GPU (default: `edge-spec plan`'s, when a GPU is visible)",
+    show_default=False)]
+NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="decode with the target alone (the reference)")]
+RawOpt = Annotated[bool, typer.Option("--raw", help="complete the prompt as-is, without the chat template")]
+
+
+def sampling_config(temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
+                    seed: int | None):
+    from edge.sampling import SamplingConfig
+
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repeat_penalty=repeat_penalty, seed=seed)
+
+
+def read_stdin() -> str:
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as problem:
+        raise UserError(f"standard input is not UTF-8 text (byte {problem.start}); convert it (iconv)") from None
+
+
+def named(command: typer.Context, model: str | None, drafter: str | None = None):
+    """The pair a MODEL argument names (a pair of models.toml, a GGUF file, a Hugging Face reference; a file's
+    drafter, if given), and the models.toml it came from."""
+    from models.pair import resolve_spec
+
+    return resolve_spec(LoadOptions(models_file=command.obj, pair=model, drafter=drafter))
+
+
+def load(command: typer.Context, **options: Any):
+    """The pair the command's flags name (LoadOptions' fields), loaded where the plan puts it."""
+    return load_pair(LoadOptions(models_file=command.obj, **options))
+
+
+@contextmanager
+def working(what: str) -> Iterator[Callable[[str], None]]:
+    """A spinner saying what is happening, on a terminal; yields the reporter of progress lines, which also moves the
+    spinner to the step at hand (downloading, assembling, preparing, building a graph, timing passes)."""
+    if not err.is_terminal:
+        yield report
+        return
+    with err.status(escape(what), spinner="dots") as status:
+
+        def said(message: str) -> None:
+            report(message)
+            status.update(escape(message))
+
+        yield said
+
+
+def load_pair(options: LoadOptions):
+    """Load, with a spinner saying what is happening (on a terminal; elsewhere, progress lines only)."""
+    from models.pair import open_pair
+
+    what = options.pair or (options.target and Path(str(options.target)).name) or "the default pair"
+    with working(f"loading {what}") as said:
+        return open_pair(options, said)
+
+
+def refuse_base_model(options: LoadOptions, what_to_do: str) -> None:
+    """A base model cannot chat: say so from its header, before a load of many seconds."""
+    from models.pair import base_model
+
+    name = base_model(options)
+    if name is not None:
+        raise UserError(f"{name} has no chat template (a base model): {what_to_do}")
