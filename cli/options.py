@@ -34,7 +34,7 @@ def user_errors(command: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-# Options shared by chat, generate and bench.
+# Options shared by the commands (chat, generate, serve, bench, prepare, check, plan).
 MODEL_HELP = ("a pair of models.toml (`edge-spec models`), a GGUF file, or a Hugging Face user/repo:QUANT "
               "(default: the default pair)")
 PairOpt = Annotated[str | None, typer.Option("--model", "-m", "--pair", help=MODEL_HELP, show_default=False)]

@@ -38,6 +38,22 @@ def test_tree_logits_equal_sequential_decoding(pair: Pair) -> None:
     assert results[1].nodes == MAX_SEQ
 
 
+def test_a_streamed_q4_0_target_is_bit_exact(smollm2: Pair) -> None:
+    """A target larger than RAM loads without llama.cpp's repacked buffers (models.pair.load_pair): its Q4_0 weights
+    then run on the plain kernels, which must be batch-invariant too for greedy speculation to stay lossless."""
+    from models.pair import materialize
+    from runtimes.llama_cpp import RunOptions, load_target
+
+    q4_0 = materialize(replace(smollm2.spec.target, quantize="q4_0"))
+    target = load_target(q4_0, RunOptions(n_ctx=1024, kv_type="bf16", repack=False))
+    try:
+        results = check_batch_invariance(target, smollm2.drafter, prompt_tokens(smollm2, prompts_for(smollm2)[0]))
+    finally:
+        target.close()
+    for result in results:
+        assert result.max_abs_diff == 0.0 and result.argmax_differences == 0, result
+
+
 @pytest.fixture(scope="module")
 def smollm2_1024() -> Iterator[Pair]:
     """SmolLM2 loaded for budget 1024: a verify batch of 1025 nodes, the drafter's room for as many, and a context
