@@ -35,6 +35,7 @@ from edge.tree import TokenTree
 from models.pair import resolve_spec
 from models.planning import make_plan
 from offload.plan import fit_constants, pass_cost
+from offload.ssd import read_bytes
 
 
 class MemoryPeaks:
@@ -72,11 +73,6 @@ def _status() -> dict[str, int]:
             if rest.strip().endswith("kB"):
                 values[key] = int(rest.split()[0]) * 1024
     return values
-
-
-def read_bytes() -> int:
-    with open("/proc/self/io", encoding="ascii") as io:
-        return next(int(line.split()[1]) for line in io if line.startswith("read_bytes:"))
 
 
 def _gib(n: float) -> float:
@@ -123,10 +119,10 @@ def main() -> None:
             times, reads = [], []
             for _ in range(repeats):
                 target.truncate(0)
-                before, start = read_bytes(), time.perf_counter()
+                before, start = read_bytes() or 0, time.perf_counter()
                 target.verify(chain(prefix[-1], n))
                 times.append(time.perf_counter() - start)
-                reads.append(read_bytes() - before)
+                reads.append((read_bytes() or 0) - before)
             measured = float(np.median(times))
             rows.append({"n": n, "measured_s": round(measured, 3), "passes_s": [round(t, 3) for t in times],
                          "read_gib_per_pass": _gib(float(np.median(reads))), "predicted_s": round(predicted.seconds, 3),

@@ -512,14 +512,20 @@ def drafter_threads(threads: int | None, placement: str, readahead: bool) -> int
 
 def on_ssd(target: Any, path: Path, readahead: bool) -> Any:
     """The target streamed from its file; refused when a pass does not read its weights from the mapping (a guard:
-    the target is loaded without llama.cpp's repacked buffers, which copy e.g. Q4_0 weights into RAM on x86)."""
+    the target is loaded without llama.cpp's repacked buffers, which copy e.g. Q4_0 weights into RAM on x86). A pass
+    counts as reading the file when its pages are in the page cache after it, or when the process read that much
+    from the drive during it (under a memory limit smaller than the file the pass's first pages are gone by its end)."""
     from edge.tree import TokenTree
-    from offload.ssd import SsdStreamer, SsdTarget, resident_fraction
+    from offload.ssd import SsdStreamer, SsdTarget, read_bytes, resident_fraction
 
     probe = SsdStreamer(path, readahead=False)
     probe.evict()
+    before = read_bytes()
     target.verify(TokenTree.root(max(target.model.bos, 0)))  # a pass with logits: the head is read too
-    touched = resident_fraction(path)
+    after = read_bytes()
+    size = max(path.stat().st_size, 1)
+    read = (after - before) / size if before is not None and after is not None else 0.0
+    touched = max(resident_fraction(path), read)
     target.truncate(0)
     probe.close()
     if touched < 0.5:

@@ -98,3 +98,25 @@ def test_a_command_runs_inside_its_cgroup() -> None:
     line = next(line for line in run.stdout.splitlines() if "memory" in line.split(":")[1].split(","))
     assert line.split(":")[2].rsplit("/", 1)[1].startswith("edge-spec-")
     assert left_behind() == []
+
+
+def streams(path: Path) -> str:
+    """--placement ssd's check (models.pair.on_ssd) on a target loaded as a streamed one: its type, or its refusal."""
+    from edge.errors import UserError
+    from models.pair import on_ssd
+    from runtimes.llama_cpp import RunOptions, load_target
+
+    target = load_target(path, RunOptions(n_ctx=64, kv_type="bf16", repack=False))
+    try:
+        wrapped = on_ssd(target, path, readahead=False)
+    except UserError as error:
+        return str(error)
+    wrapped.close()
+    return type(wrapped).__name__
+
+
+def test_the_ssd_check_accepts_a_file_streamed_under_a_cap_smaller_than_it(f16_file: Path) -> None:
+    """Under a cap below the file, the pass's first pages are evicted before it ends: the check counts the bytes the
+    pass read from the drive, not only what the page cache holds after it (it refused this file before)."""
+    run = memcap.call_capped(streams, f16_file, limit_bytes=CAP, drop_cache=[f16_file])
+    assert run.value == "SsdTarget"
