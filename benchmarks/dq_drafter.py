@@ -24,7 +24,8 @@ from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.sampling import SamplingConfig
 from models.bench import read_prompts
-from models.pair import CALIBRATION_TEXT, Pair, materialize, open_drafter
+from models.opening import materialize, open_drafter
+from models.pair import CALIBRATION_TEXT, Pair
 from offload.tuning import expand_ms
 from runtimes.onnx import graph
 

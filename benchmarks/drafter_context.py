@@ -13,7 +13,8 @@ import sys
 from dataclasses import replace
 
 import edge
-from models.pair import CALIBRATION_TEXT, open_drafter
+from models.opening import open_drafter
+from models.pair import CALIBRATION_TEXT
 from offload.tuning import expand_ms
 
 CONTEXTS = (20, 60, 120, 200)

@@ -48,7 +48,8 @@ def parse_size(text: str) -> int:
 
 def target_file(pair: str | None, target_dtype: str | None) -> Path:
     """The target file both runs load (prepared now if --target-dtype asks for a rewrite not made yet)."""
-    from models.pair import materialize, resolve_spec
+    from models.loading import resolve_spec
+    from models.opening import materialize
 
     spec, _ = resolve_spec(edge.LoadOptions(pair=pair, target_dtype=target_dtype))
     return materialize(spec.target, lambda message: print(message, file=sys.stderr, flush=True))

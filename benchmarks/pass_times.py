@@ -32,7 +32,7 @@ import numpy as np
 import edge
 from edge.options import LoadOptions
 from edge.tree import TokenTree
-from models.pair import resolve_spec
+from models.loading import resolve_spec
 from models.planning import make_plan
 from offload.plan import fit_constants, pass_cost
 from offload.ssd import read_bytes

@@ -20,7 +20,8 @@ import numpy as np
 def measure(pair: str, mem_reuse: bool) -> dict:
     """In this process: load the pair's drafter file as an ONNX drafter, time its passes, hash what it drafts."""
     from edge.tree import TokenTree
-    from models.pair import CALIBRATION_TEXT, materialize
+    from models.opening import materialize
+    from models.pair import CALIBRATION_TEXT
     from models.registry import load_registry
     from offload.tuning import expand_ms
     from runtimes import runtime

@@ -96,7 +96,7 @@ def main() -> None:
         return
 
     from edge.options import LoadOptions
-    from models.pair import base_model, resolve_spec
+    from models.loading import base_model, resolve_spec
     from models.sources import model_path
 
     options = LoadOptions(pair=args.pair)

@@ -20,7 +20,8 @@ import edge
 from edge.replay import plain_replies
 from edge.sampling import SamplingConfig
 from models.bench import read_prompts
-from models.pair import head_ids, resolve_spec
+from models.loading import resolve_spec
+from models.opening import head_ids
 
 
 def main() -> None:

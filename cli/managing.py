@@ -131,7 +131,7 @@ def prepare(
     threads: ThreadsOpt = None,
 ) -> None:
     """Download a model and build its prepared files (requantized target / drafter, --vocab vocabularies)."""
-    from models.pair import materialize
+    from models.opening import materialize
 
     spec = named(ctx, pair)[0]
     sizes: list[int] = []

@@ -119,7 +119,7 @@ def check(
     """Measure whether a model's target is batch-invariant here (the condition for bit-exact lossless
     speculation)."""
     from models.checking import run_check
-    from models.pair import materialize
+    from models.opening import materialize
     from models.planning import unused_gpu
 
     if (unused := unused_gpu()) is not None:

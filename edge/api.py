@@ -7,7 +7,7 @@
             print(step.text, end="", flush=True)
 
 The command line, the benchmarks and the tests use these same calls. Loading is library code above the engine
-(models/pair.py), imported only when `load` runs, so that `import edge` stays light.
+(models/loading.py), imported only when `load` runs, so that `import edge` stays light.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def load(pair: str | LoadOptions | None = None, *, report: Callable[[str], None]
     other keyword is a field of LoadOptions (ctx, budget, threads, placement, ...). `report` receives progress lines
     (downloads, preparing files, building the drafter's graph; default: the "edge" logger at INFO level). Close the
     pair, or use it in a `with` block."""
-    from models.pair import open_pair
+    from models.loading import open_pair
 
     load_options = replace(pair, **options) if isinstance(pair, LoadOptions) else LoadOptions(pair=pair, **options)
     return open_pair(load_options, report or logging.getLogger("edge").info)

@@ -158,7 +158,7 @@ def _drafters(pair: Pair, choices: list[DrafterChoice] | None, report: Report) -
         trimmed = pair.drafter.runtime == "onnx" and pair.spec.drafter.vocab
         yield pair.drafter, pair.drafter.runtime + (f":{pair.drafter.vocab}" if trimmed else "")
         return
-    from models.pair import head_ids
+    from models.opening import head_ids
 
     for choice in choices:  # a missing vocabulary fails now, not after the drafters before it have run
         head_ids(pair.spec, replace(pair.spec.drafter, runtime=choice.runtime, vocab=choice.vocab))
@@ -170,7 +170,7 @@ def target_pass_times(pair: Pair, prefix: list[int], report: Report = _quiet) ->
     """Pass times of the pair's target; a QuantSpec (onnx) target is timed beside llama.cpp on the same file."""
     times = {pair.target.runtime: json_table(pass_ms(pair.target, prefix))}
     if pair.spec.target.runtime == "onnx":
-        from models.pair import materialize
+        from models.opening import materialize
         from runtimes import runtime
 
         report("llama.cpp target on the same file, for its pass times")

@@ -99,7 +99,7 @@ def cache_with_vocabularies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     keeps only token 0, K = 2 every token. Returns the environment for a script run."""
     import edge
     from models.cache import cache_dir
-    from models.pair import resolve_spec
+    from models.loading import resolve_spec
     from models.sources import vocab_path
     from quant.vocab import RankedVocab
 

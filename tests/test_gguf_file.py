@@ -193,7 +193,7 @@ def test_recommended_sampling_is_read_from_the_header(tmp_path: Path) -> None:
     """general.sampling.* (llama.cpp's keys) over llama.cpp's defaults; a value edge-spec cannot use is said once
     and the defaults stay."""
     from edge.sampling import CHAT_DEFAULTS
-    from models.pair import chat_sampling
+    from models.loading import chat_sampling
 
     def written(name: str, **values: float) -> Path:
         path = tmp_path / name

@@ -39,9 +39,9 @@ def test_tree_logits_equal_sequential_decoding(pair: Pair) -> None:
 
 
 def test_a_streamed_q4_0_target_is_bit_exact(smollm2: Pair) -> None:
-    """A target larger than RAM loads without llama.cpp's repacked buffers (models.pair.load_pair): its Q4_0 weights
+    """A target larger than RAM loads without llama.cpp's repacked buffers (models.loading.load_pair): its Q4_0 weights
     then run on the plain kernels, which must be batch-invariant too for greedy speculation to stay lossless."""
-    from models.pair import materialize
+    from models.opening import materialize
     from runtimes.llama_cpp import RunOptions, load_target
 
     q4_0 = materialize(replace(smollm2.spec.target, quantize="q4_0"))

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(reason is not None, reason=f"no memory cgroups h
 
 @pytest.fixture(scope="module")
 def f16_file() -> Path:
-    from models.pair import materialize
+    from models.opening import materialize
     from models.registry import load_registry
 
     spec = load_registry().pair("smollm2-135m")
@@ -101,9 +101,10 @@ def test_a_command_runs_inside_its_cgroup() -> None:
 
 
 def streams(path: Path) -> str:
-    """--placement ssd's check (models.pair.on_ssd) on a target loaded as a streamed one: its type, or its refusal."""
+    """--placement ssd's check (models.loading.on_ssd) on a target loaded as a streamed one: its type, or its
+    refusal."""
     from edge.errors import UserError
-    from models.pair import on_ssd
+    from models.loading import on_ssd
     from runtimes.llama_cpp import RunOptions, load_target
 
     target = load_target(path, RunOptions(n_ctx=64, kv_type="bf16", repack=False))

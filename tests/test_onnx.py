@@ -13,7 +13,8 @@ from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.invariance import compare
 from edge.tree import TokenTree
-from models.pair import Pair, materialize
+from models.opening import materialize
+from models.pair import Pair
 from models.registry import load_registry
 from quant.vocab import count_tokens, select
 from runtimes.llama_cpp._native import Batch, Context, Model, quantize

@@ -391,7 +391,7 @@ def test_a_download_too_big_for_the_drive_is_refused_before_it_starts(cache: Pat
     from collections import namedtuple
 
     from models import cache as cache_module
-    from models.pair import materialize
+    from models.opening import materialize
     from models.registry import ModelFacts
 
     usage = namedtuple("usage", "total used free")

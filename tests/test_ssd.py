@@ -13,7 +13,8 @@ import pytest
 
 from edge.errors import UserError
 from edge.tree import TokenTree
-from models.pair import materialize, on_ssd
+from models.loading import on_ssd
+from models.opening import materialize
 from models.registry import load_registry
 from offload.ssd import SsdStreamer, SsdTarget, TensorRange, read_bytes, readahead_order, resident_fraction
 from runtimes.llama_cpp import RunOptions, load_target
@@ -83,13 +84,13 @@ def test_a_target_the_plan_streams_is_used_from_its_mapping(monkeypatch: pytest.
     """A target larger than RAM (the plan's placement "ssd"), without --placement ssd: loaded with repacking off, so
     a pass reads its weights from the file (a repacked Q4_0 copy would read nothing and could not fit)."""
     import edge
-    import models.pair as pair_module
-    from models.pair import PlannedTarget
+    import models.loading as loading_module
+    from models.loading import PlannedTarget
 
     spec = load_registry().pair("smollm2-135m")
     q4_0 = materialize(replace(spec.drafter, quantize="q4_0"), lambda message: None)
     drafter = materialize(spec.drafter, lambda message: None)
-    monkeypatch.setattr(pair_module, "planned_target", lambda *args, **kwargs: PlannedTarget(0, streamed=True))
+    monkeypatch.setattr(loading_module, "planned_target", lambda *args, **kwargs: PlannedTarget(0, streamed=True))
     with edge.load(target=q4_0, drafter=drafter, ctx=256, budget=4) as pair:
         assert not isinstance(pair.target, SsdTarget)  # the kernel evicts; edge-spec does not
         assert pair.streamed and pair.placement == "ssd"

@@ -1,0 +1,140 @@
+"""Opening a pair's models, below the Pair that holds them: a model's file fetched and prepared (materialize), a
+drafter opened over its file and checked against the target's vocabulary (open_drafter: for loading, and for
+Pair.swap_drafter), the token ids of a trimmed head, and the seconds each phase of loading takes.
+
+Runtimes are looked up by name (runtimes.runtime) and imported only when a model of theirs loads.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from edge.errors import UserError
+from edge.grow import MAX_LEAVES
+from edge.protocols import Drafter
+from models.cache import atomic_path, cache_dir, clean_stale, ensure_space
+from models.registry import ModelSpec, PairSpec
+from models.sources import download_folder, fetch, prepared_path, source_path, vocab_path
+from runtimes import runtime
+
+Report = Callable[[str], None]
+
+
+def _quiet(_message: str) -> None:
+    pass
+
+
+@contextmanager
+def phase(times: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the block's wall time to times[name]: start-up is measured by phase (benchmarks/startup.py)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] = times.get(name, 0.0) + time.perf_counter() - start
+
+
+def drafter_model(model: ModelSpec, runtime_name: str | None, vocab: int | None, quantize: str | None) -> ModelSpec:
+    runtime_name = runtime_name or model.runtime
+    if vocab is None:
+        vocab = model.vocab if runtime_name == "onnx" else None
+    if vocab and runtime_name != "onnx":
+        raise UserError("a trimmed drafter head (a vocabulary size) needs the onnx drafter runtime")
+    return replace(model, runtime=runtime_name, vocab=vocab or None, quantize=quantize or model.quantize)
+
+
+def materialize(spec: ModelSpec, report: Report = _quiet) -> Path:
+    """Fetch the model's source and prepare it if needed; returns the file to load. What killed runs left behind
+    (temporary files, half-built graphs) is cleaned first."""
+    for folder in ("models", "prepared"):
+        clean_stale(cache_dir() / folder)
+    here = source_path(spec.source)
+    if spec.facts is not None and (here is None or not here.exists()):  # a download whose size models.toml gives
+        name = Path(spec.source.describe()).name  # "model.gguf", or "repo-GGUF:Q4_0" for a hub quant
+        ensure_space(here or download_folder(spec.source) / name, int(spec.facts.size_gb * 1e9))
+    source = fetch(spec.source, report)
+    if not spec.quantize:
+        return source
+    dest = prepared_path(spec)
+    assert dest is not None
+    if not dest.exists():
+        report(f"preparing {dest.name} ({spec.quantize}, llama.cpp quantizer)")
+        with atomic_path(dest, _quantized_size(source, spec.quantize)) as tmp:
+            runtime("llama_cpp").quantize(source, tmp, spec.quantize)
+    return dest
+
+
+# Bits per weight of llama.cpp's file types (the k-quants' mixes on average), to size a requantized file.
+BITS_PER_WEIGHT = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5, "q5_0": 5.5, "q5_1": 6,
+                   "q2_k": 2.6, "q3_k_s": 3.5, "q3_k_m": 3.9, "q3_k_l": 4.3, "q4_k_s": 4.6, "q4_k_m": 4.9,
+                   "q5_k_s": 5.5, "q5_k_m": 5.7, "q6_k": 6.6}
+
+
+def _quantized_size(source: Path, ftype: str) -> int:
+    from runtimes.gguf_file import check_gguf
+
+    return int(check_gguf(source).n_params * BITS_PER_WEIGHT.get(ftype, 32) / 8)
+
+
+def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: int | None, gpu_layers: int,
+                 report: Report = _quiet, times: dict[str, float] | None = None,
+                 max_tree: int = MAX_LEAVES + 1) -> Drafter:
+    """The drafter `model` (the pair's, or another for a comparison) for the llama.cpp target in `target_file`,
+    refused when it does not speak the target's token ids; it grows trees of up to `max_tree` nodes."""
+    from runtimes.gguf_file import check_same_vocab
+
+    times = {} if times is None else times
+    drafter_file = materialize(model, report)
+    with phase(times, "vocabulary check"):
+        check_same_vocab(target_file, drafter_file)
+    with phase(times, "drafter"):
+        if model.runtime == "onnx":
+            onnx = runtime("onnx")
+            options = onnx.OnnxOptions(provider=model.provider, threads=threads, n_ctx=spec.ctx + 256,
+                                       graph_dir=graph_folder(drafter_file))
+            head = head_ids(spec, model)
+            graph = onnx.graph_path(drafter_file, "drafter", head, options.graph_dir)
+            if not graph.exists():  # built once from the GGUF's weights: its data takes up to twice the file
+                ensure_space(graph, 2 * drafter_file.stat().st_size)
+            try:
+                return onnx.load_drafter(drafter_file, options, head, report)
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                raise UserError(f"the drive filled up building {graph}; free some space (or set EDGE_SPEC_CACHE "
+                                "to another drive) and run again") from None
+        llama = runtime("llama_cpp")
+        options = llama.RunOptions(n_ctx=spec.ctx, kv_type=model.kv_type, n_threads=threads, n_gpu_layers=gpu_layers)
+        return llama.load_drafter(drafter_file, options, max_tree - 1)
+
+
+def graph_folder(model_file: Path) -> Path | None:
+    """Where a model's ONNX graphs go: beside it when edge-spec's cache holds it (None), else in the cache's
+    prepared/graphs (a user's own file or a Hugging Face snapshot: folders that are not ours to write in)."""
+    cache = cache_dir()
+    if model_file.absolute().parent.resolve().is_relative_to(cache.resolve()):
+        return None
+    folder = cache / "prepared" / "graphs"
+    folder.mkdir(parents=True, exist_ok=True)
+    clean_stale(folder)
+    return folder
+
+
+def head_ids(spec: PairSpec, model: ModelSpec) -> Any:
+    """The frequency-ranked token ids a trimmed drafter head keeps (None: the full head)."""
+    if not model.vocab:
+        return None
+    from quant.vocab import RankedVocab
+
+    path = vocab_path(spec.target, model.vocab)
+    if not path.exists():
+        raise UserError(f"pair {spec.name}: no {model.vocab}-token vocabulary yet; "
+                        f"run `edge-spec prepare {spec.name} --vocab {model.vocab}` (one target run over the "
+                        "calibration prompts)")
+    return RankedVocab.load(path).ids
