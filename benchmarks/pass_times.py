@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import threading
 import time
@@ -31,18 +30,19 @@ import numpy as np
 
 import edge
 from edge.options import LoadOptions
-from edge.tree import TokenTree
 from models.loading import resolve_spec
 from models.planning import make_plan
 from offload.plan import fit_constants, pass_cost
+from offload.probe import probe_machine
 from offload.ssd import read_bytes
+from offload.tuning import timing_chain
 
 
 class MemoryPeaks:
     """The largest anonymous and file-backed resident sets seen, sampled every `every` seconds on a thread."""
 
     def __init__(self, every: float = 0.2):
-        self.anon = self.file = self.total = 0
+        self.anon = self.file = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
         self._thread.start()
@@ -55,13 +55,12 @@ class MemoryPeaks:
         status = _status()
         self.anon = max(self.anon, status.get("RssAnon", 0))
         self.file = max(self.file, status.get("RssFile", 0))
-        self.total = max(self.total, status.get("VmHWM", 0))
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join()
         self.sample()
-        return {"peak_rss_gib": _gib(self.total), "peak_anon_gib": _gib(self.anon),
+        return {"peak_rss_gib": _gib(_status().get("VmHWM", 0)), "peak_anon_gib": _gib(self.anon),
                 "peak_file_pages_gib": _gib(self.file)}
 
 
@@ -77,11 +76,6 @@ def _status() -> dict[str, int]:
 
 def _gib(n: float) -> float:
     return round(n / 2**30, 3)
-
-
-def chain(first: int, n: int) -> TokenTree:
-    return TokenTree(np.array([first, *range(100, 99 + n)], np.int32), np.arange(-1, n - 1, dtype=np.int32),
-                     np.arange(n, dtype=np.int32), np.zeros(n, np.float32))
 
 
 def main() -> None:
@@ -120,7 +114,7 @@ def main() -> None:
             for _ in range(repeats):
                 target.truncate(0)
                 before, start = read_bytes() or 0, time.perf_counter()
-                target.verify(chain(prefix[-1], n))
+                target.verify(timing_chain(prefix[-1], n))
                 times.append(time.perf_counter() - start)
                 reads.append((read_bytes() or 0) - before)
             measured = float(np.median(times))
@@ -133,22 +127,18 @@ def main() -> None:
     memory = peaks.stop()
     fit = fit_constants(plan.target, plan.machine, {row["n"]: row["passes_s"] for row in rows})
     if fit is not None:
-        fitted_machine = replace(plan.machine, disk_gbps=fit["disk_gbps"])
+        fitted_machine = replace(plan.machine, **{key: fit[key] for key in ("disk_gbps", "ram_gbps") if key in fit})
         for row in rows:
             cost = pass_cost(plan.target, fitted_machine, row["n"], cpu_gflops_per_core=fit["cpu_gflops_per_core"])
             row["fitted_s"] = round(cost.seconds, 3)
             row["fitted_error"] = round(cost.seconds / row["measured_s"] - 1, 3)
+    here = probe_machine()
     print(json.dumps({
         "model": args.model, "target": plan.target.shape.source, "file_gib": _gib(plan.target.shape.file_bytes),
         "placement": plan.target.placement, "repack": plan.target.repack, "machine": plan.machine.describe(),
-        "ram_total_gib": _gib(_meminfo_total()), "cpu": platform.processor() or platform.machine(),
+        "ram_total_gib": here["ram_total_gb"], "cpu": here["cpu"],
         "load_s": round(load_s, 2), **memory, "rows": rows, "fit": fit,
     }, indent=2))
-
-
-def _meminfo_total() -> int:
-    with open("/proc/meminfo", encoding="ascii") as meminfo:
-        return int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1]) * 1024
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from cli.options import (
 )
 from cli.render import err, report, warning
 from edge.errors import UserError
-from edge.options import MIN_CTX
+from edge.options import MIN_CTX, PLACEMENTS
 
 
 @app.command()
@@ -173,7 +173,7 @@ def plan(
     spec, models_file = named(ctx, pair, drafter)
     if (unused := unused_gpu()) is not None:
         warning(unused)
-    if placement not in ("ram", "ssd"):
+    if placement not in PLACEMENTS:
         raise UserError(f"--placement must be ram or ssd (got {placement!r})")
     measured = read_acceptance(acceptance) if acceptance is not None else None
     result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, models_file,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -314,24 +315,16 @@ def fit_constants(plan: ModelPlan, machine: Machine, passes: dict[int, list[floa
         return None
     shape, moved = plan.shape, _off_gpu_bytes(plan)
     if plan.placement == "ssd":
-        # minimise sum ((a + b n) / t - 1)^2: weighted least squares with weights 1 / t^2
-        weights = [1 / t**2 for _, t in points]
-        s0, s1 = sum(weights), sum(w * n for w, (n, _) in zip(weights, points, strict=True))
-        s2 = sum(w * n * n for w, (n, _) in zip(weights, points, strict=True))
-        y0 = sum(w * t for w, (_, t) in zip(weights, points, strict=True))
-        y1 = sum(w * n * t for w, (n, t) in zip(weights, points, strict=True))
-        per_token = (s0 * y1 - s1 * y0) / (s0 * s2 - s1 * s1)
-        read = (y0 - per_token * s1) / s0
-    else:
-        def median(n: int) -> float:
-            times = sorted(passes[n])
-            return times[len(times) // 2]
+        import numpy as np
 
-        read, largest = median(min(passes)), max(passes)
-        per_token = median(largest) / largest
+        n, t = np.array(points, dtype=np.float64).T
+        per_token, read = np.polyfit(n, t, 1, w=1 / t)  # residuals weighted by 1/t: relative errors
+    else:
+        read, largest = statistics.median(passes[min(passes)]), max(passes)
+        per_token = statistics.median(passes[largest]) / largest
     key = "disk_gbps" if plan.placement == "ssd" else "ram_gbps"
-    return {key: round(moved / max(read, 1e-9) / GB, 3),
-            "cpu_gflops_per_core": round(2 * shape.n_params / max(per_token, 1e-12) / machine.cores / 1e9, 1)}
+    return {key: round(float(moved / max(read, 1e-9) / GB), 3),
+            "cpu_gflops_per_core": round(float(2 * shape.n_params / max(per_token, 1e-12) / machine.cores / 1e9), 1)}
 
 
 def kv_bytes(shape: Shape, n_cells: int, kv_type: str) -> int:

@@ -187,8 +187,7 @@ def pass_ms(target, prefix: list[int], sizes: tuple[int, ...] = (1, 16, 64), rep
     for n in sizes:
         if len(result) >= 2 and result[max(result)] > 1000 * long_s:
             break
-        chain = TokenTree(np.array([prefix[-1], *range(100, 99 + n)], np.int32), np.arange(-1, n - 1, dtype=np.int32),
-                          np.arange(n, dtype=np.int32), np.zeros(n, np.float32))
+        chain = timing_chain(prefix[-1], n)
         times: list[float] = []
         while len(times) < repeats and not (times and times[-1] > slow_s):
             if before is not None:
@@ -200,6 +199,12 @@ def pass_ms(target, prefix: list[int], sizes: tuple[int, ...] = (1, 16, 64), rep
         result[n] = round(1000 * float(np.median(times)), 3)
     target.truncate(0)
     return result
+
+
+def timing_chain(first: int, n: int) -> TokenTree:
+    """A chain of n tokens, `first` then arbitrary ids: what a pass over n new tokens costs does not depend on them."""
+    return TokenTree(np.array([first, *range(100, 99 + n)], np.int32), np.arange(-1, n - 1, dtype=np.int32),
+                     np.arange(n, dtype=np.int32), np.zeros(n, np.float32))
 
 
 def expand_ms(drafter, prefix: list[int], sizes: tuple[int, ...] = (1, 8, 32), repeats: int = 5) -> dict[int, float]:

@@ -34,6 +34,17 @@ def gemma3() -> Pair:
     return _load("gemma3-270m")
 
 
+@pytest.fixture(scope="module")
+def files(smollm2: Pair, gemma3: Pair) -> dict[str, Path]:
+    """The two offline pairs' target files, fetched."""
+    from models.registry import load_registry
+    from models.sources import model_path
+
+    registry = load_registry()
+    return {"smol": model_path(registry.pair("smollm2-135m").target),
+            "gemma": model_path(registry.pair("gemma3-270m").target)}
+
+
 @pytest.fixture(scope="session", params=["smollm2-135m", "gemma3-270m"])
 def pair(request: pytest.FixtureRequest) -> Pair:
     return request.getfixturevalue("smollm2" if request.param == "smollm2-135m" else "gemma3")
