@@ -88,3 +88,35 @@ def test_grids_of_one_width_stack_for_fused_projections() -> None:
     assert both is not None and both.scales.shape == (8, 8) and (both.bits, both.levels) == (8, 256)
     assert BlockGrid.concat([q5, q4]) is None and BlockGrid.concat([q5, None]) is None
     assert q4.take(np.array([3, 1])).scales.shape == (2, 8)
+
+
+class _OneTable:
+    """What DecoderBuilder.gather_rows reads of a GGUF file, for one table of raw blocks."""
+
+    arch = None
+
+    def __init__(self, raw: np.ndarray, type_name: str):
+        self.raw, self.type_name = raw, type_name
+
+    def grid(self, name: str) -> BlockGrid | None:
+        return block_grid(self.raw, self.type_name)
+
+
+@pytest.mark.parametrize("type_name", list(LAYOUTS))
+def test_gathered_rows_are_the_file_rows(type_name: str) -> None:
+    """The int4 graph's embedding (GatherBlockQuantized, plus the offsets its zero points cannot hold) returns a
+    table's rows as the file stores them."""
+    from onnx import TensorProto
+
+    from runtimes.onnx.graph import DecoderBuilder, GraphOptions
+
+    raw = raw_blocks(type_name, rows=40, k=512, seed=3)
+    w = dequantized(raw, type_name)
+    builder = DecoderBuilder(_OneTable(raw, type_name), GraphOptions(weights="int4"))
+    g = builder.g
+    ids = g.input("ids", TensorProto.INT64, [1, "n"])
+    g.output(builder.gather_rows("table", "table", w, ids), "rows", TensorProto.FLOAT, [1, "n", 512])
+    session = ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
+    picked = np.array([[7, 0, 39, 7]])
+    rows = session.run(None, {"ids": picked})[0]
+    np.testing.assert_allclose(rows, w[picked], rtol=0, atol=1e-6 * np.abs(w).max())

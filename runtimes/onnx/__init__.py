@@ -33,7 +33,7 @@ class OnnxOptions:
     graph_dir: Path | None = None  # where graphs are cached; None: beside the GGUF (a file in edge-spec's own cache)
 
 
-GRAPH_VERSION = 6  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
+GRAPH_VERSION = 7  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
 
 
 def _variant(role: str, head_ids: np.ndarray | None) -> str:
