@@ -1,8 +1,9 @@
 """What a GGUF model's graph needs: its hyperparameters and its weights as float32, read with `gguf`.
 
-Two architectures: `llama` (SmolLM2, Llama 3.x, Qwen2.x-style dense decoders) and `gemma3` (sliding-window
-layers, QK-norm, sandwich norms, GELU, scaled embeddings). The conventions follow llama.cpp's, so a graph
-built from these weights computes what llama.cpp computes on the same file.
+Three architectures: `llama` (SmolLM2, Llama 3.x: dense decoders, RoPE on adjacent pairs), `qwen2` (Qwen2 and
+Qwen2.5: llama's layout plus q/k/v biases, NEOX RoPE) and `gemma3` (sliding-window layers, QK-norm, sandwich norms,
+GELU, scaled embeddings). The conventions follow llama.cpp's, so a graph built from these weights computes what
+llama.cpp computes on the same file.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import numpy as np
 from edge.errors import UserError
 from quant.grid import BlockGrid, block_grid
 
-ARCHITECTURES = ("llama", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
+# llama.cpp's llama_model_rope_type: these rotate the pairs (i, i + d/2) of a head (LLAMA_ROPE_TYPE_NEOX), llama
+# the adjacent pairs (2i, 2i + 1) (LLAMA_ROPE_TYPE_NORM)
+NEOX_ROPE = ("qwen2", "gemma3")
+# tensors llama.cpp reads in these architectures that the builder has no op for
+UNSUPPORTED_TENSORS = {"blk.0.attn_qkv.weight": "a fused q+k+v projection", "output.bias": "a bias on the head"}
 
 
 @dataclass(frozen=True)
 class Arch:
-    name: str  # "llama" or "gemma3"
+    name: str  # one of ARCHITECTURES
     n_layers: int
     n_embd: int
     n_heads: int
@@ -110,6 +116,11 @@ def read_arch(weights: GGUFWeights | _HeaderOnly) -> Arch:
         raise UserError(f"{weights.path.name}: architecture {name!r} has no ONNX graph builder "
                         f"(supported: {', '.join(ARCHITECTURES)}); use the llama_cpp drafter runtime")
 
+    for tensor, what in UNSUPPORTED_TENSORS.items():
+        if tensor in weights.tensors:
+            raise UserError(f"{weights.path.name}: {what} ({tensor}) has no ONNX graph builder; use the llama_cpp "
+                            "drafter runtime")
+
     def key(suffix: str, default=None):
         value = weights.field(f"{name}.{suffix}", default)
         if value is None:
@@ -138,7 +149,7 @@ def read_arch(weights: GGUFWeights | _HeaderOnly) -> Arch:
     return Arch(
         name=name, n_layers=n_layers, n_embd=n_embd, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         n_ff=int(key("feed_forward_length")), n_vocab=n_vocab, rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_base=float(key("rope.freq_base", 10000.0)), rope_scale=1.0 / factor, rope_neox=name == "gemma3",
+        rope_base=float(key("rope.freq_base", 10000.0)), rope_scale=1.0 / factor, rope_neox=name in NEOX_ROPE,
         attn_scale=attn_scale, embed_scale=embed_scale, swa_window=swa_window, swa_layers=swa_layers,
         rope_base_swa=float(weights.field(f"{name}.rope.freq_base_swa", 10000.0)),
         n_ctx_train=int(key("context_length", 4096)),

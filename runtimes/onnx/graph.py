@@ -130,9 +130,9 @@ class DecoderBuilder:
     def linear(self, x: str, name: str, w: np.ndarray | None = None, source: str | None = None,
                grid: BlockGrid | None = None) -> str:
         """x: [n, in] -> [n, out] for the GGUF weight `name` ([out, in]); `source` names the GGUF tensor. A weight
-        passed in (fused, or a trimmed head) comes with its rows' `grid`; one read here brings its own."""
+        passed in (fused, or a trimmed head) comes with its rows' `grid`; one read here brings its own, and its bias."""
         if w is None:
-            w, grid = self.w.get(name), self.w.grid(name)
+            return self.add_bias(self.linear(x, name, self.w.get(name), name, self.w.grid(name)), [name])
         g, opt = self.g, self.opt
         if opt.weights == "f32":
             return g.op("MatMul", x, g.weight(name, w.T), hint="mm")
@@ -149,6 +149,16 @@ class DecoderBuilder:
         blocks = g.op("Reshape", x, g.const([-1, packed.k_blocks, packed.block]))
         sums = g.op("ReduceSum", blocks, g.const([-1]), keepdims=0)
         return g.op("Add", y, g.op("MatMul", sums, g.weight(name + ".residual", residual.T.copy())))
+
+    def add_bias(self, y: str, names: list[str]) -> str:
+        """y [n, out] plus the biases of the projections `names` ([out] together, zeros for one without), added
+        after the product as llama.cpp adds qwen2's q, k and v biases; y itself when none has one."""
+        biases = [name.removesuffix(".weight") + ".bias" for name in names]
+        if not any(self.w.has(bias) for bias in biases):
+            return y
+        rows = [self.w.get(bias) if self.w.has(bias) else np.zeros(int(self.w.tensors[name].shape[1]), np.float32)
+                for name, bias in zip(names, biases, strict=True)]
+        return self.g.op("Add", y, self.g.weight(self.g.name(biases[0]), np.concatenate(rows)))
 
     def quantize(self, w: np.ndarray, source: str, symmetric_only: bool = False):
         """Requantizes a dequantized GGUF tensor whose own grid is not kept (pack_exact), without adding error
@@ -305,6 +315,7 @@ class DecoderBuilder:
         weights = {name: self.w.get(name) for name in names}
         fused = self.linear(x, names[0].replace(".weight", "") + "+.weight", np.concatenate(list(weights.values())),
                             names[0], grid)
+        fused = self.add_bias(fused, names)
         if len(groups) == 1:
             return [fused]
         sizes = [sum(weights[name].shape[0] for name in group) for group in groups]
