@@ -13,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFWriter
 
+from edge.errors import UserError
 from edge.tree import TokenTree
 from models.opening import materialize
 from models.registry import load_registry
@@ -21,7 +23,7 @@ from quant.vocab import count_tokens, select
 from runtimes.gguf_file import open_reader
 from runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model, quantize
 from runtimes.onnx import OnnxDrafter, OnnxOptions, load_drafter
-from runtimes.onnx.arch import GGUFWeights
+from runtimes.onnx.arch import GGUFWeights, file_arch
 from runtimes.onnx.graph import GraphOptions, build_graph
 from runtimes.onnx.session import DecoderSession
 from tests.conftest import REPO
@@ -99,6 +101,21 @@ def test_qwen2_reads_llama_cpp_conventions(qwen2_files: dict[str, Path]) -> None
     assert (arch.name, arch.n_layers, arch.n_heads, arch.n_kv_heads, arch.head_dim) == ("qwen2", LAYERS, 14, 2, 64)
     assert arch.rope_neox and arch.rope_base == 1e6 and arch.rms_eps == pytest.approx(1e-6)
     assert arch.n_vocab == 151936
+
+
+@pytest.mark.parametrize("tensor", ["output.bias", "blk.0.attn_qkv.weight"])
+def test_a_layout_without_ops_is_refused_in_one_line(tmp_path: Path, tensor: str) -> None:
+    path = tmp_path / "odd.gguf"
+    writer = GGUFWriter(path, arch="qwen2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    writer.add_tensor(tensor, np.zeros(96 if "qkv" in tensor else 8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match=f"odd.gguf: .*\\({tensor}\\) has no ONNX graph builder; use the llama_cpp"):
+        file_arch(path)
 
 
 def assert_f32_graph_matches_llama_cpp(source: Path, tokens: list[int], folder: Path) -> None:
