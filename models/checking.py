@@ -18,13 +18,15 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str, Any]:
     from runtimes import runtime
-    from runtimes.gguf_file import check_gguf, lossless_guarantee
+    from runtimes.gguf_file import check_gguf
 
     llama = runtime("llama_cpp")
     if kv_type not in llama.KV_TYPES:
         raise UserError(f"--kv-type must be one of {', '.join(llama.KV_TYPES)} (got {kv_type!r})")
     info = check_gguf(path)
-    target = llama.load_target(path, llama.RunOptions(n_ctx=1024, kv_type=kv_type, n_threads=threads))
+    # loaded as a pair loads it: without repacked buffers where those are not batch-invariant
+    repack = llama.keeps_repacking(info.weight_types)
+    target = llama.load_target(path, llama.RunOptions(n_ctx=1024, kv_type=kv_type, n_threads=threads, repack=repack))
     drafter = llama.load_drafter(path, llama.RunOptions(n_ctx=1024, kv_type="q4_0", n_threads=threads))
     try:
         tokens = target.tokenizer.tokenize(TEXT, add_special=True, parse_special=False)[:160]
@@ -45,6 +47,6 @@ def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str
         "weight_types": sorted(info.weight_types),
         "kv_type": kv_type,
         "bit_exact": all(s["max_abs_diff"] == 0.0 for s in shapes),
-        "edge_spec_guarantee": lossless_guarantee(info, kv_type) is None,
+        "edge_spec_guarantee": llama.lossless_guarantee(info.weight_types, kv_type, "--target-dtype q8_0") is None,
         "shapes": shapes,
     }

@@ -67,8 +67,8 @@ def resolve_spec(options: LoadOptions) -> tuple[PairSpec, Path | None]:
             spec, models_file = registry.pair(options.pair), registry.path
         else:
             spec, models_file = spec_for_models(options.pair, options.drafter, options.ctx or 4096, registry), None
-    if spec.drafter.runtime == SELF_DRAFT and (here := model_path(spec.drafter)) is not None and here.is_file():
-        spec = replace(spec, drafter=replace(spec.drafter, runtime=self_draft_runtime(here)))
+    if spec.drafter.runtime == BY_ARCHITECTURE and (here := model_path(spec.drafter)) is not None and here.is_file():
+        spec = replace(spec, drafter=replace(spec.drafter, runtime=drafter_runtime_for(here)))
     if options.ctx:
         spec = replace(spec, ctx=options.ctx)
     if options.provider is not None:  # overrides models.toml for every ONNX model of the pair
@@ -88,7 +88,7 @@ def resolve_spec(options: LoadOptions) -> tuple[PairSpec, Path | None]:
 # A model named where it is used: user/repo:QUANT, with hf.co/ or huggingface.co/ before it (as ollama and
 # llama.cpp's -hf take them). Without :QUANT, Q4_K_M, as theirs.
 _HF_REFERENCE = re.compile(r"^(?:https?://)?(?:hf\.co/|huggingface\.co/)?([\w.-]+/[\w.-]+)(?::(\S+))?$")
-SELF_DRAFT = "self"  # a drafter runtime decided at load: onnx where its graph builder knows the architecture
+BY_ARCHITECTURE = "by-architecture"  # a drafter runtime decided at load: onnx where its graph builder knows the file
 
 
 def model_source(model: str | Path, registry: Registry | None = None) -> Source:
@@ -108,19 +108,17 @@ def model_source(model: str | Path, registry: Registry | None = None) -> Source:
 def spec_for_models(target: str | Path, drafter: str | Path | None, ctx: int,
                     registry: Registry | None = None) -> PairSpec:
     """A pair made from models named on the command line (files or Hugging Face references). Without a drafter
-    the target drafts for itself: on ONNX Runtime (int4, a 4-bit KV cache) as the shipped pairs do, where the
-    graph builder knows its architecture, else on llama.cpp."""
+    the target drafts for itself. The drafter runs on ONNX Runtime (int4, a 4-bit KV cache) as the shipped pairs'
+    do, where the graph builder knows its architecture, else on llama.cpp."""
     target_source = model_source(target, registry)
     target_spec = ModelSpec(target_source, kv_type="bf16")
-    if drafter is None:
-        drafter_spec = ModelSpec(target_source, kv_type="q4_0", runtime=SELF_DRAFT)
-    else:
-        drafter_spec = ModelSpec(model_source(drafter, registry), kv_type="q4_0")
+    drafter_source = target_source if drafter is None else model_source(drafter, registry)
+    drafter_spec = ModelSpec(drafter_source, kv_type="q4_0", runtime=BY_ARCHITECTURE)
     name = target_source.path.name if target_source.path is not None else str(target_source.hf)
     return PairSpec(name=name, about="named on the command line", target=target_spec, drafter=drafter_spec, ctx=ctx)
 
 
-def self_draft_runtime(drafter_file: Path) -> str:
+def drafter_runtime_for(drafter_file: Path) -> str:
     from runtimes.gguf_file import gguf_header
     from runtimes.onnx.arch import ARCHITECTURES
 
@@ -163,7 +161,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
 
     A target the plan streams is used from its file's mapping: the kernel reads it on every pass and evicts it.
     placement "ssd": the same for a target that would fit, its pages evicted after every pass (offload/ssd.py)."""
-    from runtimes.gguf_file import check_gguf, lossless_guarantee
+    from runtimes.gguf_file import check_gguf
 
     times = {} if times is None else times
     with phase(times, "model files"):
@@ -175,8 +173,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
             planned = planned_target(spec, models_file, report) or PlannedTarget(0, False)
     if options.gpu_layers is None:
         options = replace(options, gpu_layers=planned.gpu_layers)
-    if spec.drafter.runtime == SELF_DRAFT:
-        spec = replace(spec, drafter=replace(spec.drafter, runtime=self_draft_runtime(drafter_file)))
+    if spec.drafter.runtime == BY_ARCHITECTURE:
+        spec = replace(spec, drafter=replace(spec.drafter, runtime=drafter_runtime_for(drafter_file)))
     draft_threads = drafter_threads(options.threads, options.placement, options.readahead)
     budget = spec.budget if options.budget is None else options.budget
     nodes = tree_nodes(budget)
@@ -188,8 +186,9 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
             target, drafter = _load_quantspec(spec, target_file, options.threads, report)
         warning = None
     else:
-        target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes,
-                                             repack=not (streamed or options.placement == "ssd"))
+        llama = runtime("llama_cpp")
+        repack = not (streamed or options.placement == "ssd") and llama.keeps_repacking(info.weight_types)
+        target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes, repack)
         if options.placement == "ssd":
             try:
                 with phase(times, "ssd placement check"):
@@ -197,13 +196,20 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
             except BaseException:
                 drafter.close()
                 raise
-        warning = lossless_guarantee(info, spec.target.kv_type)
+        warning = llama.lossless_guarantee(info.weight_types, spec.target.kv_type, _dtype_fix(spec, models_file))
         if target.n_ctx != spec.ctx:
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
     with phase(times, "chat template"):
         template = _template(info.chat_template, target)
     return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
                 sampling=chat_sampling(target_file, report), load_seconds=times, report=report, streamed=streamed)
+
+
+def _dtype_fix(spec: PairSpec, models_file: Path | None) -> str:
+    """How the user who named this target rewrites it as Q8_0: in their models.toml, or on the command line."""
+    if models_file is None:
+        return "--target-dtype q8_0 (target_dtype=\"q8_0\" in Python)"
+    return f'target.quantize = "q8_0" under [pairs."{spec.name}"] in {models_file}'
 
 
 def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:

@@ -19,14 +19,6 @@ from edge.errors import UserError
 GGUF_MAGIC = b"GGUF"
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$", re.IGNORECASE)
 
-# Weight types whose llama.cpp CPU kernels gave bit-identical logits whatever the batch shape (llama-cpp-python
-# 0.3.36, AMD EPYC AVX-512; docs/lossless.md, "In floating point: batch invariance").
-# Only these make tree verification exactly equal to plain decoding. Extend it only with a measurement.
-BATCH_INVARIANT_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
-# KV cache types whose flash-attention path gave bit-identical logits for a token alone and inside a
-# 256-node tree (f16 and f32 KV switch kernels at 64-token batches and differ by ~1 logit).
-BATCH_INVARIANT_KV = frozenset({"bf16", "q8_0"})
-
 
 @dataclass(frozen=True)
 class GGUFInfo:
@@ -350,23 +342,6 @@ def check_same_vocab(target: Path, drafter: Path) -> None:
 
 def _is_padding(text: bytes) -> bool:
     return text.startswith((b"[PAD", b"<pad", b"<|reserved", b"<unused", b"<|PAD"))
-
-
-def lossless_guarantee(info: GGUFInfo, kv_type: str = "bf16") -> str | None:
-    """None when the target's weights and KV cache are batch-invariant here, else one line saying why not."""
-    if kv_type not in BATCH_INVARIANT_KV:
-        return (
-            f"a {kv_type} KV cache is not batch-invariant in llama.cpp's attention: speculative output can "
-            f"differ from plain decoding where logits nearly tie (use kv_type = \"bf16\" or \"q8_0\")"
-        )
-    unsafe = sorted(info.weight_types - BATCH_INVARIANT_TYPES)
-    if not unsafe:
-        return None
-    return (
-        f"weights of type {', '.join(unsafe)} are not batch-invariant in llama.cpp on this CPU: speculative "
-        "output can differ from plain decoding where logits nearly tie "
-        '(requantize the target to q4_0 with `quantize = "q4_0"` in models.toml)'
-    )
 
 
 def _matmul_weight_types(tensors: tuple[HeaderTensor, ...]) -> frozenset[str]:

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from edge.errors import UserError
-from runtimes.gguf_file import GGUFInfo, check_gguf, check_same_vocab, lossless_guarantee, vocab_tokens
+from runtimes.gguf_file import GGUFInfo, check_gguf, check_same_vocab, vocab_tokens
 
 TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 TOKENS = ["<unk>", "<s>", "</s>", *(f"tok{i}" for i in range(61))]
@@ -143,27 +143,39 @@ def test_directory(tmp_path: Path) -> None:
         check_gguf(tmp_path)
 
 
-def _info(*weight_types: str) -> GGUFInfo:
-    types = frozenset(weight_types)
-    return GGUFInfo(Path("m.gguf"), "llama", None, 8, None, None, None, None, types, None, 0, 0, "")
+def test_lossless_guarantee(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtimes.llama_cpp.kernels import FORCE_TILED, TILED, lossless_guarantee
 
-
-def test_lossless_guarantee() -> None:
-    assert lossless_guarantee(_info("Q4_0")) is None
-    assert lossless_guarantee(_info("Q4_0", "Q4_1")) is None
-    message = lossless_guarantee(_info("Q4_0", "Q6_K"))
-    assert message is not None
-    assert message.startswith("weights of type Q6_K are not batch-invariant")
-    assert "Q4_0," not in message
-    assert 'quantize = "q4_0"' in message
-    assert lossless_guarantee(_info("Q8_0"), kv_type="q8_0") is None
-    kv_message = lossless_guarantee(_info("Q4_0"), kv_type="f16")
+    fix = "--target-dtype q8_0"
+    assert lossless_guarantee(frozenset({"Q4_0", "Q4_1", "Q8_0"}), "bf16", fix) is None
+    assert lossless_guarantee(frozenset({"Q4_K", "Q6_K", "Q5_0"}), "bf16", fix) is None  # every batch on one kernel
+    message = lossless_guarantee(frozenset({"Q4_0", "F16"}), "q8_0", fix)
+    assert message is not None and message.startswith("weights of type F16 are not batch-invariant")
+    assert "Q4_0," not in message and message.endswith(f"rewrite the target as q8_0: {fix})")
+    kv_message = lossless_guarantee(frozenset({"Q4_0"}), "f16", fix)
     assert kv_message is not None and "f16 KV cache" in kv_message
+    monkeypatch.setenv(FORCE_TILED, "0")  # the user chose the tiled kernel's own threshold: K-quants vary again
+    message = lossless_guarantee(frozenset({"Q4_K", "Q6_K"}), "bf16", fix)
+    assert message is not None and "Q4_K, Q6_K are not" in message and f"{FORCE_TILED}=1" in message
+    monkeypatch.setenv(TILED, "0")  # no tiled kernel at all: the dot-product kernels run every batch
+    assert lossless_guarantee(frozenset({"Q4_K", "Q6_K"}), "bf16", fix) is None
 
 
-def test_lossless_guarantee_of_a_real_tiny_file(tmp_path: Path) -> None:
-    assert lossless_guarantee(check_gguf(write_gguf(tmp_path / "q4.gguf"))) is None
-    assert "Q6_K" in (lossless_guarantee(check_gguf(write_gguf(tmp_path / "q6.gguf", q6k=True))) or "")
+def test_repacked_buffers_are_kept_where_they_are_batch_invariant() -> None:
+    from runtimes.llama_cpp.kernels import keeps_repacking
+
+    assert keeps_repacking(frozenset({"Q4_0", "Q8_0"}))
+    assert not keeps_repacking(frozenset({"Q4_K", "Q6_K"}))
+
+
+def test_lossless_guarantee_of_a_real_tiny_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtimes.llama_cpp.kernels import FORCE_TILED, lossless_guarantee
+
+    q4, q6 = (check_gguf(write_gguf(tmp_path / name, q6k=name == "q6.gguf")).weight_types
+              for name in ("q4.gguf", "q6.gguf"))
+    assert lossless_guarantee(q4, "bf16", "") is None and lossless_guarantee(q6, "bf16", "") is None
+    monkeypatch.setenv(FORCE_TILED, "0")
+    assert "Q6_K" in (lossless_guarantee(q6, "bf16", "") or "")
 
 
 def test_unreadable(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,9 @@ import llama_cpp.llama_cpp as ll
 import numpy as np
 
 from edge.errors import UserError
+from runtimes.llama_cpp.kernels import prefer_invariant_kernels
+
+prefer_invariant_kernels()  # before any model runs: ggml reads the switch at its first matmul
 
 # The largest seq id llama.cpp accepts in one context (LLAMA_MAX_SEQ); a tree gets one seq per leaf.
 MAX_SEQ = 256

@@ -1,0 +1,74 @@
+"""Which of llama.cpp's CPU kernels give a token the same logits alone and inside a tree pass, and the settings that
+make K-quant weights do so. Speculation is exactly lossless only on such kernels (docs/lossless.md).
+
+A matmul over K-quant weights (Q2_K..Q6_K and the IQ types) takes one of two kernels in ggml-cpu, by the number of
+tokens in the batch: the dot-product kernels (ggml_vec_dot_*_q8_K) below 8 tokens, the tiled kernel
+(ggml-cpu/tiled) from 8 (`ggml_tiled_min_batch`). They sum a row's super-blocks in different orders, so a token's
+logits depend on how many tokens shared its pass: 0.5-0.6 logits on Qwen2.5-Coder-1.5B Q4_K_M, with argmax flips.
+GGML_CPU_TILED_MM_FORCE=1 sends every batch size to the tiled kernel, which sums in one order whatever the batch
+(its narrow path for up to 16 tokens and its wide one walk the K dimension alike): every K-quant token then rounds
+the same. It costs nothing measurable at one token and speeds up large batches (docs/lossless.md has the figures).
+
+Repacked weights (use_extra_bufts) have the same problem on x86 for Q4_K: a GEMV kernel below 4 tokens, a 4-row GEMM
+from 4. The tiled kernel skips repacked tensors, so a target with such weights loads without repacking. Q4_0's
+repacked kernels gave equal logits at every batch size (measured), so Q4_0 targets keep them.
+
+Both switches are process-wide and read by ggml once, at the first matmul: they are set when this runtime is
+imported, before any model runs, unless the environment already sets them.
+"""
+
+from __future__ import annotations
+
+import os
+
+FORCE_TILED = "GGML_CPU_TILED_MM_FORCE"
+TILED = "GGML_CPU_TILED_MM"
+
+# Types the tiled kernel computes (ggml_tiled_matmul_type_dispatch).
+TILED_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                         "IQ3_S", "IQ1_S", "IQ1_M"})
+# Weight types whose kernels gave bit-identical logits whatever the batch (llama-cpp-python 0.3.36, AMD EPYC
+# AVX-512; `edge-spec check`, docs/lossless.md). Extend it only with a measurement.
+BATCH_INVARIANT_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q8_0"})
+# ... and these once every batch takes the tiled kernel (Q4_K, Q6_K shipped; Q2_K, Q3_K, Q5_K requantized).
+TILED_INVARIANT_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
+# Types whose repacked x86 kernels switch kernels with the batch size: a target holding any loads unrepacked.
+REPACK_VARIANT_TYPES = frozenset({"Q4_K", "Q2_K", "IQ4_NL", "MXFP4"})
+# KV cache types whose flash-attention path gave bit-identical logits for a token alone and inside a 256-node tree
+# (f16 and f32 KV switch kernels at 64-token batches and differ by ~1 logit).
+BATCH_INVARIANT_KV = frozenset({"bf16", "q8_0"})
+
+
+def prefer_invariant_kernels() -> None:
+    """Every K-quant batch on the tiled kernel, unless the environment chose otherwise. Called before ggml runs."""
+    os.environ.setdefault(FORCE_TILED, "1")
+
+
+def tiled_everywhere() -> bool:
+    """Whether K-quant matmuls take one kernel at every batch size here: the tiled one forced, or it turned off (the
+    dot-product kernels then run every batch: invariant too, but a 256-token pass takes twice as long)."""
+    return os.environ.get(FORCE_TILED) == "1" or os.environ.get(TILED) == "0"
+
+
+def invariant_types() -> frozenset[str]:
+    return BATCH_INVARIANT_TYPES | (TILED_INVARIANT_TYPES if tiled_everywhere() else frozenset())
+
+
+def keeps_repacking(weight_types: frozenset[str]) -> bool:
+    """Whether a target with these weight types may use llama.cpp's repacked buffers and stay batch-invariant."""
+    return not weight_types & REPACK_VARIANT_TYPES
+
+
+def lossless_guarantee(weight_types: frozenset[str], kv_type: str, fix: str) -> str | None:
+    """None when a target with these matmul weight types and KV cache type is batch-invariant here, else one line
+    saying why not; `fix` says how to rewrite the target where the user named it (a models.toml key or a flag)."""
+    if kv_type not in BATCH_INVARIANT_KV:
+        return (f"a {kv_type} KV cache is not batch-invariant in llama.cpp's attention: speculative output can "
+                f"differ from plain decoding where logits nearly tie (use a bf16 or q8_0 KV cache)")
+    unsafe = sorted(weight_types - invariant_types())
+    if not unsafe:
+        return None
+    why = (f"{TILED}=0 or {FORCE_TILED}=1 keeps K-quants invariant" if set(unsafe) <= TILED_INVARIANT_TYPES
+           else f"rewrite the target as q8_0: {fix}")
+    return (f"weights of type {', '.join(unsafe)} are not batch-invariant in llama.cpp on this CPU: speculative "
+            f"output can differ from plain decoding where logits nearly tie ({why})")
