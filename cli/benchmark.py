@@ -56,17 +56,20 @@ def parse_drafters(text: str | None) -> list[DrafterChoice] | None:
     """'llama_cpp,onnx:32768,llama_cpp@q4_0' -> drafters to compare: a runtime, a trimmed head (onnx:K) and a
     requantization of the pair's drafter file (@QUANT)."""
     from models.registry import FTYPES
+    from runtimes import RUNTIMES, traits
 
     if text is None:
         return None
+    trimming = [name for name in RUNTIMES if traits(name).trims_head]
     choices = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         head, _, quantize = part.partition("@")
         runtime, _, vocab = head.partition(":")
-        if (runtime not in ("llama_cpp", "onnx") or (vocab and (runtime != "onnx" or not vocab.isdigit()))
+        if (runtime not in RUNTIMES or (vocab and (runtime not in trimming or not vocab.isdigit()))
                 or ("@" in part and quantize not in FTYPES)):
-            raise UserError(f"--drafters takes llama_cpp, onnx or onnx:K (a vocabulary size), each optionally with "
-                            f"@QUANT (the drafter requantized: {', '.join(FTYPES)}), comma-separated (got {part!r})")
+            raise UserError(f"--drafters takes {', '.join(RUNTIMES)}, or {' or '.join(trimming)}:K (a vocabulary "
+                            f"size), each optionally with @QUANT (the drafter requantized: {', '.join(FTYPES)}), "
+                            f"comma-separated (got {part!r})")
         choices.append(DrafterChoice(runtime, int(vocab) if vocab else None, quantize or None))
     if not choices:
         raise UserError("--drafters is empty")

@@ -79,7 +79,7 @@ def stream_generate(pair: Pair, prompt: Prompt, *, max_tokens: int = 256, temper
     contains (finish reason "stop"). `should_stop` is asked after each token: True ends the reply ("interrupted").
     """
     if max_tokens < 1:
-        raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
+        raise UserError(f"max_tokens must be at least 1 (got {max_tokens})", "max_tokens")
     sampling = sampling or SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                           repeat_penalty=repeat_penalty, seed=seed)
     stops = StopStrings([] if stop is None else stop)

@@ -1,8 +1,33 @@
-"""Errors a user can cause: the CLI prints them as one line, never a traceback."""
+"""Errors a user can cause, said in the library's own terms; each front end words them its own way (cli/, serve/)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
 
 
 class UserError(Exception):
-    """Something the user can fix (a path, a flag, a pair, a prompt). The message says what to do next."""
+    """Something the user can fix (a path, an option, a pair, a prompt): the message says what went wrong.
+
+    `option` names the option the message is about as the library spells it (max_tokens, ctx, budget): the command
+    line says --max-tokens there, the server "max_tokens" (`worded`)."""
+
+    def __init__(self, message: str, option: str | None = None):
+        super().__init__(message)
+        self.option = option
+
+    def worded(self, name: Callable[[str], str]) -> str:
+        """The message with its option called `name(option)`."""
+        text = str(self)
+        return text if self.option is None else text.replace(self.option, name(self.option), 1)
+
+
+class ContextFull(UserError):
+    """A prompt leaves no room in the context for a new token: what to do depends on the front end (shorten it,
+    clear a chat, or load with a larger context)."""
+
+    def __init__(self, tokens: int, n_ctx: int):
+        super().__init__(f"the prompt is {tokens} tokens but the context holds {n_ctx}")
+        self.tokens, self.n_ctx = tokens, n_ctx
 
 
 class Interrupted(Exception):

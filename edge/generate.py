@@ -5,28 +5,21 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from edge.acceptance import Acceptance
-from edge.errors import Interrupted, UserError
+from edge.errors import ContextFull, Interrupted, UserError
 from edge.grow import GrowConfig
-from edge.options import ACCEPT_RULES
+from edge.policy import BudgetPolicy, FixedBudget, RoundPlan, RoundPolicy
 from edge.protocols import Drafter, Target
 from edge.residual import AutoRule
 from edge.sampling import SamplingConfig
-from edge.speculative import RULES, RoundResult, speculative_round
+from edge.speculative import RoundResult, speculative_round
 
-
-class BudgetPolicy(Protocol):
-    """Chooses each round's tree shape (None: plain decoding) and learns from the round that ran."""
-
-    def choose(self, max_nodes: int) -> GrowConfig | None: ...  # a tree of at most max_nodes nodes, root included
-    def observe(self, config: GrowConfig | None, result: RoundResult) -> None: ...
+PLAIN = RoundPlan(None)
 
 
 @dataclass
@@ -54,6 +47,20 @@ class Stats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.decode_s if self.decode_s else 0.0
+
+    def count(self, plan: RoundPlan, result: RoundResult, passes: int, seconds: float) -> None:
+        """One round: its plan, what it did, the target passes it ran and its wall time."""
+        self.rounds += 1
+        self.plain_rounds += plan.grow is None
+        self.residual_rounds += plan.grow is not None and plan.rule == "residual"
+        self.budget_sum += 0 if plan.grow is None else plan.grow.budget
+        self.target_passes += passes
+        self.drafter_passes += result.drafter_passes
+        self.tree_nodes += result.tree_size
+        self.grow_s += result.grow_s
+        self.draft_s += result.draft_s
+        self.verify_s += result.verify_s
+        self.decode_s += seconds
 
     def add(self, other: Stats) -> None:
         for field in dataclasses.fields(self):
@@ -90,70 +97,61 @@ class Step:
     token: int | None  # None on the final step, which only carries finish_reason
     text: str  # printable text this step adds (UTF-8 sequences split across tokens are held back)
     finish_reason: str | None  # "stop", "length", "context" or "interrupted" on the final step
-    stats: Stats
+    stats: Stats  # the reply's figures as of this step (a copy: later steps do not change it)
 
 
-# Which decoder last loaded a prompt into a target's caches: a decoder reuses what the caches hold only if it was
-# the last to load them (several decoders may share one pair's models, as the benchmark rows and the library do).
-_last_loader: weakref.WeakKeyDictionary[Target, weakref.ref[Decoder]] = weakref.WeakKeyDictionary()
+class SharedCaches:
+    """Which decoder last loaded a prompt into some models' KV caches. Several decoders may share one pair's models
+    (the benchmark rows, the library's calls): a decoder reuses what the caches hold only if it loaded them last."""
+
+    def __init__(self) -> None:
+        self.holder: Decoder | None = None
+
+
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: a Ctrl-C waits for one such pass at most
-GREEDY_DRAFT_TEMPERATURE = 0.5  # measured: tokens per pass 5.7 -> 6.3 at budget 64 (docs/performance.md)
 
 
 class Decoder:
     """Owns a target (and optionally a drafter) and the committed context; both KV caches hold context[:-1].
 
-    The tree's shape is `grow_config` every round, or, with a `policy` (`--budget auto`), whatever the
-    policy chooses round by round, plain decoding included. `accept` is the acceptance rule when sampling:
-    "match" (sample-and-match: a seed gives plain sampling's exact text), "residual" (edge/residual.py) or "auto"
-    (edge.residual.AutoRule: the one measured to yield more); greedy decoding is always sample-and-match.
+    Each round does what `rounds` (edge.policy.RoundPolicy) plans: a tree of some shape, or none (plain decoding),
+    and its acceptance rule. Without one it is made from the other arguments: `grow_config`'s tree every round, or
+    what a budget `policy` (`--budget auto`) chooses round by round; `accept` is the rule when sampling ("match",
+    "residual" or "auto"). `caches` says who last loaded the models' KV caches (a pair's decoders share one).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, grow_config: GrowConfig | None = None,
-                 sampling: SamplingConfig | None = None, policy: BudgetPolicy | None = None, accept: str = "match"):
-        if accept not in ACCEPT_RULES:
-            raise UserError(f"--accept must be one of {', '.join(ACCEPT_RULES)} (got {accept!r})")
+                 sampling: SamplingConfig | None = None, policy: BudgetPolicy | None = None, accept: str = "match",
+                 *, rounds: RoundPolicy | None = None, caches: SharedCaches | None = None):
         self.target = target
-        self.policy = policy if drafter is not None else None
-        self.drafter = drafter if grow_config is not None or self.policy is not None else None
-        self.grow_config = grow_config
-        self.accept = accept
+        speculates = rounds is not None or policy is not None or grow_config is not None
+        self.drafter = drafter if speculates else None  # not run at all when every round is plain
+        self.rounds = rounds or RoundPolicy(policy or FixedBudget(grow_config), accept)
+        self.caches = caches or SharedCaches()
         self.context: list[int] = []
         self.cached_tokens = 0  # of the last prompt loaded, how many the caches already held
-        self.acceptances: dict[str, Acceptance] = {}
-        self._acceptance_for = None
-        self.auto_rule = AutoRule()
         self.set_sampling(sampling or SamplingConfig())
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
-        """Restarts the seed's random numbers. The rates the target accepts at (and so the measured rates and
-        --accept auto's choice) depend on how it samples, not on the seed: they are kept while only the seed changes."""
+        """Restarts the seed's random numbers (the round policy keeps its measured rates while only the seed
+        changes)."""
         self.sampling = sampling
         self.rng = np.random.default_rng(sampling.seed)
         self.draft_rng = np.random.default_rng(np.random.SeedSequence(sampling.seed).spawn(1)[0])  # residual draws
-        rules = dataclasses.replace(sampling, seed=None)
-        if rules != self._acceptance_for:
-            self.acceptances = {rule: Acceptance(greedy=sampling.greedy) for rule in RULES}
-            self._acceptance_for, self.auto_rule = rules, AutoRule()
+        self.rounds.set_sampling(sampling)
+
+    @property
+    def acceptances(self) -> dict[str, Acceptance]:
+        return self.rounds.acceptances
 
     @property
     def acceptance(self) -> Acceptance:
         """The measured rates of the rule that runs now (sample-and-match's while greedy)."""
-        return self.acceptances[self._rule(choose=False)]
+        return self.rounds.acceptance
 
-    def _rule(self, choose: bool = True) -> str:
-        if self.sampling.greedy or self.accept == "match":
-            return "match"
-        if self.accept == "residual":
-            return "residual"
-        return (self.auto_rule.choose() if choose else self.auto_rule.choice) or "match"
-
-    def _draft_temperature(self, rule: str) -> float:
-        """Top-k scores are sharpened to the target's temperature (sharper still when greedy); the residual rule's
-        q already is at it."""
-        if rule == "residual":
-            return 1.0
-        return GREEDY_DRAFT_TEMPERATURE if self.sampling.greedy else self.sampling.temperature
+    @property
+    def auto_rule(self) -> AutoRule:
+        return self.rounds.auto_rule
 
     def load(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> float:
         """Make `tokens` the context, running only what the KV caches do not already hold. Returns seconds.
@@ -163,10 +161,9 @@ class Decoder:
         there."""
         check_fits(tokens, self.target.n_ctx)
         start = time.perf_counter()
-        last = _last_loader.get(self.target)
-        if last is None or last() is not self:  # another decoder has used the caches since: start over
+        if self.caches.holder is not self:  # another decoder has used the caches since: start over
             self.context = []
-        _last_loader[self.target] = weakref.ref(self)
+        self.caches.holder = self
         keep = min(_common_prefix(self.context, tokens), len(tokens) - 1, max(len(self.context) - 1, 0))
         self.cached_tokens = keep
         for model in self._models():
@@ -204,7 +201,7 @@ class Decoder:
                  should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
         """Yield one Step per new token, then a final Step with the finish reason. `should_stop` is asked before each
         round and after each token yielded: when it says so, the reply ends there ("interrupted")."""
-        stop_tokens = self.target.stop_tokens if stop_tokens is None else stop_tokens
+        stop_tokens = self.target.special.stop if stop_tokens is None else stop_tokens
         stats = Stats(prompt_tokens=len(self.context))
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         finish = None
@@ -212,30 +209,16 @@ class Decoder:
             if should_stop is not None and should_stop():
                 finish = "interrupted"
                 break
-            room = self.target.n_ctx - len(self.context)  # KV cells left for this round's tree
+            room = min(self.target.n_ctx - len(self.context), self.target.max_tree)  # KV cells left, one pass
             if room < 1:
                 finish = "context"
                 break
             started, passes = time.perf_counter(), self.target.passes
-            rule = self._rule() if self.drafter is not None else "match"
-            config = self._grow_config(room, max_tokens - stats.new_tokens, rule)
-            result = speculative_round(self.target, self.drafter, self.context, config, self.sampling, self.rng,
-                                       self.acceptances[rule], stop_tokens, rule, self.draft_rng)
-            if self.policy is not None:
-                self.policy.observe(config, result)
-            if config is not None and self.accept == "auto" and not self.sampling.greedy and result.path:
-                self.auto_rule.observe(rule, result.tree, result.path)
-            stats.rounds += 1
-            stats.plain_rounds += config is None
-            stats.residual_rounds += config is not None and rule == "residual" and not self.sampling.greedy
-            stats.budget_sum += 0 if config is None else config.budget
-            stats.target_passes += self.target.passes - passes
-            stats.drafter_passes += result.drafter_passes
-            stats.tree_nodes += result.tree_size
-            stats.grow_s += result.grow_s
-            stats.draft_s += result.draft_s
-            stats.verify_s += result.verify_s
-            stats.decode_s += time.perf_counter() - started
+            plan = self.rounds.plan(room, max_tokens - stats.new_tokens) if self.drafter is not None else PLAIN
+            result = speculative_round(self.target, self.drafter, self.context, plan.grow, self.sampling, self.rng,
+                                       self.rounds.acceptances[plan.rule], stop_tokens, plan.rule, self.draft_rng)
+            self.rounds.observe(plan, result)
+            stats.count(plan, result, self.target.passes - passes, time.perf_counter() - started)
             for token in result.tokens:
                 self.context.append(token)
                 stats.new_tokens += 1
@@ -245,7 +228,7 @@ class Decoder:
                 piece = text.decode(self.target.tokenizer.token_bytes(token))
                 if stats.new_tokens >= max_tokens:
                     finish = "length"
-                yield Step(token, piece, None, stats)
+                yield Step(token, piece, None, dataclasses.replace(stats))
                 if finish:
                     break
                 if should_stop is not None and should_stop():  # heard after each token, not only between rounds:
@@ -254,26 +237,12 @@ class Decoder:
         self._sync()
         yield Step(None, text.decode(b"", final=True), finish, stats)
 
-    def _grow_config(self, room: int, wanted: int, rule: str) -> GrowConfig | None:
-        """The tree must fit the context left and one target pass, and reaches no deeper than the reply can use
-        (GrowConfig.within_reply)."""
-        config, room = self.grow_config, min(room, self.target.max_tree)
-        if self.policy is not None:
-            config = self.policy.choose(room)
-        if config is None:
-            return None
-        config = dataclasses.replace(config, draft_temperature=self._draft_temperature(rule))
-        config = config.within_reply(wanted)
-        if config.budget + 1 <= room:
-            return config
-        return dataclasses.replace(config, budget=room - 1) if room > 1 else None
-
     def _sync(self) -> None:
         """Drop accepted tokens past the stop point, so the caches hold exactly context[:-1]."""
         for model in self._models():
             model.truncate(len(self.context) - 1)
 
-    def _models(self) -> list:
+    def _models(self) -> list[Target | Drafter]:
         return [m for m in (self.target, self.drafter) if m is not None]
 
 
@@ -282,8 +251,7 @@ def check_fits(tokens: Sequence[int], n_ctx: int) -> None:
     if not tokens:
         raise UserError("the prompt is empty")
     if len(tokens) >= n_ctx:
-        raise UserError(f"the prompt is {len(tokens)} tokens but the context holds {n_ctx}: "
-                        "shorten it, /clear the chat, or raise --ctx")
+        raise ContextFull(len(tokens), n_ctx)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -84,9 +84,10 @@ class GrowConfig:
         drafter's is also about flat in its nodes. The width stays 4: once the leaves are spent, a node's best
         child alone can join (it extends a leaf without adding one), so wider rows would only be scored."""
         if budget < 1:
-            raise UserError(f"--budget must be at least 1 (got {budget}); use --no-spec for plain decoding")
+            raise UserError(f"budget must be at least 1 draft node (got {budget}); plain decoding drafts none",
+                            "budget")
         if budget > MAX_BUDGET:
-            raise UserError(f"--budget can be at most {MAX_BUDGET} (got {budget})")
+            raise UserError(f"budget can be at most {MAX_BUDGET} draft nodes (got {budget})", "budget")
         if budget <= 4:
             return cls(budget=budget, beams=1, width=1, max_depth=budget, max_steps=budget)
         if budget > MAX_LEAVES:

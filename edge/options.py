@@ -14,7 +14,6 @@ ACCEPT_RULES = ("match", "residual", "auto")  # sample-and-match, multi-candidat
 PLACEMENTS = ("ram", "ssd")
 TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
 PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
-RUNTIMES = ("llama_cpp", "onnx")
 MIN_CTX = 256  # llama.cpp sizes a context in steps of 256 tokens: a smaller one would silently hold 256
 
 
@@ -34,7 +33,7 @@ class LoadOptions:
     readahead: bool = True  # ssd: read the next pass's weights while the drafter works
     mlock: bool = False  # lock the target's weights in RAM
     target_dtype: str | None = None  # rewrite the target with llama.cpp's quantizer first (cached); "as-is": the source
-    drafter_runtime: str | None = None  # run the pair's drafter file on "llama_cpp" or "onnx" (default: models.toml's)
+    drafter_runtime: str | None = None  # run the pair's drafter file on this runtime (default: models.toml's)
     drafter_vocab: int | None = None  # an onnx drafter's head of this many frequency-ranked tokens (0: the full head)
     drafter_quantize: str | None = None  # the drafter's file requantized first (a llama.cpp ftype, cached)
 
@@ -42,29 +41,28 @@ class LoadOptions:
         if self.models_file is not None and not isinstance(self.models_file, Path):
             object.__setattr__(self, "models_file", Path(self.models_file))
         if self.pair is not None and self.target is not None:
-            raise UserError("name one model: a pair or model file, or --target, not both")
+            raise UserError("name one model: a pair or model file, or a target file, not both", "target")
         if self.ctx is not None and self.ctx < MIN_CTX:
-            raise UserError(f"--ctx must be at least {MIN_CTX} tokens (got {self.ctx})")
+            raise UserError(f"ctx must be at least {MIN_CTX} tokens (got {self.ctx})", "ctx")
         object.__setattr__(self, "budget", parse_budget(self.budget))
         if self.accept not in ACCEPT_RULES:
-            raise UserError(f"--accept must be one of {', '.join(ACCEPT_RULES)} (got {self.accept!r})")
+            raise UserError(f"accept must be one of {', '.join(ACCEPT_RULES)} (got {self.accept!r})", "accept")
         if self.threads is not None and self.threads < 1:
-            raise UserError(f"--threads must be at least 1 (got {self.threads})")
+            raise UserError(f"threads must be at least 1 (got {self.threads})", "threads")
         if self.gpu_layers is not None and self.gpu_layers < 0:
-            raise UserError(f"--gpu-layers must be 0 or more (got {self.gpu_layers})")
+            raise UserError(f"gpu_layers must be 0 or more (got {self.gpu_layers})", "gpu_layers")
         if self.provider is not None:
             if self.provider.lower() not in PROVIDERS:
-                raise UserError(f"--provider must be one of {', '.join(PROVIDERS)} (got {self.provider!r})")
+                raise UserError(f"provider must be one of {', '.join(PROVIDERS)} (got {self.provider!r})", "provider")
             object.__setattr__(self, "provider", self.provider.lower())
         if self.placement not in PLACEMENTS:
-            raise UserError(f"--placement must be ram or ssd (got {self.placement!r})")
+            raise UserError(f"placement must be ram or ssd (got {self.placement!r})", "placement")
         if self.placement == "ssd" and self.mlock:
-            raise UserError("--placement ssd streams the target from its file: not with --mlock")
+            raise UserError("placement ssd streams the target from its file: not with mlock (weights locked in RAM)",
+                            "placement")
         if self.target_dtype is not None and self.target_dtype not in TARGET_DTYPES:
-            raise UserError(f"--target-dtype must be one of {', '.join(TARGET_DTYPES)} (got {self.target_dtype!r})")
-        if self.drafter_runtime is not None and self.drafter_runtime not in RUNTIMES:
-            raise UserError(f"the drafter's runtime must be one of {', '.join(RUNTIMES)} "
-                            f"(got {self.drafter_runtime!r})")
+            raise UserError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)} (got {self.target_dtype!r})",
+                            "target_dtype")
         if self.drafter_vocab is not None and self.drafter_vocab < 0:
             raise UserError(f"the drafter's vocabulary must be 0 (the full head) or more (got {self.drafter_vocab})")
 
@@ -75,12 +73,12 @@ def parse_budget(value: int | str | None) -> int | str | None:
         return value
     if isinstance(value, str):
         if not value.isdigit():
-            raise UserError(f"--budget takes a number of draft nodes or auto (got {value!r})")
+            raise UserError(f"budget takes a number of draft nodes or auto (got {value!r})", "budget")
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise UserError(f"--budget takes a number of draft nodes or auto (got {value!r})")
+        raise UserError(f"budget takes a number of draft nodes or auto (got {value!r})", "budget")
     if value < 1:
-        raise UserError(f"--budget must be at least 1 (got {value}); use --no-spec for plain decoding")
+        raise UserError(f"budget must be at least 1 draft node (got {value}); plain decoding drafts none", "budget")
     if value > MAX_BUDGET:
-        raise UserError(f"--budget can be at most {MAX_BUDGET} (got {value})")
+        raise UserError(f"budget can be at most {MAX_BUDGET} draft nodes (got {value})", "budget")
     return value

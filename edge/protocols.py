@@ -1,12 +1,18 @@
-"""The seams between the engine and whatever runs a model.
+"""The seams between the engine and whatever runs a model: everything the library calls on a model is here.
 
-Both models keep a KV cache. Between rounds each holds exactly the committed tokens except the newest one,
-which is the next tree's root. `commit` keeps the root plus the accepted path and drops every other branch.
+Both models keep a KV cache. Between rounds each holds exactly the committed tokens except the newest one, which is
+the next tree's root. `commit` makes the accepted path committed and forgets every other branch; how is the runtime's
+own business (llama.cpp keeps only the root's cell and runs the path again at the front of the next pass, so that
+cells stay in position order).
+
+A runtime's models subclass ModelDefaults for what most need not do themselves (no read-ahead, a fixed size).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -14,32 +20,75 @@ import numpy as np
 from edge.tree import TokenTree
 
 
+@dataclass(frozen=True)
+class SpecialTokens:
+    """A vocabulary's special tokens, read from the model file (-1: the file has none)."""
+
+    bos: int = -1
+    eos: int = -1
+    eot: int = -1  # end of turn
+    stop: frozenset[int] = frozenset()  # end-of-generation tokens: a reply ends at one
+    ids: frozenset[int] = frozenset()  # every control token (kept in a trimmed drafter head, never split by text)
+    bos_text: str = ""  # how a chat template writes BOS and EOS
+    eos_text: str = ""
+
+
 class Tokenizer(Protocol):
     n_vocab: int
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
     def token_bytes(self, token: int) -> bytes: ...
+    def ranked_tokens(self) -> np.ndarray: ...  # int64 ids of the ordinary tokens, most frequent first
+
+
+class Streamer(Protocol):
+    """Reads a target's weights from its file ahead of a pass (offload/ssd.py), for a target streamed from a drive."""
+
+    readahead: bool
+
+    def prefetch(self) -> None: ...  # start reading the next pass's weights in the background
+    def read_ahead_now(self) -> None: ...  # drop them from RAM, then read all of them before returning
+    def time_read_ahead(self) -> float: ...  # seconds to read them all from the drive, measured now
+
+
+class ModelDefaults:
+    """What a model that does not stream its weights and cannot change its size answers."""
+
+    streamer: Streamer | None = None
+
+    def prefetch(self) -> None:
+        """Start reading the next pass's weights (a target streamed from a drive); nothing to do otherwise."""
+
+    def resize(self, size: int) -> bool:
+        """Room for trees of `size` nodes (a target) or `size` expansions a round (a drafter), its caches emptied;
+        False where the size is fixed."""
+        return False
 
 
 class Target(Protocol):
+    runtime: str  # the runtime it runs on (runtimes/)
+    path: Path  # its model file
     n_vocab: int
     n_ctx: int
     n_past: int  # tokens in the KV cache
-    passes: int  # forward passes run so far (one llama_decode each)
+    passes: int  # forward passes run so far
     max_tree: int  # the most nodes one verify pass accepts
     tokenizer: Tokenizer
-    stop_tokens: frozenset[int]
+    special: SpecialTokens
+    streamer: Streamer | None  # set where the weights stream from a drive
 
     def prefill(self, tokens: Sequence[int]) -> None: ...
     def verify(self, tree: TokenTree) -> np.ndarray: ...  # [n_nodes, n_vocab] float32 view, ONE pass
     def commit(self, tree: TokenTree, path: list[int]) -> None: ...
     def truncate(self, n: int) -> None: ...  # keep the first n tokens of the KV cache
+    def prefetch(self) -> None: ...  # a round starts growing its tree: a streamed target reads ahead
+    def resize(self, size: int) -> bool: ...  # verify trees of `size` nodes from now on (caches emptied)
     def close(self) -> None: ...  # free native memory; the model is unusable afterwards
-    # Optional: `prefetch()`, called as a round starts growing its tree (a streamed target reads ahead).
 
 
 class Drafter(Protocol):
-    runtime: str  # the runtime it runs on ("llama_cpp", "onnx")
+    runtime: str
+    path: Path
     vocab: int  # the tokens its head scores (fewer than the target's when trimmed to the frequent ones)
     n_past: int  # tokens in the KV cache
     expand_capacity: int  # the most nodes `expand` may be asked about in one round
@@ -58,6 +107,57 @@ class Drafter(Protocol):
 
     def commit(self, tree: TokenTree, path: list[int]) -> None: ...
     def truncate(self, n: int) -> None: ...
+    def resize(self, size: int) -> bool: ...  # room for `size` expansions a round (caches emptied)
     def kv_bytes_per_token(self) -> float: ...
     def close(self) -> None: ...
 
+
+class TargetWrapper:
+    """A Target around another, forwarding every member of the protocol: a subclass overrides what it changes (a
+    streamed target's passes, a scoring target's logits)."""
+
+    def __init__(self, inner: Target):
+        self.inner = inner
+        self.runtime, self.path, self.n_vocab = inner.runtime, inner.path, inner.n_vocab
+        self.tokenizer, self.special = inner.tokenizer, inner.special
+
+    @property
+    def streamer(self) -> Streamer | None:
+        return self.inner.streamer
+
+    @property
+    def n_ctx(self) -> int:
+        return self.inner.n_ctx
+
+    @property
+    def n_past(self) -> int:
+        return self.inner.n_past
+
+    @property
+    def passes(self) -> int:
+        return self.inner.passes
+
+    @property
+    def max_tree(self) -> int:
+        return self.inner.max_tree
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.inner.prefill(tokens)
+
+    def verify(self, tree: TokenTree) -> np.ndarray:
+        return self.inner.verify(tree)
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None:
+        self.inner.commit(tree, path)
+
+    def truncate(self, n: int) -> None:
+        self.inner.truncate(n)
+
+    def prefetch(self) -> None:
+        self.inner.prefetch()
+
+    def resize(self, size: int) -> bool:
+        return self.inner.resize(size)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -27,18 +27,21 @@ cost, whatever the tree's size, and with a batch-invariant target the rows are t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from edge.generate import Decoder, Stats
 from edge.grow import MAX_BUDGET
-from edge.protocols import Target, Tokenizer
+from edge.protocols import ModelDefaults, SpecialTokens, Target, TargetWrapper, Tokenizer
 from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
 
 # A replay holds no batch: it takes the largest tree any budget grows (MAX_BUDGET nodes and the root), whatever the
 # target it stands for is loaded to verify, so budgets past 255 nodes can be compared without sizing a real one.
 DEFAULT_MAX_TREE = MAX_BUDGET + 1
+NO_SPECIAL = SpecialTokens()
+REPLAYED = Path("replay")  # the model file a replay stands for, where it was made without one
 
 
 class ReplyRows:
@@ -61,7 +64,7 @@ class ReplyRows:
         return row
 
 
-class ReplayTarget:
+class ReplayTarget(ModelDefaults):
     """A Target (edge.protocols) that replays `prompt + reply` (set with `expect`) instead of running a model.
 
     Its "KV cache" is a count: it holds text[:n_past], and every tree it verifies must be rooted at text[n_past]
@@ -71,22 +74,25 @@ class ReplayTarget:
     verify, and one per `max_tree` tokens of prefill.
     """
 
-    def __init__(self, tokenizer: Tokenizer, n_vocab: int, stop_tokens: frozenset[int] = frozenset(),
-                 n_ctx: int = 1 << 20, max_tree: int = DEFAULT_MAX_TREE):
+    runtime = "replay"
+
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, special: SpecialTokens = NO_SPECIAL,
+                 n_ctx: int = 1 << 20, max_tree: int = DEFAULT_MAX_TREE, path: Path = REPLAYED):
         self.tokenizer = tokenizer
         self.n_vocab = n_vocab
-        self.stop_tokens = frozenset(stop_tokens)
+        self.special = special
         self.n_ctx = n_ctx
         self.max_tree = max_tree
-        self.end_token = min(self.stop_tokens, default=0)
+        self.path = path  # the model file whose reply it replays
+        self.end_token = min(special.stop, default=0)
         self.n_past = 0
         self.passes = 0
         self.text = np.zeros(0, np.int64)  # the prompt, then the reply
 
     @classmethod
     def like(cls, target: Target) -> ReplayTarget:
-        """A replay with `target`'s vocabulary, tokenizer, stop tokens and context (and DEFAULT_MAX_TREE)."""
-        return cls(target.tokenizer, target.n_vocab, target.stop_tokens, target.n_ctx)
+        """A replay with `target`'s vocabulary, tokenizer, special tokens and context (and DEFAULT_MAX_TREE)."""
+        return cls(target.tokenizer, target.n_vocab, target.special, target.n_ctx, path=target.path)
 
     def expect(self, prompt: Sequence[int], reply: Sequence[int]) -> None:
         """Replay `reply` (the target's own tokens after `prompt`) from now on; the cache starts empty."""
@@ -172,29 +178,32 @@ class PathRows:
         return row
 
 
-class PathTarget:
+class PathTarget(TargetWrapper):
     """A Target (edge.protocols) over a real one that verifies a tree by running only the nodes acceptance reads
     (PathRows): exact for any acceptance rule on a batch-invariant target, at one one-token pass per emitted token.
     `passes` counts one per verify, as a tree pass would be; the inner target's own count says what really ran."""
 
     def __init__(self, inner: Target, max_tree: int = DEFAULT_MAX_TREE):
-        self.inner = inner
-        self.tokenizer, self.n_vocab, self.stop_tokens = inner.tokenizer, inner.n_vocab, inner.stop_tokens
-        self.n_ctx, self.max_tree = inner.n_ctx, max_tree
-        self.passes = 0
+        super().__init__(inner)
+        self.tree_room = max_tree
+        self.path_passes = 0
         self._rows: PathRows | None = None
 
     @property
-    def n_past(self) -> int:
-        return self.inner.n_past
+    def max_tree(self) -> int:
+        return self.tree_room
+
+    @property
+    def passes(self) -> int:
+        return self.path_passes
 
     def prefill(self, tokens: Sequence[int]) -> None:
         before = self.inner.passes
         self.inner.prefill(tokens)
-        self.passes += self.inner.passes - before
+        self.path_passes += self.inner.passes - before
 
-    def verify(self, tree: TokenTree) -> PathRows:
-        self.passes += 1
+    def verify(self, tree: TokenTree) -> PathRows:  # type: ignore[override]
+        self.path_passes += 1
         self._rows = PathRows(self, tree)
         return self._rows
 
@@ -204,8 +213,9 @@ class PathTarget:
             raise ValueError("commit of a path acceptance did not read")
         self._rows = None
 
-    def truncate(self, n: int) -> None:
-        self.inner.truncate(n)
+    def resize(self, size: int) -> bool:
+        self.tree_room = max(self.tree_room, size)  # it holds no batch
+        return True
 
     def close(self) -> None:
         """The inner target is the caller's to close."""

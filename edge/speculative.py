@@ -3,7 +3,7 @@
     tree      = grow(drafter, root, budget)            # SpecExec best-first, drafter only
     logits    = target.verify(tree)                    # ONE target pass over every node
     path, tok = accept(tree, logits, ...)              # sample-and-match below, or the residual rule
-    target.commit(path); drafter.commit(path)          # both caches keep root + path
+    target.commit(path); drafter.commit(path)          # both caches hold the committed text
     emit tokens of path[1:], then tok                  # tok is the next round's root
 
 Acceptance (sample-and-match) is lossless for ANY drafter: at node v draw x from the target's own
@@ -15,14 +15,15 @@ The tree must not depend on those draws, and it does not: growth uses the drafte
 The residual rule (edge/residual.py, `rule="residual"`) draws each expanded node's children from the drafter's
 distribution q instead of taking its top-k, and at each node of the path tests them against the target's p
 (accept x with probability min(1, p(x)/q(x)), else go on with the residual); its token has p's distribution too.
-Greedy decoding always uses sample-and-match: at temperature 0 the two rules are the same.
+Which rule a round uses, and its tree's shape, is the round policy's choice (edge/policy.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,47 +59,71 @@ def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, histor
         seen.append(token)
 
 
-@dataclass
+class Stopwatch:
+    """Seconds by step of one round: `with clock("verify"):` adds the block's time to clock.seconds["verify"]."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, step: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
+
+
+@dataclass(frozen=True)
 class RoundResult:
     tokens: list[int]  # accepted path tokens after the root, then the target's own token
-    tree_size: int
-    drafter_passes: int
-    grow_s: float  # growing the tree (drafter passes)
-    draft_s: float  # all drafter time: growth plus keeping the accepted path
-    verify_s: float
-    tree: TokenTree | None = None  # what was verified, and the accepted path in it (for budget tuning)
-    path: list[int] | None = None
+    tree: TokenTree  # what was verified (the root alone in a plain round)
+    path: list[int]  # the accepted path, node ids, root first
+    drafter_passes: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)  # by step: grow, verify, commit, drafter commit
+
+    @property
+    def tree_size(self) -> int:
+        return len(self.tree)
+
+    @property
+    def grow_s(self) -> float:  # growing the tree (drafter passes)
+        return self.seconds.get("grow", 0.0)
+
+    @property
+    def draft_s(self) -> float:  # all drafter time: growth plus keeping the accepted path
+        return self.grow_s + self.seconds.get("drafter commit", 0.0)
+
+    @property
+    def verify_s(self) -> float:  # the target's pass and acceptance
+        return self.seconds.get("verify", 0.0)
 
 
 def speculative_round(target: Target, drafter: Drafter | None, context: Sequence[int], grow_config: GrowConfig | None,
                       sampling: SamplingConfig, rng: np.random.Generator,
                       acceptance: Acceptance | None = None, stop_tokens: frozenset[int] = frozenset(),
                       rule: str = "match", draft_rng: np.random.Generator | None = None) -> RoundResult:
-    """context: every committed token; its last one is the root. Without a drafter this is plain decoding.
-    `acceptance` (optional) ranks the tree's nodes by measured acceptance and learns from this round; the tree
-    grows nothing past `stop_tokens`. `rule`: "match" or "residual" (whose children are drawn with `draft_rng`:
+    """context: every committed token; its last one is the root. Without a drafter or a grow config this is plain
+    decoding. `acceptance` (optional) ranks the tree's nodes by measured acceptance and learns from this round; the
+    tree grows nothing past `stop_tokens`. `rule`: "match" or "residual" (whose children are drawn with `draft_rng`:
     the target's draws must not depend on them)."""
-    start = time.perf_counter()
-    proposer = None
-    if drafter is None or grow_config is None:
-        tree, drafter_passes = TokenTree.root(context[-1]), 0
-    else:
-        prefetch = getattr(target, "prefetch", None)  # a streamed target reads its weights while we draft
-        if prefetch is not None:
-            prefetch()
-        if rule == "residual" and not sampling.greedy:
-            proposer = Proposer(drafter, sampling, context[:-1], draft_rng or np.random.default_rng())
-        tree, drafter_passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens,
-                                    None if proposer is None else proposer.expand)
-    grown = time.perf_counter()
-    logits = target.verify(tree)
-    path, token = accept(tree, logits, sampling, context[:-1], rng, proposer)
-    if acceptance is not None:
-        acceptance.observe(tree, path, token)
-    verified = time.perf_counter()
-    target.commit(tree, path)
-    committed = time.perf_counter()
-    if drafter is not None:
-        drafter.commit(tree, path)
-    return RoundResult([*tree.path_tokens(path[1:]), token], len(tree), drafter_passes, grown - start,
-                       grown - start + time.perf_counter() - committed, verified - grown, tree, path)
+    clock, proposer, passes = Stopwatch(), None, 0
+    with clock("grow"):
+        tree = TokenTree.root(context[-1])
+        if drafter is not None and grow_config is not None:
+            target.prefetch()  # a streamed target reads its weights while we draft
+            if rule == "residual":
+                proposer = Proposer(drafter, sampling, context[:-1], draft_rng or np.random.default_rng())
+            tree, passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens,
+                                None if proposer is None else proposer.expand)
+    with clock("verify"):
+        logits = target.verify(tree)
+        path, token = accept(tree, logits, sampling, context[:-1], rng, proposer)
+        if acceptance is not None:
+            acceptance.observe(tree, path, token)
+    with clock("commit"):
+        target.commit(tree, path)
+    with clock("drafter commit"):
+        if drafter is not None:
+            drafter.commit(tree, path)
+    return RoundResult([*tree.path_tokens(path[1:]), token], tree, path, passes, clock.seconds)

@@ -8,13 +8,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge.budget import json_table
 from edge.errors import UserError
 from edge.generate import Decoder, Stats
 from edge.grow import GrowConfig
 from edge.protocols import Drafter
 from edge.sampling import SamplingConfig
 from models.sources import model_path
-from offload.tuning import expand_ms, json_table, pass_ms
+from offload.tuning import expand_ms, pass_ms
 
 if TYPE_CHECKING:
     from models.pair import Pair
@@ -50,7 +51,7 @@ def read_prompts(path: Path | None) -> list[str]:
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    runtime: str  # "llama_cpp" or "onnx"
+    runtime: str  # one of runtimes.RUNTIMES
     vocab: int | None = None  # a trimmed head's size (onnx), None: the full head
     quantize: str | None = None  # prepare it from the target's source requantized (llama.cpp ftype), None: the pair's
 
@@ -70,8 +71,9 @@ def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_toke
     quantization). `progress(done, total)` hears of each prompt decoded by each row. A sampled row whose rule is not
     sample-and-match is not checked against plain decoding's text (it keeps the distribution, not the seed's text):
     its matches_plain is None."""
+    from edge.budget import AutoBudget
     from offload.probe import probe_machine
-    from offload.tuning import AutoBudget, measure_costs
+    from offload.tuning import measure_costs
 
     prompt_tokens = [pair.prompt_tokens(prompt, raw=raw or None) for prompt in prompts]
     pass_ms = target_pass_times(pair, prompt_tokens[0], report)
@@ -155,8 +157,7 @@ def _drafters(pair: Pair, choices: list[DrafterChoice] | None, report: Report) -
     if choices is None:
         if pair.drafter is None:
             raise UserError(f"{pair.name} has no drafter to compare")
-        trimmed = pair.drafter.runtime == "onnx" and pair.spec.drafter.vocab
-        yield pair.drafter, pair.drafter.runtime + (f":{pair.drafter.vocab}" if trimmed else "")
+        yield pair.drafter, pair.drafter.runtime + (f":{pair.drafter.vocab}" if pair.spec.drafter.vocab else "")
         return
     from models.opening import head_ids
 
@@ -167,19 +168,19 @@ def _drafters(pair: Pair, choices: list[DrafterChoice] | None, report: Report) -
 
 
 def target_pass_times(pair: Pair, prefix: list[int], report: Report = _quiet) -> dict[str, dict[str, float]]:
-    """Pass times of the pair's target; a QuantSpec (onnx) target is timed beside llama.cpp on the same file."""
-    times = {pair.target.runtime: json_table(pass_ms(pair.target, prefix))}
-    if pair.spec.target.runtime == "onnx":
-        from models.opening import materialize
-        from runtimes import runtime
+    """Pass times of the pair's target; one sharing its KV cache with its drafter (QuantSpec) is timed beside the
+    default runtime's target on the same file."""
+    from runtimes import DEFAULT, ModelOptions, runtime, traits
 
-        report("llama.cpp target on the same file, for its pass times")
-        llama = runtime("llama_cpp")
-        options = llama.RunOptions(n_ctx=pair.spec.ctx, kv_type=pair.spec.target.kv_type,
-                                   n_threads=pair.options.threads)
-        other = llama.load_target(materialize(pair.spec.target, report), options)
+    times = {pair.target.runtime: json_table(pass_ms(pair.target, prefix))}
+    if traits(pair.spec.target.runtime).shared_cache:
+        from models.opening import materialize
+
+        report(f"{DEFAULT} target on the same file, for its pass times")
+        options = ModelOptions(n_ctx=pair.spec.ctx, kv_type=pair.spec.target.kv_type, threads=pair.options.threads)
+        other = runtime(DEFAULT).open_target(materialize(pair.spec.target, report), options, pair.target.max_tree)
         try:
-            times["llama_cpp"] = json_table(pass_ms(other, prefix))
+            times[DEFAULT] = json_table(pass_ms(other, prefix))
         finally:
             other.close()
     return times

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.errors import UserError
+from edge.grow import MAX_LEAVES
 from edge.invariance import check_batch_invariance
 
 # A fixed text, so results are comparable between machines and files.
@@ -17,17 +18,16 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 
 def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str, Any]:
-    from runtimes import runtime
+    from models.registry import KV_TYPES
+    from runtimes import DEFAULT, ModelOptions, runtime
     from runtimes.gguf_file import check_gguf
 
-    llama = runtime("llama_cpp")
-    if kv_type not in llama.KV_TYPES:
-        raise UserError(f"--kv-type must be one of {', '.join(llama.KV_TYPES)} (got {kv_type!r})")
+    if kv_type not in KV_TYPES:
+        raise UserError(f"kv_type must be one of {', '.join(KV_TYPES)} (got {kv_type!r})", "kv_type")
     info = check_gguf(path)
-    # loaded as a pair loads it: without repacked buffers where those are not batch-invariant
-    repack = llama.keeps_repacking(info.weight_types)
-    target = llama.load_target(path, llama.RunOptions(n_ctx=1024, kv_type=kv_type, n_threads=threads, repack=repack))
-    drafter = llama.load_drafter(path, llama.RunOptions(n_ctx=1024, kv_type="q4_0", n_threads=threads))
+    engine = runtime(DEFAULT)  # loaded as a pair loads a target of this file
+    target = engine.open_target(path, ModelOptions(n_ctx=1024, kv_type=kv_type, threads=threads), MAX_LEAVES + 1)
+    drafter = engine.open_drafter(path, ModelOptions(n_ctx=1024, kv_type="q4_0", threads=threads), MAX_LEAVES + 1)
     try:
         tokens = target.tokenizer.tokenize(TEXT, add_special=True, parse_special=False)[:160]
         report(f"checking {path.name}: {len(tokens)} tokens of context, three tree shapes")
@@ -47,6 +47,6 @@ def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str
         "weight_types": sorted(info.weight_types),
         "kv_type": kv_type,
         "bit_exact": all(s["max_abs_diff"] == 0.0 for s in shapes),
-        "edge_spec_guarantee": llama.lossless_guarantee(info.weight_types, kv_type, "--target-dtype q8_0") is None,
+        "edge_spec_guarantee": engine.lossless_guarantee(info.weight_types, kv_type, "target_dtype q8_0") is None,
         "shapes": shapes,
     }

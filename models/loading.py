@@ -12,19 +12,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from edge.chat_template import ChatTemplate
 from edge.errors import UserError
-from edge.grow import MAX_LEAVES
 from edge.options import LoadOptions
-from edge.protocols import Drafter
+from edge.protocols import Drafter, Target
 from edge.sampling import CHAT_DEFAULTS, SamplingConfig
+from models.cache import ensure_space
 from models.opening import drafter_model, graph_folder, head_ids, materialize, open_drafter, phase
 from models.pair import NESTED, Pair, budget_refused, tree_nodes
 from models.registry import ModelSpec, PairSpec, Registry, Source, load_registry
 from models.sources import model_path
-from runtimes import runtime
+from runtimes import DRAFTERS, ModelOptions, check_name, default_threads, drafts_from, runtime, traits
 
 Report = Callable[[str], None]
 
@@ -62,8 +61,8 @@ def resolve_spec(options: LoadOptions) -> tuple[PairSpec, Path | None]:
         registry = load_registry(options.models_file)
         if options.pair is None or options.pair in registry.pairs:
             if options.drafter is not None:
-                raise UserError(f"--drafter goes with a model file or a Hugging Face reference: the pair "
-                                f"{registry.pair(options.pair).name} has its own drafter (models.toml)")
+                raise UserError(f"drafter goes with a model file or a Hugging Face reference: the pair "
+                                f"{registry.pair(options.pair).name} has its own drafter (models.toml)", "drafter")
             spec, models_file = registry.pair(options.pair), registry.path
         else:
             spec, models_file = spec_for_models(options.pair, options.drafter, options.ctx or 4096, registry), None
@@ -78,17 +77,19 @@ def resolve_spec(options: LoadOptions) -> tuple[PairSpec, Path | None]:
         quantize = None if options.target_dtype == "as-is" else options.target_dtype
         spec = replace(spec, target=replace(spec.target, quantize=quantize))
     if options.drafter_runtime or options.drafter_vocab is not None or options.drafter_quantize:
-        spec = replace(spec, drafter=drafter_model(spec.drafter, options.drafter_runtime, options.drafter_vocab,
+        runtime_name = options.drafter_runtime and check_name(options.drafter_runtime)
+        spec = replace(spec, drafter=drafter_model(spec.drafter, runtime_name, options.drafter_vocab,
                                                     options.drafter_quantize))
-    if options.placement == "ssd" and spec.target.runtime == "onnx":
-        raise UserError("--placement ssd streams a llama.cpp target from its file: not with an onnx target")
+    if options.placement == "ssd" and not traits(spec.target.runtime).streams:
+        raise UserError(f"placement ssd streams a target from its file: a {spec.target.runtime} target cannot be",
+                        "placement")
     return spec, models_file
 
 
 # A model named where it is used: user/repo:QUANT, with hf.co/ or huggingface.co/ before it (as ollama and
 # llama.cpp's -hf take them). Without :QUANT, Q4_K_M, as theirs.
 _HF_REFERENCE = re.compile(r"^(?:https?://)?(?:hf\.co/|huggingface\.co/)?([\w.-]+/[\w.-]+)(?::(\S+))?$")
-BY_ARCHITECTURE = "by-architecture"  # a drafter runtime decided at load: onnx where its graph builder knows the file
+BY_ARCHITECTURE = "by-architecture"  # a drafter runtime decided at load: the fastest that can run the file
 
 
 def model_source(model: str | Path, registry: Registry | None = None) -> Source:
@@ -119,10 +120,11 @@ def spec_for_models(target: str | Path, drafter: str | Path | None, ctx: int,
 
 
 def drafter_runtime_for(drafter_file: Path) -> str:
+    """The first runtime of DRAFTERS (fastest first) that drafts from this file's architecture."""
     from runtimes.gguf_file import gguf_header
-    from runtimes.onnx.arch import ARCHITECTURES
 
-    return "onnx" if gguf_header(drafter_file).field("general.architecture") in ARCHITECTURES else "llama_cpp"
+    architecture = gguf_header(drafter_file).field("general.architecture")
+    return next(name for name in DRAFTERS if drafts_from(name, architecture))
 
 
 @dataclass(frozen=True)
@@ -178,16 +180,15 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     draft_threads = drafter_threads(options.threads, options.placement, options.readahead)
     budget = spec.budget if options.budget is None else options.budget
     nodes = tree_nodes(budget)
-    if spec.target.runtime == "onnx" and nodes > MAX_LEAVES + 1:  # refused before anything loads
-        raise UserError(budget_refused(spec.name, int(budget), MAX_LEAVES + 1))
-    streamed = planned.streamed and spec.target.runtime != "onnx"
-    if spec.target.runtime == "onnx":
-        with phase(times, "target and drafter (QuantSpec)"):
-            target, drafter = _load_quantspec(spec, target_file, options.threads, report)
-        warning = None
+    kind = traits(spec.target.runtime)
+    if kind.max_tree is not None and nodes > kind.max_tree:  # refused before anything loads
+        raise UserError(budget_refused(spec.name, int(budget), kind.max_tree))
+    streamed = planned.streamed and kind.streams
+    if kind.shared_cache:
+        with phase(times, "target and drafter (one shared KV cache)"):
+            target, drafter = _load_shared(spec, target_file, drafter_file, options.threads, report)
     else:
-        llama = runtime("llama_cpp")
-        repack = not (streamed or options.placement == "ssd") and llama.keeps_repacking(info.weight_types)
+        repack = not (streamed or options.placement == "ssd")
         target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes, repack)
         if options.placement == "ssd":
             try:
@@ -196,11 +197,13 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
             except BaseException:
                 drafter.close()
                 raise
-        warning = llama.lossless_guarantee(info.weight_types, spec.target.kv_type, _dtype_fix(spec, models_file))
         if target.n_ctx != spec.ctx:
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
+    warning = runtime(spec.target.runtime).lossless_guarantee(info.weight_types, spec.target.kv_type,
+                                                              _dtype_fix(spec, models_file))
     with phase(times, "chat template"):
-        template = _template(info.chat_template, target)
+        special = target.special
+        template = ChatTemplate(info.chat_template, special.bos_text, special.eos_text) if info.chat_template else None
     return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
                 sampling=chat_sampling(target_file, report), load_seconds=times, report=report, streamed=streamed)
 
@@ -226,14 +229,14 @@ def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:
 
 def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, draft_threads: int | None,
                        report: Report, times: dict[str, float], max_tree: int,
-                       repack: bool = True) -> tuple[Any, Drafter]:
-    """The llama.cpp target and the drafter, the drafter loading on a thread while the target loads: both spend
-    their time in native code (llama.cpp mapping weights and allocating its KV cache, onnxruntime reading and
-    packing the drafter's), so on a machine with two cores or more the slower of the two is what start-up waits.
-    Both take trees of up to `max_tree` nodes; `repack` False keeps the target's weights in its file's mapping."""
-    llama = runtime("llama_cpp")
-    run = llama.RunOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, n_threads=options.threads,
-                           n_gpu_layers=options.gpu_layers or 0, use_mlock=options.mlock, repack=repack)
+                       repack: bool = True) -> tuple[Target, Drafter]:
+    """The target and the drafter, the drafter loading on a thread while the target loads: both spend their time in
+    native code (mapping weights and allocating a KV cache, reading and packing a drafter's), so on a machine with
+    two cores or more the slower of the two is what start-up waits. Both take trees of up to `max_tree` nodes;
+    `repack` False keeps the target's weights in its file's mapping."""
+    model = ModelOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, threads=options.threads,
+                         gpu_layers=options.gpu_layers or 0, mlock=options.mlock, repack=repack,
+                         provider=spec.target.provider)
     beside: dict[str, float] = {}  # the two sides' own times, shown under the block's wall time
     with phase(times, "target and drafter, side by side"), \
             ThreadPoolExecutor(1, thread_name_prefix="edge-spec-drafter") as pool:
@@ -241,7 +244,7 @@ def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, 
                              report, beside, max_tree)
         try:
             with phase(beside, "target"):
-                target = llama.load_target(target_file, run, max_tree)
+                target = runtime(spec.target.runtime).open_target(target_file, model, max_tree)
         except BaseException:
             _close_when_loaded(future)
             raise
@@ -265,10 +268,10 @@ def drafter_threads(threads: int | None, placement: str, readahead: bool) -> int
     into the target's pass; docs/performance.md)."""
     if threads is not None or placement != "ssd" or not readahead:
         return threads
-    return max(1, runtime("llama_cpp").default_threads() - 1)
+    return max(1, default_threads() - 1)
 
 
-def on_ssd(target: Any, path: Path, readahead: bool) -> Any:
+def on_ssd(target: Target, path: Path, readahead: bool) -> Target:
     """The target streamed from its file; refused when a pass does not read its weights from the mapping (a guard:
     the target is loaded without llama.cpp's repacked buffers, which copy e.g. Q4_0 weights into RAM on x86). A pass
     counts as reading the file when its pages are in the page cache after it, or when the process read that much
@@ -279,7 +282,7 @@ def on_ssd(target: Any, path: Path, readahead: bool) -> Any:
     probe = SsdStreamer(path, readahead=False)
     probe.evict()
     before = read_bytes()
-    target.verify(TokenTree.root(max(target.model.bos, 0)))  # a pass with logits: the head is read too
+    target.verify(TokenTree.root(max(target.special.bos, 0)))  # a pass with logits: the head is read too
     after = read_bytes()
     size = max(path.stat().st_size, 1)
     read = (after - before) / size if before is not None and after is not None else 0.0
@@ -288,31 +291,18 @@ def on_ssd(target: Any, path: Path, readahead: bool) -> Any:
     probe.close()
     if touched < 0.5:
         target.close()
-        raise UserError(f"--placement ssd: a pass of {path.name} read only {touched:.0%} of the file (llama.cpp "
-                        "copied its weights into RAM); use --target-dtype f16 or q8_0")
+        raise UserError(f"placement ssd: a pass of {path.name} read only {touched:.0%} of the file (its runtime "
+                        "copied the weights into RAM); rewrite the target as f16 or q8_0 (target_dtype)", "placement")
     return SsdTarget(target, path, readahead)
 
 
-def _load_quantspec(spec: PairSpec, target_file: Path, threads: int | None, report: Report) -> tuple[Any, Any]:
-    """QuantSpec mode: ONNX target and drafter sharing one hierarchical KV cache."""
-    if spec.drafter.runtime != "onnx":
-        raise UserError(f"pair {spec.name}: an onnx target (QuantSpec mode) needs an onnx drafter "
-                        "(drafter.runtime = \"onnx\")")
-    drafter_file = materialize(spec.drafter, report)
-    onnx = runtime("onnx")
-    tokenizer = runtime("llama_cpp").Model(target_file)  # tokenizer and chat-template tokens; weights stay unused
-    options = onnx.OnnxOptions(provider=spec.target.provider, threads=threads, n_ctx=spec.ctx,
-                               graph_dir=graph_folder(target_file))
-    target, drafter = onnx.load_quantspec(target_file, drafter_file, options, tokenizer, tokenizer.eog_tokens(),
-                                          head_ids(spec, spec.drafter), report)
-    target.model = tokenizer
-    return target, drafter
-
-
-def _template(source: str | None, target: Any) -> ChatTemplate | None:
-    if not source:
-        return None
-    model = target.model
-    text = model.token_bytes(model.bos, special=True).decode("utf-8", "replace") if model.bos >= 0 else ""
-    eos = model.token_bytes(model.eos, special=True).decode("utf-8", "replace") if model.eos >= 0 else ""
-    return ChatTemplate(source, text, eos)
+def _load_shared(spec: PairSpec, target_file: Path, drafter_file: Path, threads: int | None,
+                 report: Report) -> tuple[Target, Drafter]:
+    """A target and its drafter on one KV cache (QuantSpec: the target writes it, the drafter reads its nibbles)."""
+    if spec.drafter.runtime != spec.target.runtime:
+        raise UserError(f"pair {spec.name}: a {spec.target.runtime} target shares its KV cache with its drafter, "
+                        f"which must run on the same runtime (drafter.runtime = \"{spec.target.runtime}\")")
+    options = ModelOptions(n_ctx=spec.ctx, threads=threads, provider=spec.target.provider,
+                           derived_dir=graph_folder(target_file), reserve=ensure_space)
+    return runtime(spec.target.runtime).open_shared(target_file, drafter_file, options, head_ids(spec, spec.drafter),
+                                                    report)

@@ -21,7 +21,7 @@ from edge.protocols import Drafter
 from models.cache import atomic_path, cache_dir, clean_stale, ensure_space
 from models.registry import ModelSpec, PairSpec
 from models.sources import download_folder, fetch, prepared_path, source_path, vocab_path
-from runtimes import runtime
+from runtimes import RUNTIMES, ModelOptions, runtime, tools, traits
 
 Report = Callable[[str], None]
 
@@ -42,10 +42,12 @@ def phase(times: dict[str, float], name: str) -> Iterator[None]:
 
 def drafter_model(model: ModelSpec, runtime_name: str | None, vocab: int | None, quantize: str | None) -> ModelSpec:
     runtime_name = runtime_name or model.runtime
+    trims = runtime_name in RUNTIMES and traits(runtime_name).trims_head  # decided at load: BY_ARCHITECTURE
     if vocab is None:
-        vocab = model.vocab if runtime_name == "onnx" else None
-    if vocab and runtime_name != "onnx":
-        raise UserError("a trimmed drafter head (a vocabulary size) needs the onnx drafter runtime")
+        vocab = model.vocab if trims else None
+    if vocab and not trims:
+        raise UserError(f"a trimmed drafter head (a vocabulary size) needs a drafter runtime that trims its head "
+                        f"({', '.join(name for name in RUNTIMES if traits(name).trims_head)})")
     return replace(model, runtime=runtime_name, vocab=vocab or None, quantize=quantize or model.quantize)
 
 
@@ -66,7 +68,7 @@ def materialize(spec: ModelSpec, report: Report = _quiet) -> Path:
     if not dest.exists():
         report(f"preparing {dest.name} ({spec.quantize}, llama.cpp quantizer)")
         with atomic_path(dest, _quantized_size(source, spec.quantize)) as tmp:
-            runtime("llama_cpp").quantize(source, tmp, spec.quantize)
+            tools().quantize(source, tmp, spec.quantize)
     return dest
 
 
@@ -94,24 +96,16 @@ def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: i
     with phase(times, "vocabulary check"):
         check_same_vocab(target_file, drafter_file)
     with phase(times, "drafter"):
-        if model.runtime == "onnx":
-            onnx = runtime("onnx")
-            options = onnx.OnnxOptions(provider=model.provider, threads=threads, n_ctx=spec.ctx + 256,
-                                       graph_dir=graph_folder(drafter_file))
-            head = head_ids(spec, model)
-            graph = onnx.graph_path(drafter_file, "drafter", head, options.graph_dir)
-            if not graph.exists():  # built once from the GGUF's weights: its data takes up to twice the file
-                ensure_space(graph, 2 * drafter_file.stat().st_size)
-            try:
-                return onnx.load_drafter(drafter_file, options, head, report)
-            except OSError as error:
-                if error.errno != errno.ENOSPC:
-                    raise
-                raise UserError(f"the drive filled up building {graph}; free some space (or set EDGE_SPEC_CACHE "
-                                "to another drive) and run again") from None
-        llama = runtime("llama_cpp")
-        options = llama.RunOptions(n_ctx=spec.ctx, kv_type=model.kv_type, n_threads=threads, n_gpu_layers=gpu_layers)
-        return llama.load_drafter(drafter_file, options, max_tree - 1)
+        derived = graph_folder(drafter_file) if traits(model.runtime).derives_files else None
+        options = ModelOptions(n_ctx=spec.ctx, kv_type=model.kv_type, threads=threads, gpu_layers=gpu_layers,
+                               provider=model.provider, derived_dir=derived, reserve=ensure_space)
+        try:
+            return runtime(model.runtime).open_drafter(drafter_file, options, max_tree, head_ids(spec, model), report)
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            raise UserError(f"the drive filled up preparing the drafter from {drafter_file}; free some space (or set "
+                            "EDGE_SPEC_CACHE to another drive) and run again") from None
 
 
 def graph_folder(model_file: Path) -> Path | None:

@@ -27,7 +27,7 @@ from models.registry import PairSpec
 from models.sources import model_path
 
 if TYPE_CHECKING:
-    from offload.tuning import AutoBudget, Costs
+    from edge.budget import AutoBudget, Costs
 
 Report = Callable[[str], None]
 
@@ -139,7 +139,8 @@ class Pair:
 
     def auto_budget(self) -> AutoBudget:
         """--budget auto's policy; its pass times are measured once per machine, placement and pair (cached)."""
-        from offload.tuning import AutoBudget, Costs, budget_limit, measure_costs
+        from edge.budget import AutoBudget, Costs, budget_limit
+        from offload.tuning import measure_costs
 
         if self.costs is None:
             with phase(self.load_seconds, "pass times (--budget auto)"):
@@ -163,8 +164,11 @@ class Pair:
         """Close the pair's drafter and open the same file as another drafter: on another runtime, with a
         `vocab`-token head (onnx; 0: the full head), or requantized. One drafter at a time: idle llama.cpp thread
         pools slow the others down. Benchmarks compare drafters this way."""
-        if self.spec.target.runtime == "onnx":
-            raise UserError("another drafter needs a pair with a llama.cpp target (QuantSpec pairs have one drafter)")
+        from runtimes import traits
+
+        if traits(self.spec.target.runtime).shared_cache:
+            raise UserError("another drafter needs a pair whose target keeps its own KV cache (a QuantSpec pair's "
+                            "target shares one with its drafter)")
         model = drafter_model(self.spec.drafter, runtime_name, vocab, quantize)
         head_ids(self.spec, model)  # a missing vocabulary fails before the pair's drafter is closed
         if self.drafter is not None:
@@ -172,7 +176,7 @@ class Pair:
             self.drafter = None
         self._decoder = self._decoder_key = None
         self.costs = None
-        self.drafter = open_drafter(self.spec, model, self.target.model.path, self.drafter_threads, 0, report,
+        self.drafter = open_drafter(self.spec, model, self.target.path, self.drafter_threads, 0, report,
                                     max_tree=self.target.max_tree)
         return self.drafter
 
@@ -184,7 +188,7 @@ class Pair:
             return None
         stat = path.stat()
         drafter = f"{type(self.drafter).__name__}:{self.drafter.vocab}"
-        streamer = getattr(self.target, "streamer", None)  # offload.ssd.SsdTarget
+        streamer = self.target.streamer
         readahead = None if streamer is None else streamer.readahead
         return (f"{machine_key(path)}|{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{self.placement}|"
                 f"readahead {readahead}|drafter threads {self.drafter_threads}|{COSTS_VERSION}")

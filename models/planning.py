@@ -47,10 +47,10 @@ def _local_file(model: ModelSpec) -> Path | None:
 def unused_gpu() -> str | None:
     """A warning when this machine has a GPU that the installed llama.cpp cannot use (a CPU-only build)."""
     from offload.probe import probe_gpus
-    from runtimes import runtime
+    from runtimes import tools
 
     gpus = probe_gpus()
-    if not gpus or runtime("llama_cpp").supports_gpu_offload():
+    if not gpus or tools().supports_gpu_offload():
         return None
     return (f"this machine has a GPU ({gpus[0]['name']}) but llama-cpp-python was built without GPU offload: "
             "reinstall it for the GPU (README, \"GPUs\"), e.g. CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install "

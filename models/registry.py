@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from edge.errors import UserError
-from edge.options import MAX_BUDGET, PROVIDERS, RUNTIMES
+from edge.options import MAX_BUDGET, PROVIDERS
+from runtimes import DEFAULT, RUNTIMES, traits
 
 KV_TYPES = ("f16", "q8_0", "q4_0", "f32", "bf16")
 FTYPES = (
@@ -66,7 +67,7 @@ class ModelSpec:
     source: Source
     quantize: str | None = None  # llama.cpp ftype: run a prepared requantization of the source
     kv_type: str = "f16"
-    runtime: str = "llama_cpp"  # "onnx": edge-spec's own graph (a drafter; a target means QuantSpec mode)
+    runtime: str = DEFAULT  # "onnx": edge-spec's own graph (a drafter; a target means QuantSpec mode)
     vocab: int | None = None  # onnx drafter: keep this many frequency-ranked tokens in the head
     provider: str = "cpu"  # onnx: the onnxruntime execution provider
     facts: ModelFacts | None = None  # the file's shape when it is not here yet (size_gb, layers, ... keys)
@@ -184,13 +185,20 @@ def _parse_model(path: Path, table: dict[str, Any], where: str, target_source: S
     if not given:
         raise UserError(f'{where}: no source; give one of path, hf, pypi (with files), or from = "target"')
     source = _reused_source(table, where, target_source) if given[0] == "from" else _parse_source(path, table, where)
-    runtime = _choice(table, "runtime", "llama_cpp", RUNTIMES, where)
+    runtime = _choice(table, "runtime", DEFAULT, RUNTIMES, where)
     provider = _choice(table, "provider", "cpu", PROVIDERS, where)
     vocab = _int_in_range(table, "vocab", 0, 0, None, where) or None
-    if runtime != "onnx" and ("vocab" in table or "provider" in table):
-        raise UserError(f"{where}: 'vocab' and 'provider' need runtime = \"onnx\"")
+    if "vocab" in table and not traits(runtime).trims_head:
+        raise UserError(f"{where}: 'vocab' needs a runtime that trims a drafter's head ({_able('trims_head')})")
+    if "provider" in table and not traits(runtime).providers:
+        raise UserError(f"{where}: 'provider' needs a runtime with execution providers ({_able('providers')})")
     return ModelSpec(source=source, quantize=quantize, kv_type=kv_type, runtime=runtime, vocab=vocab,
                      provider=provider, facts=_parse_facts(table, where))
+
+
+def _able(trait: str) -> str:
+    """The runtimes that have `trait`, as models.toml spells them: runtime = "onnx"."""
+    return " or ".join(f'runtime = "{name}"' for name in RUNTIMES if getattr(traits(name), trait))
 
 
 def _parse_facts(table: dict[str, Any], where: str) -> ModelFacts | None:

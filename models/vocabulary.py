@@ -8,13 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from edge.errors import UserError
 from edge.generate import Decoder
-from edge.protocols import Target
+from edge.protocols import Target, TargetWrapper
 from edge.tree import TokenTree
 from models.bench import benchmark_file, read_prompts
 from models.cache import atomic_path, sha256_file
@@ -53,11 +52,11 @@ def build_vocabs(pair: Pair, target: ModelSpec, sizes: list[int], prompts_path: 
                  progress: Callable[[int, int], None] = lambda done, total: None) -> list[BuiltVocab]:
     """One calibration run, one file per size (written to vocab_path(target, k)); `progress(done, total)` after
     each calibration prompt."""
-    model = pair.target.model
-    special = model.special_tokens()
+    tokenizer, n_vocab = pair.target.tokenizer, pair.target.n_vocab
+    special = pair.target.special.ids
     for k in sizes:
-        if k > model.n_vocab:
-            raise UserError(f"--vocab {k} is larger than {pair.name}'s vocabulary of {model.n_vocab} tokens")
+        if k > n_vocab:
+            raise UserError(f"--vocab {k} is larger than {pair.name}'s vocabulary of {n_vocab} tokens")
         if k < len(special):
             raise UserError(f"--vocab {k} cannot hold {pair.name}'s {len(special)} special tokens, "
                             "which are always kept; ask for more")
@@ -66,7 +65,7 @@ def build_vocabs(pair: Pair, target: ModelSpec, sizes: list[int], prompts_path: 
     scoring = ScoringTarget(pair.target)
     done = iter(range(1, len(prompts) + 1))
     sequences = completions(pair, prompts, n_tokens, lambda: progress(next(done), len(prompts)), scoring)
-    counts = count_tokens(sequences, model.n_vocab)
+    counts = count_tokens(sequences, n_vocab)
     if scoring.positions != counts.sum():
         raise RuntimeError(f"the target scored {scoring.positions} positions for {counts.sum()} generated tokens: "
                            "plain decoding no longer verifies one token per pass")
@@ -74,9 +73,9 @@ def build_vocabs(pair: Pair, target: ModelSpec, sizes: list[int], prompts_path: 
               f"{len(prompts)} prompts, {'chat template' if pair.template else 'raw text'}), "
               f"target {target.source.describe()}{f' as {target.quantize}' if target.quantize else ''}; "
               "unseen tokens ranked by the target's expected counts and the tokenizer's order in turn")
-    built, broad = [], model.tokenizer_order()
+    built, broad = [], tokenizer.ranked_tokens()
     for k in sizes:
-        vocab = RankedVocab(select(counts, k, special, scoring.expected, broad), counts, model.n_vocab, source)
+        vocab = RankedVocab(select(counts, k, special, scoring.expected, broad), counts, n_vocab, source)
         path = vocab_path(target, k)
         with atomic_path(path) as tmp:
             vocab.save(tmp)
@@ -84,7 +83,7 @@ def build_vocabs(pair: Pair, target: ModelSpec, sizes: list[int], prompts_path: 
     return built
 
 
-class ScoringTarget:
+class ScoringTarget(TargetWrapper):
     """A target that also sums its next-token distributions (quant.vocab.expected_counts) over every pass.
 
     Plain decoding verifies a one-node tree per generated token, so the sum covers exactly the counted
@@ -92,18 +91,15 @@ class ScoringTarget:
     """
 
     def __init__(self, target: Target):
-        self._target = target
+        super().__init__(target)
         self.expected = np.zeros(target.n_vocab)  # float64 [n_vocab]
         self.positions = 0
 
     def verify(self, tree: TokenTree) -> np.ndarray:
-        logits = self._target.verify(tree)  # [n_nodes, n_vocab]
+        logits = self.inner.verify(tree)  # [n_nodes, n_vocab]
         self.expected += expected_counts(logits)
         self.positions += len(logits)
         return logits
-
-    def __getattr__(self, name: str) -> Any:  # everything else is the target's
-        return getattr(self._target, name)
 
 
 def completions(pair: Pair, prompts: list[str], n_tokens: int, done: Callable[[], None],

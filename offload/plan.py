@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from edge.errors import UserError
+from runtimes import DEFAULT, traits
 
 if TYPE_CHECKING:
     from models.registry import ModelFacts, ModelSpec, PairSpec
@@ -248,8 +249,9 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine, s
     main = _place_target(pair, target, gpu, vram_left, ram_left, n_tree)
     fits = main.placement != "ssd"
     if stream and main.placement == "ram":
-        if main.runtime != "llama_cpp":
-            raise UserError("--placement ssd streams a llama.cpp target from its file: not with an onnx target")
+        if not traits(main.runtime).streams:
+            raise UserError(f"placement ssd streams a target from its file: a {main.runtime} target cannot be",
+                            "placement")
         main = replace(main, placement="ssd", ram_bytes=main.kv_bytes, repack=False)
     notes = []
     if main.placement == "ssd":
@@ -339,10 +341,10 @@ def _place_drafter(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_
     kv = kv_bytes(shape, pair.ctx + max(DRAFTER_EXTRA_CTX, n_tree), kv_type)
     need = shape.file_bytes + kv
     common = {"role": "drafter", "shape": shape, "runtime": model.runtime, "kv_type": kv_type, "kv_bytes": kv,
-              "op_offload": gpu and model.runtime == "llama_cpp", "n_ubatch": n_tree, "use_mmap": True,
+              "op_offload": gpu and traits(model.runtime).splits_layers, "n_ubatch": n_tree, "use_mmap": True,
               "use_mlock": False, "repack": True}
     if gpu and _can_use_gpu(model) and need <= vram_left:
-        n_gpu_layers = shape.n_layers + 1 if model.runtime == "llama_cpp" else 0
+        n_gpu_layers = shape.n_layers + 1 if traits(model.runtime).splits_layers else 0
         return ModelPlan(placement="gpu", n_gpu_layers=n_gpu_layers, ram_bytes=0, vram_bytes=need, **common)
     if need <= ram_left:
         return ModelPlan(placement="ram", n_gpu_layers=0, ram_bytes=need, vram_bytes=0, **common)
@@ -358,17 +360,18 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
     kv_type = _kv_type(model, "target")
     kv = kv_bytes(shape, pair.ctx, kv_type)
     common = {"role": "target", "shape": shape, "runtime": model.runtime, "kv_type": kv_type, "kv_bytes": kv,
-              "op_offload": gpu and model.runtime == "llama_cpp", "n_ubatch": n_tree + BATCH_EXTRA,
+              "op_offload": gpu and traits(model.runtime).splits_layers, "n_ubatch": n_tree + BATCH_EXTRA,
               "use_mmap": True, "use_mlock": False, "repack": True}
-    if model.runtime != "llama_cpp":  # an onnx target (QuantSpec) loads whole: no layer split, no streaming
+    if not traits(model.runtime).splits_layers:  # an onnx target (QuantSpec) loads whole: no split, no streaming
         need = shape.file_bytes + kv
         if gpu and _can_use_gpu(model) and need <= vram_left:
             return ModelPlan(placement="gpu", n_gpu_layers=0, ram_bytes=0, vram_bytes=need, **common)
         if need <= ram_left:
             return ModelPlan(placement="ram", n_gpu_layers=0, ram_bytes=need, vram_bytes=0, **common)
-        raise UserError(f"pair {pair.name} cannot run here: its onnx target loads whole and needs {_gib(need)} "
-                        f"(weights + KV cache) but {_gib(max(ram_left, 0))} of RAM is free past the drafter and a "
-                        f"{_gib(RAM_HEADROOM)} headroom; use a llama_cpp target, which can stream from the SSD")
+        raise UserError(f"pair {pair.name} cannot run here: its {model.runtime} target loads whole and needs "
+                        f"{_gib(need)} (weights + KV cache) but {_gib(max(ram_left, 0))} of RAM is free past the "
+                        f"drafter and a {_gib(RAM_HEADROOM)} headroom; use a target that streams from the SSD "
+                        f"(runtime = \"{DEFAULT}\")")
     layer = shape.layer_bytes / shape.n_layers
     kv_layer = kv / shape.n_layers
     head = shape.streamed_bytes - shape.layer_bytes  # output head and norms: the "+1" of n_gpu_layers
@@ -406,13 +409,14 @@ def _off_gpu_bytes(plan: ModelPlan) -> int:
 
 def _kv_type(model: ModelSpec, role: str) -> str:
     # onnx models keep edge-spec's own QuantSpec cache: 4-bit for a drafter, 4+4-bit (about q8_0) for a target.
-    if model.runtime == "onnx":
-        return "q4_0" if role == "drafter" else "q8_0"
+    own = traits(model.runtime).own_kv
+    if own is not None:
+        return own[0] if role == "drafter" else own[1]
     return model.kv_type
 
 
 def _can_use_gpu(model: ModelSpec) -> bool:
-    return model.runtime == "llama_cpp" or model.provider != "cpu"
+    return traits(model.runtime).splits_layers or model.provider != "cpu"
 
 
 def _existing(path: Path) -> Path:

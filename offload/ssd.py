@@ -22,11 +22,14 @@ import re
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from edge.protocols import Target, TargetWrapper
+from edge.tree import TokenTree
 from offload import libc
 from offload.libc import MADV_DONTNEED, MADV_POPULATE_READ
 
@@ -177,7 +180,7 @@ class SsdStreamer:
                 self.timeline[-1]["prefetch"] = time.perf_counter()
             self._go.set()
 
-    def fetch_rows(self, tokens) -> None:
+    def fetch_rows(self, tokens: Sequence[int] | np.ndarray) -> None:
         """A pass over `tokens` starts by gathering their embedding rows. Where the readahead has not read
         them (a large tied table is read last, an untied one not at all), each row would be one page fault after
         the other (with a read of the pages around it). posix_fadvise(WILLNEED) per row queues just their reads,
@@ -259,42 +262,40 @@ class SsdStreamer:
         os.close(self._fd)
 
 
-class SsdTarget:
+class SsdTarget(TargetWrapper):
     """A Target whose weights stream from the SSD: every pass starts with the weights out of RAM.
 
-    Wraps a llama.cpp target (mmap'd, not locked); prefill and verify passes are followed by an eviction (from
-    a thread; the next pass waits for it), and with readahead, `prefetch()` (called as a round starts growing
-    its tree) reads the weights for the next pass while the drafter works.
+    Wraps a target whose runtime streams (mmap'd, not locked, not repacked); prefill and verify passes are followed
+    by an eviction (from a thread; the next pass waits for it), and with readahead, `prefetch()` (called as a round
+    starts growing its tree) reads the weights for the next pass while the drafter works.
     """
 
-    def __init__(self, target, path: Path, readahead: bool = True):
-        self.inner = target
-        self.streamer = SsdStreamer(path, readahead)
-        self.streamer.evict()
+    def __init__(self, target: Target, path: Path, readahead: bool = True):
+        super().__init__(target)
+        self.ssd = SsdStreamer(path, readahead)
+        self.ssd.evict()
 
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
+    @property
+    def streamer(self) -> SsdStreamer:
+        return self.ssd
 
-    def prefill(self, tokens) -> None:
-        self.streamer.wait_evicted()
-        self.streamer.fetch_rows(tokens)
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.ssd.wait_evicted()
+        self.ssd.fetch_rows(tokens)
         self.inner.prefill(tokens)
-        self._after_pass()
+        self.ssd.after_pass()
 
-    def verify(self, tree) -> np.ndarray:
-        self.streamer.wait_evicted()
-        self.streamer.fetch_rows(tree.tokens)
+    def verify(self, tree: TokenTree) -> np.ndarray:
+        self.ssd.wait_evicted()
+        self.ssd.fetch_rows(tree.tokens)
         logits = self.inner.verify(tree)
-        self._after_pass()
+        self.ssd.after_pass()
         return logits
 
-    def _after_pass(self) -> None:
-        self.streamer.after_pass()
-
     def prefetch(self) -> None:
-        """A tree is about to be grown: read the weights for its pass meanwhile (offload/ssd.py)."""
-        self.streamer.prefetch()
+        """A tree is about to be grown: read the weights for its pass meanwhile."""
+        self.ssd.prefetch()
 
     def close(self) -> None:
-        self.streamer.close()
+        self.ssd.close()
         self.inner.close()

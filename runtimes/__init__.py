@@ -3,19 +3,111 @@
 
 - `llama_cpp`: GGUF targets and drafters through llama-cpp-python's low-level API (a tree is one llama_decode).
 - `onnx`: the drafter on ONNX Runtime (int4 weights, a 4-bit KV cache, a trimmed head), and the QuantSpec target.
+
+Code above the runtimes names none of them: it asks `traits(name)` what a runtime can do and opens models through
+the functions every runtime package has (Runtime below), with ModelOptions. Only the registry's parser reads names.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from importlib import import_module
-from types import ModuleType
+from pathlib import Path
+from typing import Any, Protocol
 
 from edge.errors import UserError
-from edge.options import RUNTIMES
+from edge.protocols import Drafter, Target
+
+RUNTIMES = ("llama_cpp", "onnx")
+DEFAULT = "llama_cpp"  # what a model runs on unless models.toml or a flag says otherwise
+DRAFTERS = ("onnx", "llama_cpp")  # a drafter named by its file alone runs on the first that can run it
+TOOLS = "llama_cpp"  # the runtime whose tools read and rewrite model files: its tokenizer and quantizer
 
 
-def runtime(name: str) -> ModuleType:
-    """The runtime package `name` ("llama_cpp" or "onnx"), imported on first use."""
+@dataclass(frozen=True)
+class Traits:
+    """What a runtime can do, for the code above it."""
+
+    streams: bool  # a target can be used from its file's mapping and read from the drive every pass
+    splits_layers: bool  # a target's layers can be split between a GPU and the CPU
+    trims_head: bool  # a drafter's head can keep only a frequency-ranked vocabulary
+    shared_cache: bool  # its target shares one KV cache with its drafter (QuantSpec): they load together
+    max_tree: int | None  # the most nodes its target verifies; None: as many as it is sized for
+    providers: bool  # an execution provider (models.toml's provider, --provider) picks its hardware
+    derives_files: bool = False  # builds files from a model file on first use (graphs: up to twice its size)
+    # its own KV cache whatever kv_type says: (a drafter's, a target's), sized as the llama.cpp type of as many bits
+    own_kv: tuple[str, str] | None = None
+    # GGUF files it can draft from: "*" any, else a set of general.architecture values (the graph builder's)
+    architectures: frozenset[str] | str = "*"
+
+
+TRAITS = {
+    "llama_cpp": Traits(streams=True, splits_layers=True, trims_head=False, shared_cache=False, max_tree=None,
+                        providers=False),
+    "onnx": Traits(streams=False, splits_layers=False, trims_head=True, shared_cache=True, max_tree=256,
+                   providers=True, derives_files=True, own_kv=("q4_0", "q8_0"),
+                   architectures=frozenset({"llama", "qwen2", "gemma3"})),
+}
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How to open one model, whatever runs it."""
+
+    n_ctx: int = 4096
+    kv_type: str = "f16"
+    threads: int | None = None  # None: every core this process may use
+    gpu_layers: int = 0
+    mlock: bool = False
+    repack: bool = True  # False: weights stay in the file's mapping (a target streamed from the drive)
+    provider: str = "cpu"  # an onnxruntime execution provider
+    derived_dir: Path | None = None  # where files derived from the model file go (graphs); None: beside it
+    # called with (a file about to be written, its size in bytes) first: refuses where the drive has no room
+    reserve: Callable[[Path, int], None] | None = field(default=None, compare=False)
+
+
+Report = Callable[[str], None]
+
+
+class Runtime(Protocol):
+    """The functions every runtime package has."""
+
+    def open_target(self, path: Path, options: ModelOptions, max_tree: int) -> Target: ...
+    def open_drafter(self, path: Path, options: ModelOptions, max_tree: int, head_ids: Any = None,
+                     report: Report | None = None) -> Drafter: ...
+    def open_shared(self, target: Path, drafter: Path, options: ModelOptions, head_ids: Any = None,
+                    report: Report | None = None) -> tuple[Target, Drafter]: ...  # shared_cache runtimes
+    def lossless_guarantee(self, weight_types: frozenset[str], kv_type: str, fix: str) -> str | None: ...
+
+
+def check_name(name: str) -> str:
     if name not in RUNTIMES:
         raise UserError(f"unknown runtime {name!r} (known: {', '.join(RUNTIMES)})")
-    return import_module(f"runtimes.{name}")
+    return name
+
+
+def runtime(name: str) -> Runtime:
+    """The runtime package `name`, imported on first use."""
+    return import_module(f"runtimes.{check_name(name)}")  # type: ignore[return-value]
+
+
+def traits(name: str) -> Traits:
+    return TRAITS[check_name(name)]
+
+
+def drafts_from(name: str, architecture: str | None) -> bool:
+    """Whether runtime `name` can run a drafter from a file of this architecture."""
+    known = traits(name).architectures
+    return known == "*" or architecture in known
+
+
+def tools() -> Any:
+    """The runtime whose tools read and rewrite model files (tokenizer, quantizer, GPU support)."""
+    return import_module(f"runtimes.{TOOLS}")
+
+
+def default_threads() -> int:
+    """The cores this process may run on."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))

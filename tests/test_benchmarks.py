@@ -16,6 +16,7 @@ import pytest
 
 from edge.generate import Decoder
 from edge.grow import GrowConfig
+from edge.protocols import SpecialTokens
 from edge.replay import ReplayTarget, plain_replies, replay
 from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
@@ -235,7 +236,7 @@ def test_a_replay_stops_where_the_reply_stops() -> None:
 def test_replay_rows_answer_lazily_from_the_reply() -> None:
     """verify's rows put everything on the reply's token at each node's depth (the smallest stop token past the
     end), and are built only when read: a 256-node tree over a 262144-token vocabulary costs no [256, 262144]."""
-    target = ReplayTarget(TinyModel(n_vocab=9).tokenizer, 262144, stop_tokens=frozenset({7, 5}))
+    target = ReplayTarget(TinyModel(n_vocab=9).tokenizer, 262144, SpecialTokens(stop=frozenset({7, 5})))
     target.expect([10, 11, 12], [13, 14])
     target.prefill([10, 11])
     chain = TokenTree(np.array([12, 13, 99, 1], np.int32), np.array([-1, 0, 1, 2], np.int32),

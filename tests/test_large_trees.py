@@ -13,12 +13,13 @@ import pytest
 import edge.grow as grow_module
 import offload.tuning as tuning
 from edge.acceptance import Acceptance
+from edge.budget import AutoBudget, Costs, budget_limit, is_flat
 from edge.errors import UserError
 from edge.grow import MAX_BUDGET, MAX_LEAVES, GrowConfig, grow
 from edge.options import LoadOptions
 from edge.sampling import SamplingConfig
 from models.pair import Pair
-from offload.tuning import AutoBudget, Costs, budget_limit, is_flat, measure_costs
+from offload.tuning import measure_costs
 from tests.tiny import TinyModel
 
 
@@ -163,15 +164,16 @@ def test_auto_chooses_large_budgets_only_where_passes_were_measured_flat() -> No
 
 
 class Enlargeable(TinyModel):
-    """A llama.cpp-like target and drafter that record how they were enlarged."""
+    """A llama.cpp-like target and drafter that record how they were resized."""
 
     def __init__(self) -> None:
         super().__init__()
         self.max_tree, self.enlarged = 256, []
 
-    def enlarge(self, size: int) -> None:
+    def resize(self, size: int) -> bool:
         self.enlarged.append(size)
         self.max_tree = self.expand_capacity = size
+        return True
 
 
 @pytest.mark.parametrize("flat", [True, False])

@@ -127,8 +127,9 @@ def test_fetch_rows_reads_just_the_rows_of_the_tokens(f16_file) -> None:
 
 def test_auto_measures_passes_started_with_the_reading(f16_file) -> None:
     """--budget auto's costs from the SSD with readahead: passes as placed, over read-ahead weights, and started
-    together with the reading (the tail a pass adds after the last byte: offload.tuning.Costs.verify_s)."""
-    from offload.tuning import Costs, measure_costs
+    together with the reading (the tail a pass adds after the last byte: edge.budget.Costs.verify_s)."""
+    from edge.budget import Costs
+    from offload.tuning import measure_costs
     from runtimes.llama_cpp import load_drafter
 
     spec = load_registry().pair("smollm2-135m")

@@ -1,4 +1,4 @@
-"""--budget auto (offload/tuning.py): counterfactual tokens per budget, the choice it makes from measured costs,
+"""--budget auto (edge/budget.py): counterfactual tokens per budget, the choice it makes from measured costs,
 the fall back to plain decoding and the way back; on the tiny numpy model, so every number is known."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edge.budget import FIRST_PROBE, AutoBudget, Costs, tokens_by_budget
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.sampling import SamplingConfig
 from edge.speculative import RoundResult
 from edge.tree import TokenTree
-from offload.tuning import FIRST_PROBE, AutoBudget, Costs, tokens_by_budget
 from tests.tiny import TinyModel
 
 
@@ -85,8 +85,8 @@ def test_one_slow_plain_pass_does_not_switch_to_trees() -> None:
 
 def round_result(config: GrowConfig | None, tokens: int, tree: TokenTree | None, path: list[int],
                  grow_s: float, verify_s: float) -> RoundResult:
-    return RoundResult(list(range(tokens)), 1 if tree is None else len(tree), 0 if config is None else 3,
-                       grow_s, grow_s, verify_s, tree, path)
+    return RoundResult(list(range(tokens)), TokenTree.root(0) if tree is None else tree, path,
+                       0 if config is None else 3, {"grow": grow_s, "verify": verify_s})
 
 
 def test_bad_acceptance_moves_the_choice_down_to_plain_then_probes_back() -> None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
+from edge.protocols import ModelDefaults, SpecialTokens
 from edge.tree import TokenTree
 
 
@@ -25,8 +27,11 @@ class TinyTokenizer:
         return f"<{token}>".encode()
 
 
-class TinyModel:
+class TinyModel(ModelDefaults):
     """logits(context) = table[context[-2], context[-1]]: [n_vocab] float32."""
+
+    runtime = "tiny"
+    path = Path("tiny")
 
     def __init__(self, n_vocab: int = 5, seed: int = 0, scale: float = 2.0, table: np.ndarray | None = None):
         rng = np.random.default_rng(seed)
@@ -40,8 +45,17 @@ class TinyModel:
         self.max_tree = 1024
         self.expand_capacity = 255
         self.tokenizer = TinyTokenizer(n_vocab)
-        self.stop_tokens: frozenset[int] = frozenset()
+        self.special = SpecialTokens()
+        self.vocab = n_vocab
         self._round: dict[int, list[int]] = {}  # node -> its full context (drafter side)
+
+    @property
+    def stop_tokens(self) -> frozenset[int]:
+        return self.special.stop
+
+    @stop_tokens.setter
+    def stop_tokens(self, tokens: frozenset[int]) -> None:
+        self.special = SpecialTokens(stop=frozenset(tokens))
 
     @property
     def n_past(self) -> int:

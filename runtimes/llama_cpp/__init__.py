@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from runtimes import ModelOptions, Report
 from runtimes.gguf_file import check_gguf
 from runtimes.llama_cpp._native import (
     KV_TYPES,
@@ -19,7 +20,8 @@ from runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee
 from runtimes.llama_cpp.models import PENDING_ROOM, LlamaDrafter, LlamaTarget
 
 __all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "default_threads", "keeps_repacking",
-           "load_drafter", "load_target", "lossless_guarantee", "quantize", "supports_gpu_offload"]
+           "load_drafter", "load_target", "lossless_guarantee", "open_drafter", "open_shared", "open_target",
+           "quantize", "supports_gpu_offload", "tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ def _load_model(path: Path, options: RunOptions) -> Model:
 
 def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ) -> LlamaTarget:
     """A target verifying trees of up to `max_tree` nodes a pass. Its logits take max_tree rows of the vocabulary
-    (2049 x 262144 float32 are 2 GB), so size it for the budget the run uses (LlamaTarget.enlarge grows it)."""
+    (2049 x 262144 float32 are 2 GB), so size it for the budget the run uses (LlamaTarget.resize grows it)."""
     model = _load_model(path, options)
     # The batch also carries the previous round's accepted tokens (see LlamaTarget); only tree nodes output.
     ctx = Context(model, options.n_ctx, n_batch=max_tree + PENDING_ROOM, kv_type=options.kv_type,
@@ -58,3 +60,33 @@ def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ
     ctx = Context(model, options.n_ctx + expand_capacity + 1, n_batch=MAX_SEQ, kv_type=options.kv_type,
                   n_threads=options.n_threads)
     return LlamaDrafter(model, ctx, options.kv_type, expand_capacity)
+
+
+def _run_options(options: ModelOptions) -> RunOptions:
+    return RunOptions(n_ctx=options.n_ctx, kv_type=options.kv_type, n_threads=options.threads,
+                      n_gpu_layers=options.gpu_layers, use_mlock=options.mlock, repack=options.repack)
+
+
+def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget:
+    """The Runtime interface's target: repacked buffers only where they stay batch-invariant (kernels.py)."""
+    repack = options.repack and keeps_repacking(check_gguf(path).weight_types)
+    return load_target(path, replace(_run_options(options), repack=repack), max_tree)
+
+
+def open_drafter(path: Path, options: ModelOptions, max_tree: int, head_ids=None,
+                 report: Report | None = None) -> LlamaDrafter:
+    if head_ids is not None:
+        from edge.errors import UserError
+
+        raise UserError("llama.cpp computes a drafter's whole head: a trimmed vocabulary needs another runtime")
+    return load_drafter(path, _run_options(options), max_tree - 1)
+
+
+def open_shared(target: Path, drafter: Path, options: ModelOptions, head_ids=None, report: Report | None = None):
+    raise NotImplementedError("llama.cpp models keep their own KV caches (traits: shared_cache is False)")
+
+
+def tokenizer(path: Path) -> Model:
+    """A model file's vocabulary alone: tokenizing and its special tokens, no weights read."""
+    check_gguf(path)
+    return Model(path, vocab_only=True)

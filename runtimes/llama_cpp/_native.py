@@ -16,6 +16,8 @@ import llama_cpp.llama_cpp as ll
 import numpy as np
 
 from edge.errors import UserError
+from edge.protocols import SpecialTokens
+from runtimes import default_threads
 from runtimes.llama_cpp.kernels import prefer_invariant_kernels
 
 prefer_invariant_kernels()  # before any model runs: ggml reads the switch at its first matmul
@@ -86,17 +88,14 @@ def _cpu_has_amx() -> bool:
 USE_EXTRA_BUFFERS = not _cpu_has_amx()
 
 
-def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-
-
 class Model:
     """A loaded GGUF model: weights and vocabulary."""
 
     def __init__(self, path: Path, n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False,
-                 repack: bool = True):
+                 repack: bool = True, vocab_only: bool = False):
         _init_backend()
         params = ll.llama_model_default_params()
+        params.vocab_only = vocab_only  # a tokenizer: the vocabulary and its special tokens, no weights read
         params.n_gpu_layers = n_gpu_layers
         params.use_mmap = use_mmap
         params.use_mlock = use_mlock
@@ -158,25 +157,25 @@ class Model:
         """The vocabulary entry itself (what tokenizers compare), not its rendering."""
         return ll.llama_vocab_get_text(self._vocab, token) or b""
 
-    def eog_tokens(self) -> frozenset[int]:
-        is_eog = ll.llama_vocab_is_eog
-        return frozenset(t for t in range(self.n_vocab) if is_eog(self._vocab, t))
-
-    def special_tokens(self) -> frozenset[int]:
-        """Control, user-defined and unknown tokens, end-of-generation tokens, BOS, EOS and EOT.
-
-        Reserved slots (Gemma's 6242 `<unusedN>`, marked UNUSED) are left out: no model emits them.
-        """
+    def special(self) -> SpecialTokens:
+        """BOS, EOS, end of turn and their text; the end-of-generation tokens; and every special token: control,
+        user-defined and unknown ones, those, BOS, EOS and EOT. Reserved slots (Gemma's 6242 `<unusedN>`, marked
+        UNUSED) are left out: no model emits them."""
+        vocab = self._vocab
+        eot = ll.llama_vocab_eot(vocab)
+        stop = frozenset(t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(vocab, t))
         special = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED | ll.LLAMA_TOKEN_ATTR_UNKNOWN
-        found = set()
-        for token in range(self.n_vocab):
-            attr = ll.llama_vocab_get_attr(self._vocab, token)
-            if attr & special and not attr & ll.LLAMA_TOKEN_ATTR_UNUSED:
-                found.add(token)
-        named = (self.bos, self.eos, ll.llama_vocab_eot(self._vocab))
-        return frozenset(found | self.eog_tokens() | {t for t in named if t >= 0})
+        found = {t for t in range(self.n_vocab)
+                 if (attr := ll.llama_vocab_get_attr(vocab, t)) & special and not attr & ll.LLAMA_TOKEN_ATTR_UNUSED}
+        named = {t for t in (self.bos, self.eos, eot) if t >= 0}
 
-    def tokenizer_order(self) -> np.ndarray:
+        def text(token: int) -> str:
+            return self.token_bytes(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
+
+        return SpecialTokens(self.bos, self.eos, eot, stop, frozenset(found | stop | named), text(self.bos),
+                             text(self.eos))
+
+    def ranked_tokens(self) -> np.ndarray:
         """int64 ids of the ordinary (normal and byte) tokens, most frequent first by the tokenizer's own
         ranking: its scores (a unigram model's log-probabilities, or minus the merge rank) and then its ids
         (a BPE vocabulary numbers its merges in order). The tokenizer was trained on a far larger corpus than

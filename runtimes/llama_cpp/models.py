@@ -13,13 +13,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from edge.protocols import ModelDefaults
 from edge.tree import TokenTree
 from runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model
 
 PENDING_ROOM = 64  # a target's batch also carries the previous round's accepted tokens (see LlamaTarget)
 
 
-class _Runner:
+class _Runner(ModelDefaults):
     """A model + context with a linear committed history in seq 0.
 
     `_pending` holds committed tokens not run yet; they join the next pass (prefill, tree or root).
@@ -30,7 +31,9 @@ class _Runner:
     def __init__(self, model: Model, ctx: Context):
         self.model = model
         self.ctx = ctx
+        self.path = model.path
         self.tokenizer = model
+        self.special = model.special()
         self.n_vocab = model.n_vocab
         self.n_ctx = ctx.n_ctx
         self.n_past = 0
@@ -80,18 +83,17 @@ class LlamaTarget(_Runner):
     def __init__(self, model: Model, ctx: Context, max_tree: int):
         super().__init__(model, ctx)
         self.max_tree = min(max_tree, ctx.n_batch)
-        self.stop_tokens = model.eog_tokens()
         self._n_leaves = 0
 
-    def enlarge(self, max_tree: int) -> None:
-        """Verify trees of up to `max_tree` nodes from now on: a new context with a batch and logits that large,
-        over the same weights (nothing is read again). The KV cache starts empty, as after truncate(0)."""
-        if max_tree <= self.max_tree:
-            return
-        self.ctx = self.ctx.resized(n_batch=max_tree + PENDING_ROOM, n_outputs=max_tree)
-        self.batch = Batch(self.ctx.n_batch)
-        self.max_tree = min(max_tree, self.ctx.n_batch)
-        self.n_past, self._pending, self._n_leaves = 0, [], 0
+    def resize(self, size: int) -> bool:
+        """Verify trees of up to `size` nodes from now on: a new context with a batch and logits that large, over the
+        same weights (nothing is read again). The KV cache starts empty, as after truncate(0)."""
+        if size > self.max_tree:
+            self.ctx = self.ctx.resized(n_batch=size + PENDING_ROOM, n_outputs=size)
+            self.batch = Batch(self.ctx.n_batch)
+            self.max_tree = min(size, self.ctx.n_batch)
+            self.n_past, self._pending, self._n_leaves = 0, [], 0
+        return True
 
     def verify(self, tree: TokenTree) -> np.ndarray:
         n, n_pending = len(tree), len(self._pending)
@@ -145,17 +147,16 @@ class LlamaDrafter(_Runner):
         self._node_seq: dict[int, int] = {}  # tree node -> the seq holding its path
         self._tip: dict[int, int] = {}  # seq -> its deepest node (the seq holds that node's path, nothing more)
 
-    def enlarge(self, expand_capacity: int) -> None:
-        """Room for `expand_capacity` nodes a round from now on: a new context over the same weights, with that many
-        more cells past the target's context. The KV cache starts empty, as after truncate(0)."""
-        if expand_capacity <= self.expand_capacity:
-            return
-        extra = expand_capacity - self.expand_capacity
-        self.ctx = self.ctx.resized(n_ctx=self.ctx.n_ctx + extra)
-        self.n_ctx, self.expand_capacity = self.ctx.n_ctx, expand_capacity
-        self.n_past, self._pending = 0, []
-        self._node_seq.clear()
-        self._tip.clear()
+    def resize(self, size: int) -> bool:
+        """Room for `size` nodes a round from now on: a new context over the same weights, with that many more cells
+        past the target's context. The KV cache starts empty, as after truncate(0)."""
+        if size > self.expand_capacity:
+            self.ctx = self.ctx.resized(n_ctx=self.ctx.n_ctx + size - self.expand_capacity)
+            self.n_ctx, self.expand_capacity = self.ctx.n_ctx, size
+            self.n_past, self._pending = 0, []
+            self._node_seq.clear()
+            self._tip.clear()
+        return True
 
     def truncate(self, n: int) -> None:
         super().truncate(n)

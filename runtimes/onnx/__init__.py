@@ -9,19 +9,22 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from quant.kv import QuantSpecKV, value_group
+from runtimes import ModelOptions, Report
 from runtimes.onnx.arch import GGUFWeights, file_arch
 from runtimes.onnx.graph import GraphOptions, build_graph
-from runtimes.onnx.models import OnnxDrafter, OnnxTarget
+from runtimes.onnx.models import MAX_TREE, OnnxDrafter, OnnxTarget
 from runtimes.onnx.session import PROVIDERS, DecoderSession, provider_name
 
 __all__ = ["PROVIDERS", "OnnxDrafter", "OnnxOptions", "OnnxTarget", "graph_path", "load_drafter",
-           "load_quantspec", "prepare_graph", "provider_name"]
+           "load_quantspec", "lossless_guarantee", "open_drafter", "open_shared", "open_target", "prepare_graph",
+           "provider_name"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class OnnxOptions:
     n_ctx: int = 4096
     mem_reuse: bool = False  # onnxruntime's buffer-reuse planning (off: a faster start; benchmarks/session_start.py)
     graph_dir: Path | None = None  # where graphs are cached; None: beside the GGUF (a file in edge-spec's own cache)
+    reserve: Callable[[Path, int], None] | None = field(default=None, compare=False)  # ModelOptions.reserve
 
 
 GRAPH_VERSION = 7  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
@@ -67,11 +71,14 @@ def _options(role: str, arch, head_ids: np.ndarray | None) -> GraphOptions:
 
 
 def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, report=None,
-                  folder: Path | None = None) -> Path:
-    """Builds (once) the graph for `role` in 'drafter', 'shared-drafter', 'target'; returns its path."""
+                  folder: Path | None = None, reserve: Callable[[Path, int], None] | None = None) -> Path:
+    """Builds (once) the graph for `role` in 'drafter', 'shared-drafter', 'target'; returns its path. `reserve` hears
+    of the space a build may take first (its weights take up to twice the GGUF file)."""
     dest = graph_path(gguf, role, head_ids, folder)
     if dest.exists() and Path(str(dest) + ".data").exists():
         return dest
+    if reserve is not None:
+        reserve(dest, 2 * gguf.stat().st_size)
     if report:
         report(f"building {dest.name} (ONNX graph from {gguf.name})")
     weights = GGUFWeights(gguf)
@@ -89,30 +96,61 @@ def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, rep
 def load_drafter(gguf: Path, options: OnnxOptions, head_ids: np.ndarray | None = None, report=None) -> OnnxDrafter:
     """The drafter with its own 4-bit KV cache."""
     arch = file_arch(gguf)
-    session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report, options.graph_dir), options.provider,
-                             options.threads, options.mem_reuse)
+    session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report, options.graph_dir, options.reserve),
+                             options.provider, options.threads, options.mem_reuse)
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=4,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
-    drafter = OnnxDrafter(session, arch, kv)
+    drafter = OnnxDrafter(session, arch, kv, gguf)
     if head_ids is not None:
         drafter.trim_head(head_ids, arch.n_vocab)
     return drafter
 
 
 def load_quantspec(target_gguf: Path, drafter_gguf: Path, options: OnnxOptions, tokenizer,
-                   stop_tokens: frozenset[int], head_ids: np.ndarray | None = None,
-                   report=None) -> tuple[OnnxTarget, OnnxDrafter]:
-    """A self-speculative pair on one hierarchical cache: the target writes it, the drafter reads nibbles."""
+                   head_ids: np.ndarray | None = None, report=None) -> tuple[OnnxTarget, OnnxDrafter]:
+    """A self-speculative pair on one hierarchical cache: the target writes it, the drafter reads nibbles.
+    `tokenizer`: the target file's vocabulary (runtimes.llama_cpp.tokenizer), with its special tokens."""
     arch = file_arch(target_gguf)
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=8,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
-    target_session = DecoderSession(prepare_graph(target_gguf, "target", None, report, options.graph_dir),
-                                    options.provider, options.threads, options.mem_reuse)
+    target_session = DecoderSession(prepare_graph(target_gguf, "target", None, report, options.graph_dir,
+                                                  options.reserve), options.provider, options.threads,
+                                    options.mem_reuse)
     drafter_session = DecoderSession(prepare_graph(drafter_gguf, "shared-drafter", head_ids, report,
-                                                   options.graph_dir), options.provider, options.threads,
-                                     options.mem_reuse)
-    target = OnnxTarget(target_session, arch, kv, tokenizer, stop_tokens, options.n_ctx)
-    drafter = OnnxDrafter(drafter_session, file_arch(drafter_gguf), kv, shared=True)
+                                                   options.graph_dir, options.reserve), options.provider,
+                                     options.threads, options.mem_reuse)
+    target = OnnxTarget(target_session, arch, kv, tokenizer, options.n_ctx, target_gguf)
+    drafter = OnnxDrafter(drafter_session, file_arch(drafter_gguf), kv, drafter_gguf, shared=True)
     if head_ids is not None:
         drafter.trim_head(head_ids, arch.n_vocab)
     return target, drafter
+
+
+def _onnx_options(options: ModelOptions) -> OnnxOptions:
+    return OnnxOptions(provider=options.provider, threads=options.threads, n_ctx=options.n_ctx,
+                       graph_dir=options.derived_dir, reserve=options.reserve)
+
+
+def open_target(path: Path, options: ModelOptions, max_tree: int) -> OnnxTarget:
+    raise NotImplementedError("an onnx target shares its KV cache with its drafter: open_shared opens the two")
+
+
+def open_drafter(path: Path, options: ModelOptions, max_tree: int, head_ids: np.ndarray | None = None,
+                 report: Report | None = None) -> OnnxDrafter:
+    """The Runtime interface's drafter; its room (MAX_EXPAND expansions a round) covers any tree. Its 4-bit cache
+    holds a tree's slots past the context's tokens."""
+    return load_drafter(path, replace(_onnx_options(options), n_ctx=options.n_ctx + MAX_TREE), head_ids, report)
+
+
+def open_shared(target: Path, drafter: Path, options: ModelOptions, head_ids: np.ndarray | None = None,
+                report: Report | None = None) -> tuple[OnnxTarget, OnnxDrafter]:
+    """QuantSpec: the target and its drafter on one hierarchical KV cache."""
+    from runtimes import tools
+
+    return load_quantspec(target, drafter, _onnx_options(options), tools().tokenizer(target), head_ids, report)
+
+
+def lossless_guarantee(weight_types: frozenset[str], kv_type: str, fix: str) -> str | None:
+    """The target graph computes attention in float64 and its int8 matmuls in integers (graph.py): a token's logits
+    are the same alone and in any batch (tests/test_onnx.py checks it)."""
+    return None

@@ -17,8 +17,9 @@ import numpy as np
 
 from edge.errors import UserError
 from quant.grid import BlockGrid, block_grid
+from runtimes import TRAITS
 
-ARCHITECTURES = ("llama", "qwen2", "gemma3")
+ARCHITECTURES = tuple(sorted(TRAITS["onnx"].architectures))  # what runtimes' traits say the builder covers
 # llama.cpp's llama_model_rope_type: these rotate the pairs (i, i + d/2) of a head (LLAMA_ROPE_TYPE_NEOX), llama
 # the adjacent pairs (2i, 2i + 1) (LLAMA_ROPE_TYPE_NORM)
 NEOX_ROPE = ("qwen2", "gemma3")

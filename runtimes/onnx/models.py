@@ -12,10 +12,12 @@ every committed token), the drafter reads its upper nibbles and keeps only its t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from edge.grow import MAX_BUDGET
+from edge.protocols import ModelDefaults
 from edge.tree import TokenTree
 from quant.kv import QuantSpecKV
 from runtimes.onnx.arch import Arch
@@ -32,11 +34,11 @@ MAX_EXPAND = MAX_BUDGET
 MAX_EXTRA = 512
 
 
-class _OnnxModel:
+class _OnnxModel(ModelDefaults):
     runtime = "onnx"
 
-    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, shared: bool):
-        self.session, self.arch, self.kv, self.shared = session, arch, kv, shared
+    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, path: Path, shared: bool):
+        self.session, self.arch, self.kv, self.path, self.shared = session, arch, kv, path, shared
         self.vocab = arch.n_vocab  # the head's rows: fewer once trim_head keeps the frequent tokens only
         shape = (MAX_TREE, arch.n_layers, arch.n_kv_heads, arch.head_dim)
         self.tree_k = np.zeros(shape, np.float16)  # this round's nodes, in run order
@@ -185,8 +187,8 @@ class OnnxDrafter(_OnnxModel):
     """The Drafter protocol. `node_slot[node]` is the tree slot a node ran in (-1: not run); a root pass also runs
     pending tokens."""
 
-    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, shared: bool = False):
-        super().__init__(session, arch, kv, shared)
+    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, path: Path, shared: bool = False):
+        super().__init__(session, arch, kv, path, shared)
         self.expand_capacity = MAX_EXPAND
         self.node_slot = np.full(1024, -1, np.int64)  # grows with the grow-time node ids
         self.pending: list[int] = []  # committed tokens not yet run (a path's unexpanded tail)
@@ -210,6 +212,10 @@ class OnnxDrafter(_OnnxModel):
         if self.in_head is not None:  # the context's rare tokens are those of what is left
             self.extra = {}
             self._note(np.asarray([*self.history, *self.pending], np.int64))
+
+    def resize(self, size: int) -> bool:
+        """Its tree slots grow as they fill: any size up to MAX_EXPAND expansions a round fits already."""
+        return size <= self.expand_capacity
 
     def expand(self, tree: TokenTree, nodes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self.expand_logits(tree, nodes, k)[:2]
@@ -300,11 +306,10 @@ class OnnxTarget(_OnnxModel):
     accepted path's slots into the shared cache, so a committed token's K/V is the target's own.
     """
 
-    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, tokenizer, stop_tokens: frozenset[int],
-                 n_ctx: int):
-        super().__init__(session, arch, kv, shared=False)
-        self.tokenizer = tokenizer
-        self.stop_tokens = stop_tokens
+    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, tokenizer, n_ctx: int, path: Path):
+        super().__init__(session, arch, kv, path, shared=False)
+        self.tokenizer = tokenizer  # the file's vocabulary (runtimes.llama_cpp.tokenizer)
+        self.special = tokenizer.special()
         self.n_vocab = arch.n_vocab
         self.n_ctx = n_ctx
         self.max_tree = MAX_TREE
