@@ -1,8 +1,9 @@
-"""The ONNX graph builder on qwen2 against llama.cpp: NEOX RoPE, q/k/v biases, the file's own blocks (Q5_0 and Q8_0
-as 8-bit codes, Q4_K as 4-bit, Q6_K), an untied Q8_0 head and a tied Q5_0 one, and a trimmed head's ids.
+"""The ONNX graph builder against llama.cpp on the architectures the offline pairs do not cover.
 
-The model is Qwen2.5-Coder-0.5B-Instruct, the qwen2.5-coder-1.5b pair's drafter, cut down to its first layers (every
-header key and its own tensor blocks kept byte for byte), so that each graph builds in seconds."""
+qwen2: Qwen2.5-Coder-0.5B-Instruct (the qwen2.5-coder-1.5b pair's drafter) cut to its first layers, every header key
+and its own tensor blocks kept byte for byte, so that a graph builds in seconds: NEOX RoPE, q/k/v biases, the file's
+blocks (Q5_0 and Q8_0 as 8-bit codes, Q4_K as 4-bit, Q6_K), its untied Q8_0 head and a tied Q5_0 one, and a trimmed
+head's ids. llama: Llama 3's rope_freqs and a tied head, on a synthetic file of Llama-3.1-70B's layout."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def cut_layers(source: Path, out: Path, layers: int, drop: tuple[str, ...] = ())
         infos += struct.pack("<IQ", int(tensor.tensor_type), offset)
         offset += -(-tensor.n_bytes // align) * align
     with out.open("wb") as file:
-        file.write(b"GGUF" + struct.pack("<IQQ", 3, len(kept), int(reader.fields["GGUF.kv_count"].contents())))
+        version, n_keys = (int(reader.fields[key].contents()) for key in ("GGUF.version", "GGUF.kv_count"))
+        file.write(b"GGUF" + struct.pack("<IQQ", version, len(kept), n_keys))
         file.write(keys + infos)
         file.write(bytes(-file.tell() % align))
         for tensor in kept:
@@ -92,8 +94,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def tokens_of(path: Path, n: int) -> list[int]:
-    return Model(path).tokenize(CHAT, False, False)[:n]
+def chat_tokens(path: Path) -> list[int]:
+    """The 8 chat prompts as one text: 86 tokens."""
+    return Model(path).tokenize(CHAT, False, False)
 
 
 def test_qwen2_reads_llama_cpp_conventions(qwen2_files: dict[str, Path]) -> None:
@@ -145,7 +148,7 @@ def test_qwen2_f32_graph_matches_llama_cpp(qwen2_files: dict[str, Path], tmp_pat
     """NEOX RoPE and the q/k/v biases as llama.cpp computes them, with the tied head (the smaller f32 graph; the
     untied one is checked on the drafter below)."""
     source = qwen2_files["tied"]
-    assert_f32_graph_matches_llama_cpp(source, tokens_of(source, 96), tmp_path)
+    assert_f32_graph_matches_llama_cpp(source, chat_tokens(source), tmp_path)
 
 
 def chain_top(drafter: OnnxDrafter, tokens: list[int], start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -170,7 +173,7 @@ def full_head_chain(qwen2_files: dict[str, Path], tmp_path_factory: pytest.TempP
     from START on, [n - START + 1, 256] each."""
     source = qwen2_files["untied"]
     drafter = load_drafter(source, OnnxOptions(threads=2, n_ctx=512, graph_dir=tmp_path_factory.mktemp("graphs")))
-    return chain_top(drafter, tokens_of(source, 96), START, 256)
+    return chain_top(drafter, chat_tokens(source), START, 256)
 
 
 def test_qwen2_int4_drafter_matches_llama_cpp(qwen2_files: dict[str, Path], full_head_chain) -> None:
@@ -179,7 +182,7 @@ def test_qwen2_int4_drafter_matches_llama_cpp(qwen2_files: dict[str, Path], full
     log-prob within int8-activation noise (measured: 96% agreement, median 0.034 nats, max 0.22; 86% agreement while
     the graph requantized the Q5_0 embedding to 4 bits)."""
     source = qwen2_files["untied"]
-    expected = log_softmax(llama_cpp_logits(source, tokens_of(source, 96)))[START - 1 :]  # [n - START + 1, V]
+    expected = log_softmax(llama_cpp_logits(source, chat_tokens(source)))[START - 1 :]  # [n - START + 1, V]
     ids, log_probs = full_head_chain
     rows = np.arange(len(ids))
     agree = float((ids[:, 0] == expected.argmax(axis=1)).mean())
@@ -197,7 +200,7 @@ def test_qwen2_trimmed_head_maps_back_to_full_vocabulary_ids(qwen2_files: dict[s
     counts = count_tokens([model.tokenize(CALIBRATION, False, False)], model.n_vocab)
     head = select(counts, 16384, model.special_tokens(), broad=model.tokenizer_order())
     trimmed = load_drafter(source, OnnxOptions(threads=2, n_ctx=512, graph_dir=tmp_path), head)
-    ids, log_probs = chain_top(trimmed, tokens_of(source, 96), START, 8)
+    ids, log_probs = chain_top(trimmed, chat_tokens(source), START, 8)
     assert set(ids.ravel().tolist()) <= set(head.tolist()) | set(trimmed.extra)
     assert np.all(np.diff(log_probs, axis=1) <= 0)
     full_ids, _ = full_head_chain
