@@ -187,6 +187,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         warning = None
     else:
         llama = runtime("llama_cpp")
+        llama.prefer_tiled(streamed or options.placement == "ssd")  # the faster invariant K-quant kernel for it
         repack = not (streamed or options.placement == "ssd") and llama.keeps_repacking(info.weight_types)
         target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes, repack)
         if options.placement == "ssd":

@@ -15,11 +15,11 @@ from runtimes.llama_cpp._native import (
     quantize,
     supports_gpu_offload,
 )
-from runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee
+from runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee, prefer_tiled
 from runtimes.llama_cpp.models import PENDING_ROOM, LlamaDrafter, LlamaTarget
 
 __all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "default_threads", "keeps_repacking",
-           "load_drafter", "load_target", "lossless_guarantee", "quantize", "supports_gpu_offload"]
+           "load_drafter", "load_target", "lossless_guarantee", "prefer_tiled", "quantize", "supports_gpu_offload"]
 
 
 @dataclass(frozen=True)
