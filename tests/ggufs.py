@@ -29,7 +29,8 @@ def cut_layers(source: Path, out: Path, layers: int, drop: tuple[str, ...] = ())
         infos += struct.pack("<IQ", int(tensor.tensor_type), offset)
         offset += -(-tensor.n_bytes // align) * align
     with out.open("wb") as file:
-        file.write(b"GGUF" + struct.pack("<IQQ", 3, len(kept), int(reader.fields["GGUF.kv_count"].contents())))
+        version, n_keys = (int(reader.fields[key].contents()) for key in ("GGUF.version", "GGUF.kv_count"))
+        file.write(b"GGUF" + struct.pack("<IQQ", version, len(kept), n_keys))
         file.write(keys + infos)
         file.write(bytes(-file.tell() % align))
         for tensor in kept:
