@@ -97,9 +97,9 @@ def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: i
         if model.runtime == "onnx":
             onnx = runtime("onnx")
             options = onnx.OnnxOptions(provider=model.provider, threads=threads, n_ctx=spec.ctx + 256,
-                                       graph_dir=graph_folder(drafter_file))
+                                       graph_dir=graph_folder(drafter_file), int4_block=model.int4_block or 0)
             head = head_ids(spec, model)
-            graph = onnx.graph_path(drafter_file, "drafter", head, options.graph_dir)
+            graph = onnx.graph_path(drafter_file, "drafter", head, options.graph_dir, options.int4_block)
             if not graph.exists():  # built once from the GGUF's weights: its data takes up to twice the file
                 ensure_space(graph, 2 * drafter_file.stat().st_size)
             try:
