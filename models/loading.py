@@ -188,8 +188,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         with phase(times, "target and drafter (one shared KV cache)"):
             target, drafter = _load_shared(spec, target_file, drafter_file, options.threads, report)
     else:
-        repack = not (streamed or options.placement == "ssd")
-        target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes, repack)
+        target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes,
+                                             streamed or options.placement == "ssd")
         if options.placement == "ssd":
             try:
                 with phase(times, "ssd placement check"):
@@ -229,13 +229,13 @@ def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:
 
 def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, draft_threads: int | None,
                        report: Report, times: dict[str, float], max_tree: int,
-                       repack: bool = True) -> tuple[Target, Drafter]:
+                       streams: bool = False) -> tuple[Target, Drafter]:
     """The target and the drafter, the drafter loading on a thread while the target loads: both spend their time in
     native code (mapping weights and allocating a KV cache, reading and packing a drafter's), so on a machine with
     two cores or more the slower of the two is what start-up waits. Both take trees of up to `max_tree` nodes;
-    `repack` False keeps the target's weights in its file's mapping."""
+    `streams`: the target is read from the drive every pass (its weights stay in its file's mapping)."""
     model = ModelOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, threads=options.threads,
-                         gpu_layers=options.gpu_layers or 0, mlock=options.mlock, repack=repack,
+                         gpu_layers=options.gpu_layers or 0, mlock=options.mlock, streamed=streams,
                          provider=spec.target.provider)
     beside: dict[str, float] = {}  # the two sides' own times, shown under the block's wall time
     with phase(times, "target and drafter, side by side"), \

@@ -98,7 +98,8 @@ def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: i
     with phase(times, "drafter"):
         derived = graph_folder(drafter_file) if traits(model.runtime).derives_files else None
         options = ModelOptions(n_ctx=spec.ctx, kv_type=model.kv_type, threads=threads, gpu_layers=gpu_layers,
-                               provider=model.provider, derived_dir=derived, reserve=ensure_space)
+                               provider=model.provider, derived_dir=derived, reserve=ensure_space,
+                               int4_block=model.int4_block or 0)
         try:
             return runtime(model.runtime).open_drafter(drafter_file, options, max_tree, head_ids(spec, model), report)
         except OSError as error:

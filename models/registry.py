@@ -19,8 +19,10 @@ FTYPES = (
     "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k",
     "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
 )  # fmt: skip
+INT4_BLOCKS = (16, 32, 64, 128, 256)  # MatMulNBits' block sizes
 FACT_KEYS = ("size_gb", "layers", "embd", "kv_heads", "head_dim", "params_b")
 MODEL_KEYS = ("path", "hf", "pypi", "files", "sha256", "name", "quantize", "kv_type", "from", "runtime", "vocab",
+              "int4_block",
               "provider", *FACT_KEYS)
 PAIR_KEYS = ("about", "ctx", "budget", "target", "drafter")
 TOP_KEYS = ("default", "pairs")
@@ -69,6 +71,7 @@ class ModelSpec:
     kv_type: str = "f16"
     runtime: str = DEFAULT  # "onnx": edge-spec's own graph (a drafter; a target means QuantSpec mode)
     vocab: int | None = None  # onnx drafter: keep this many frequency-ranked tokens in the head
+    int4_block: int | None = None  # onnx drafter: every matmul requantized into int4 blocks of this many weights
     provider: str = "cpu"  # onnx: the onnxruntime execution provider
     facts: ModelFacts | None = None  # the file's shape when it is not here yet (size_gb, layers, ... keys)
 
@@ -188,12 +191,17 @@ def _parse_model(path: Path, table: dict[str, Any], where: str, target_source: S
     runtime = _choice(table, "runtime", DEFAULT, RUNTIMES, where)
     provider = _choice(table, "provider", "cpu", PROVIDERS, where)
     vocab = _int_in_range(table, "vocab", 0, 0, None, where) or None
+    int4_block = _int_in_range(table, "int4_block", 0, 0, 4096, where) or None
+    if int4_block is not None and int4_block not in INT4_BLOCKS:
+        raise UserError(f"{where}: int4_block must be one of {', '.join(map(str, INT4_BLOCKS))} (got {int4_block})")
     if "vocab" in table and not traits(runtime).trims_head:
         raise UserError(f"{where}: 'vocab' needs a runtime that trims a drafter's head ({_able('trims_head')})")
     if "provider" in table and not traits(runtime).providers:
         raise UserError(f"{where}: 'provider' needs a runtime with execution providers ({_able('providers')})")
+    if "int4_block" in table and not traits(runtime).derives_files:
+        raise UserError(f"{where}: 'int4_block' needs a runtime that builds its own weights ({_able('derives_files')})")
     return ModelSpec(source=source, quantize=quantize, kv_type=kv_type, runtime=runtime, vocab=vocab,
-                     provider=provider, facts=_parse_facts(table, where))
+                     int4_block=int4_block, provider=provider, facts=_parse_facts(table, where))
 
 
 def _able(trait: str) -> str:

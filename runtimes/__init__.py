@@ -61,9 +61,10 @@ class ModelOptions:
     threads: int | None = None  # None: every core this process may use
     gpu_layers: int = 0
     mlock: bool = False
-    repack: bool = True  # False: weights stay in the file's mapping (a target streamed from the drive)
+    streamed: bool = False  # a target read from the drive on every pass: its weights stay in the file's mapping
     provider: str = "cpu"  # an onnxruntime execution provider
     derived_dir: Path | None = None  # where files derived from the model file go (graphs); None: beside it
+    int4_block: int = 0  # a drafter's weights requantized into int4 blocks of this many (runtimes that derive files)
     # called with (a file about to be written, its size in bytes) first: refuses where the drive has no room
     reserve: Callable[[Path, int], None] | None = field(default=None, compare=False)
 

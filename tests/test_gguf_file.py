@@ -154,10 +154,14 @@ def test_lossless_guarantee(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "Q4_0," not in message and message.endswith(f"rewrite the target as q8_0: {fix})")
     kv_message = lossless_guarantee(frozenset({"Q4_0"}), "f16", fix)
     assert kv_message is not None and "f16 KV cache" in kv_message
-    monkeypatch.setenv(FORCE_TILED, "0")  # the user chose the tiled kernel's own threshold: K-quants vary again
+    monkeypatch.delenv(TILED, raising=False)  # the user chose stock llama.cpp: the tiled kernel from 8 tokens
+    monkeypatch.setenv(FORCE_TILED, "0")
     message = lossless_guarantee(frozenset({"Q4_K", "Q6_K"}), "bf16", fix)
     assert message is not None and "Q4_K, Q6_K are not" in message and f"{FORCE_TILED}=1" in message
-    monkeypatch.setenv(TILED, "0")  # no tiled kernel at all: the dot-product kernels run every batch
+    monkeypatch.setenv(FORCE_TILED, "1")  # the tiled kernel at every batch size
+    assert lossless_guarantee(frozenset({"Q4_K", "Q6_K"}), "bf16", fix) is None
+    monkeypatch.setenv(TILED, "0")  # no tiled kernel: the dot-product kernels run every batch
+    monkeypatch.delenv(FORCE_TILED)
     assert lossless_guarantee(frozenset({"Q4_K", "Q6_K"}), "bf16", fix) is None
 
 
@@ -169,12 +173,13 @@ def test_repacked_buffers_are_kept_where_they_are_batch_invariant() -> None:
 
 
 def test_lossless_guarantee_of_a_real_tiny_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtimes.llama_cpp.kernels import FORCE_TILED, lossless_guarantee
+    from runtimes.llama_cpp.kernels import FORCE_TILED, TILED, lossless_guarantee
 
     q4, q6 = (check_gguf(write_gguf(tmp_path / name, q6k=name == "q6.gguf")).weight_types
               for name in ("q4.gguf", "q6.gguf"))
     assert lossless_guarantee(q4, "bf16", "") is None and lossless_guarantee(q6, "bf16", "") is None
-    monkeypatch.setenv(FORCE_TILED, "0")
+    monkeypatch.delenv(TILED, raising=False)
+    monkeypatch.delenv(FORCE_TILED, raising=False)
     assert "Q6_K" in (lossless_guarantee(q6, "bf16", "") or "")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from edge.invariance import check_batch_invariance, compare, large_tree_shapes, 
 from edge.sampling import SamplingConfig, distribution
 from models.pair import Pair
 from runtimes.llama_cpp._native import MAX_SEQ
-from tests.conftest import CHAT_PROMPTS, _load, prompt_tokens, prompts_for
+from tests.conftest import CHAT_PROMPTS, REPO, _load, prompt_tokens, prompts_for
 
 MAX_TOKENS = 128
 # Budget 255 with fewer, narrower drafter passes than the CLI default: still a full 256-node tree for the
@@ -243,3 +244,100 @@ def test_residual_rule_follows_the_targets_distribution(smollm2: Pair) -> None:
         residual_rounds += steps[-1].stats.residual_rounds
     assert residual_rounds >= runs  # every generation's first round at least
     assert_within_five_sigma(counts, exact, runs)
+
+
+CODE_PROMPTS = ("Write a Python function that reverses a string.", CHAT_PROMPTS[4])
+
+
+def test_the_real_pairs_k_quant_target_is_guaranteed_lossless(qwen: Pair) -> None:
+    """Q4_K and Q6_K weights as shipped: every K-quant batch takes one kernel (runtimes/llama_cpp/kernels.py), so the
+    pair loads with no lossless warning."""
+    from runtimes.gguf_file import check_gguf
+
+    assert {"Q4_K", "Q6_K"} <= check_gguf(qwen.target.model.path).weight_types
+    assert qwen.lossless_warning is None
+
+
+def test_greedy_speculation_on_the_real_pair_equals_plain_decoding(qwen: Pair) -> None:
+    """Two different models, both files as shipped (K-quant target and drafter): the same tokens at budgets 16 and 64,
+    and caches holding exactly the committed text."""
+    for text in CODE_PROMPTS:
+        tokens = prompt_tokens(qwen, text)
+        plain, _ = generate(qwen, tokens, None, max_tokens=48)
+        for budget in (16, 64):
+            spec, decoder = generate(qwen, tokens, budget, max_tokens=48)
+            assert spec == plain, f"budget {budget} differs on {text!r}"
+            assert_caches_hold_exactly(qwen, decoder)
+
+
+@pytest.fixture(scope="module")
+def cut_qwen_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real pair's target cut to its first 2 layers: its Q4_K and Q6_K blocks (the head's too) as shipped, in a
+    file whose passes take milliseconds."""
+    from models.opening import materialize
+    from models.registry import load_registry
+    from tests.ggufs import cut_layers
+
+    source = materialize(load_registry().pair("qwen2.5-coder-1.5b").target)
+    return cut_layers(source, tmp_path_factory.mktemp("qwen-target") / "cut.gguf", 2)
+
+
+def test_k_quant_tree_logits_equal_sequential_decoding(cut_qwen_target: Path) -> None:
+    """Chain, 255 leaves and a grown 255-node tree over Q4_K/Q6_K weights, loaded as a pair loads its target (no
+    repacked buffers): every checked node bit-identical to plain decoding."""
+    from runtimes.gguf_file import check_gguf
+    from runtimes.llama_cpp import RunOptions, keeps_repacking, load_drafter, load_target
+
+    repack = keeps_repacking(check_gguf(cut_qwen_target).weight_types)
+    assert not repack
+    target = load_target(cut_qwen_target, RunOptions(n_ctx=1024, kv_type="bf16", repack=repack))
+    drafter = load_drafter(cut_qwen_target, RunOptions(n_ctx=1024, kv_type="q4_0"))
+    try:
+        tokens = target.tokenizer.tokenize(CHAT_PROMPTS[4] * 4, add_special=False, parse_special=False)[:100]
+        results = check_batch_invariance(target, drafter, tokens)
+    finally:
+        drafter.close()
+        target.close()
+    for result in results:
+        assert result.max_abs_diff == 0.0 and result.argmax_differences == 0, result
+
+
+CHAIN_AGAINST_ONE_AT_A_TIME = """
+import sys
+import numpy as np
+from pathlib import Path
+from edge.invariance import sequential_logits
+from offload.tuning import timing_chain
+from runtimes.llama_cpp import RunOptions, load_target
+target = load_target(Path(sys.argv[1]), RunOptions(n_ctx=512, kv_type="bf16", repack=sys.argv[2] == "1"))
+tokens = target.tokenizer.tokenize(sys.argv[3], add_special=False, parse_special=False)[:48]
+prefix, rest = tokens[:32], tokens[32:]
+one_at_a_time = sequential_logits(target, prefix, rest)
+target.truncate(0)
+target.prefill(prefix)
+chain = timing_chain(rest[0], len(rest))
+chain.tokens[:] = rest
+print(float(np.abs(target.verify(chain) - one_at_a_time).max()))
+"""
+
+
+@pytest.mark.parametrize(("switches", "repack", "exact"), [
+    ({"GGML_CPU_TILED_MM": "0"}, "0", True),  # the dot-product kernels at every size (a target in RAM)
+    ({"GGML_CPU_TILED_MM_FORCE": "1"}, "0", True),  # the tiled kernel at every size (a streamed target)
+    ({"GGML_CPU_TILED_MM_FORCE": "0"}, "0", False),  # stock llama.cpp (said so): the tiled kernel from 8 tokens
+    ({"GGML_CPU_TILED_MM": "0"}, "1", False),  # repacked Q4_K: a GEMM from 4 tokens
+])
+def test_the_kernel_switches_are_what_keeps_k_quants_exact(cut_qwen_target: Path, switches: dict[str, str],
+                                                          repack: str, exact: bool) -> None:
+    """The cause, shown: a 16-token chain against one token a pass, in a fresh process (ggml reads its switches
+    once). Stock settings, or repacked Q4_K weights, make the chain's logits differ; one kernel at every batch size
+    and no repacking make them equal."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGML_CPU_TILED")} | switches
+    run = subprocess.run([sys.executable, "-c", CHAIN_AGAINST_ONE_AT_A_TIME, str(cut_qwen_target), repack,
+                          CHAT_PROMPTS[4] * 4], capture_output=True, text=True, env=env, cwd=REPO, check=True)
+    difference = float(run.stdout.split()[-1])
+    assert (difference == 0.0) == exact, difference

@@ -1,13 +1,13 @@
-"""The ONNX graph builder on qwen2 against llama.cpp: NEOX RoPE, q/k/v biases, the file's own blocks (Q5_0 and Q8_0
-as 8-bit codes, Q4_K as 4-bit, Q6_K), an untied Q8_0 head and a tied Q5_0 one, and a trimmed head's ids.
+"""The ONNX graph builder against llama.cpp on the architectures the offline pairs do not cover.
 
-The model is Qwen2.5-Coder-0.5B-Instruct, the qwen2.5-coder-1.5b pair's drafter, cut down to its first layers (every
-header key and its own tensor blocks kept byte for byte), so that each graph builds in seconds."""
+qwen2: Qwen2.5-Coder-0.5B-Instruct (the qwen2.5-coder-1.5b pair's drafter) cut to its first layers, every header key
+and its own tensor blocks kept byte for byte, so that a graph builds in seconds: NEOX RoPE, q/k/v biases, the file's
+blocks (Q5_0 and Q8_0 as 8-bit codes, Q4_K as 4-bit, Q6_K), its untied Q8_0 head and a tied Q5_0 one, and a trimmed
+head's ids. llama: Llama 3's rope_freqs and a tied head, on a synthetic file of Llama-3.1-70B's layout."""
 
 from __future__ import annotations
 
 import importlib.util
-import struct
 import sys
 from pathlib import Path
 
@@ -20,47 +20,17 @@ from edge.tree import TokenTree
 from models.opening import materialize
 from models.registry import load_registry
 from quant.vocab import count_tokens, select
-from runtimes.gguf_file import open_reader
 from runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model, quantize
 from runtimes.onnx import OnnxDrafter, OnnxOptions, load_drafter
 from runtimes.onnx.arch import GGUFWeights, file_arch
 from runtimes.onnx.graph import GraphOptions, build_graph
 from runtimes.onnx.session import DecoderSession
 from tests.conftest import REPO
+from tests.ggufs import cut_layers
 
 LAYERS = 2
 CHAT = (REPO / "benchmarks" / "chat-prompts.txt").read_text()
 CALIBRATION = (REPO / "benchmarks" / "calibration-chat.txt").read_text()
-
-
-def cut_layers(source: Path, out: Path, layers: int, drop: tuple[str, ...] = ()) -> Path:
-    """A GGUF copy of `source` with its first `layers` layers and without the tensors `drop`: its header keys byte
-    for byte but the block count, its tensors' blocks as they are (written raw: gguf's reader would take seconds to
-    parse the 151936-token vocabulary that a raw copy carries over untouched)."""
-    reader = open_reader(source)
-    arch = reader.fields["general.architecture"].contents()
-    kept = [t for t in reader.tensors if t.name not in drop
-            and not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers)]
-    keys = bytearray(reader.data[24 : reader.tensors[0].field.offset])  # after magic, version and the two counts
-    count = reader.fields[f"{arch}.block_count"]
-    at = count.offset - 24 + 8 + len(count.name) + 4  # the value: after the key's length, the key and the type
-    struct.pack_into("<I", keys, at, layers)
-    align = reader.alignment
-    infos, offset = bytearray(), 0
-    for tensor in kept:
-        name = tensor.name.encode()
-        infos += struct.pack("<Q", len(name)) + name + struct.pack("<I", len(tensor.shape))
-        infos += struct.pack(f"<{len(tensor.shape)}Q", *map(int, tensor.shape))
-        infos += struct.pack("<IQ", int(tensor.tensor_type), offset)
-        offset += -(-tensor.n_bytes // align) * align
-    with out.open("wb") as file:
-        file.write(b"GGUF" + struct.pack("<IQQ", 3, len(kept), int(reader.fields["GGUF.kv_count"].contents())))
-        file.write(keys + infos)
-        file.write(bytes(-file.tell() % align))
-        for tensor in kept:
-            file.write(reader.data[tensor.data_offset : tensor.data_offset + tensor.n_bytes])
-            file.write(bytes(-tensor.n_bytes % align))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +62,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def tokens_of(path: Path, n: int) -> list[int]:
-    return Model(path).tokenize(CHAT, False, False)[:n]
+def chat_tokens(path: Path) -> list[int]:
+    """The 8 chat prompts as one text: 86 tokens."""
+    return Model(path).tokenize(CHAT, False, False)
 
 
 def test_qwen2_reads_llama_cpp_conventions(qwen2_files: dict[str, Path]) -> None:
@@ -145,7 +116,7 @@ def test_qwen2_f32_graph_matches_llama_cpp(qwen2_files: dict[str, Path], tmp_pat
     """NEOX RoPE and the q/k/v biases as llama.cpp computes them, with the tied head (the smaller f32 graph; the
     untied one is checked on the drafter below)."""
     source = qwen2_files["tied"]
-    assert_f32_graph_matches_llama_cpp(source, tokens_of(source, 96), tmp_path)
+    assert_f32_graph_matches_llama_cpp(source, chat_tokens(source), tmp_path)
 
 
 def chain_top(drafter: OnnxDrafter, tokens: list[int], start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -170,7 +141,7 @@ def full_head_chain(qwen2_files: dict[str, Path], tmp_path_factory: pytest.TempP
     from START on, [n - START + 1, 256] each."""
     source = qwen2_files["untied"]
     drafter = load_drafter(source, OnnxOptions(threads=2, n_ctx=512, graph_dir=tmp_path_factory.mktemp("graphs")))
-    return chain_top(drafter, tokens_of(source, 96), START, 256)
+    return chain_top(drafter, chat_tokens(source), START, 256)
 
 
 def test_qwen2_int4_drafter_matches_llama_cpp(qwen2_files: dict[str, Path], full_head_chain) -> None:
@@ -179,7 +150,7 @@ def test_qwen2_int4_drafter_matches_llama_cpp(qwen2_files: dict[str, Path], full
     log-prob within int8-activation noise (measured: 96% agreement, median 0.034 nats, max 0.22; 86% agreement while
     the graph requantized the Q5_0 embedding to 4 bits)."""
     source = qwen2_files["untied"]
-    expected = log_softmax(llama_cpp_logits(source, tokens_of(source, 96)))[START - 1 :]  # [n - START + 1, V]
+    expected = log_softmax(llama_cpp_logits(source, chat_tokens(source)))[START - 1 :]  # [n - START + 1, V]
     ids, log_probs = full_head_chain
     rows = np.arange(len(ids))
     agree = float((ids[:, 0] == expected.argmax(axis=1)).mean())
@@ -197,7 +168,7 @@ def test_qwen2_trimmed_head_maps_back_to_full_vocabulary_ids(qwen2_files: dict[s
     counts = count_tokens([model.tokenize(CALIBRATION, False, False)], model.n_vocab)
     head = select(counts, 16384, model.special_tokens(), broad=model.tokenizer_order())
     trimmed = load_drafter(source, OnnxOptions(threads=2, n_ctx=512, graph_dir=tmp_path), head)
-    ids, log_probs = chain_top(trimmed, tokens_of(source, 96), START, 8)
+    ids, log_probs = chain_top(trimmed, chat_tokens(source), START, 8)
     assert set(ids.ravel().tolist()) <= set(head.tolist()) | set(trimmed.extra)
     assert np.all(np.diff(log_probs, axis=1) <= 0)
     full_ids, _ = full_head_chain

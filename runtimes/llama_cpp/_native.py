@@ -18,9 +18,9 @@ import numpy as np
 from edge.errors import UserError
 from edge.protocols import SpecialTokens
 from runtimes import default_threads
-from runtimes.llama_cpp.kernels import prefer_invariant_kernels
+from runtimes.llama_cpp.kernels import mark_ran, prefer_invariant_kernels
 
-prefer_invariant_kernels()  # before any model runs: ggml reads the switch at its first matmul
+prefer_invariant_kernels()  # before any model runs: ggml reads the switches at its first matmul
 
 # The largest seq id llama.cpp accepts in one context (LLAMA_MAX_SEQ); a tree gets one seq per leaf.
 MAX_SEQ = 256
@@ -238,6 +238,7 @@ class Context:
         return Context(self.model, **settings)
 
     def decode(self, batch: Batch) -> None:
+        mark_ran()  # ggml reads its kernel switches now (kernels.py)
         rc = ll.llama_decode(self._ptr, batch.struct)
         if rc == 1:
             raise RuntimeError("llama_decode: no KV cache slot for the batch (context full)")

@@ -5,21 +5,27 @@ A matmul over K-quant weights (Q2_K..Q6_K and the IQ types) takes one of two ker
 tokens in the batch: the dot-product kernels (ggml_vec_dot_*_q8_K) below 8 tokens, the tiled kernel
 (ggml-cpu/tiled) from 8 (`ggml_tiled_min_batch`). They sum a row's super-blocks in different orders, so a token's
 logits depend on how many tokens shared its pass: 0.5-0.6 logits on Qwen2.5-Coder-1.5B Q4_K_M, with argmax flips.
-GGML_CPU_TILED_MM_FORCE=1 sends every batch size to the tiled kernel, which sums in one order whatever the batch
-(its narrow path for up to 16 tokens and its wide one walk the K dimension alike): every K-quant token then rounds
-the same. It costs nothing measurable at one token and speeds up large batches (docs/lossless.md has the figures).
+Either kernel alone is batch-invariant, so edge-spec runs one at every batch size:
+
+- in RAM, the dot-product kernels (GGML_CPU_TILED_MM=0): a one-token pass as fast as stock llama.cpp's, a 64-token
+  pass about twice the tiled kernel's;
+- for a target streamed from the drive, the tiled kernel (GGML_CPU_TILED_MM_FORCE=1): it unpacks every weight on
+  every call (+0.2 s a one-token pass of the 1.5B in RAM, +0.1 s from the drive) and is the fastest from 16 tokens,
+  where trees pay.
 
 Repacked weights (use_extra_bufts) have the same problem on x86 for Q4_K: a GEMV kernel below 4 tokens, a 4-row GEMM
-from 4. The tiled kernel skips repacked tensors, so a target with such weights loads without repacking. Q4_0's
-repacked kernels gave equal logits at every batch size (measured), so Q4_0 targets keep them.
+from 4. A target with such weights loads without repacking. Q4_0's repacked kernels gave equal logits at every
+batch size (measured), so Q4_0 targets keep them.
 
-Both switches are process-wide and read by ggml once, at the first matmul: they are set when this runtime is
-imported, before any model runs, unless the environment already sets them.
+Both switches are process-wide, and ggml reads them once, at its first matmul. This runtime sets the dot-product
+kernels when it is imported (unless the environment chose), and a pair about to load a streamed target may switch
+to the tiled one until a pass has run (prefer_tiled).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 FORCE_TILED = "GGML_CPU_TILED_MM_FORCE"
 TILED = "GGML_CPU_TILED_MM"
@@ -39,15 +45,44 @@ REPACK_VARIANT_TYPES = frozenset({"Q4_K", "Q2_K", "IQ4_NL", "MXFP4"})
 BATCH_INVARIANT_KV = frozenset({"bf16", "q8_0"})
 
 
+@dataclass
+class _Switches:
+    chosen_here: bool = False  # edge-spec set the switches (not the environment), and may still change them
+    read: bool = False  # ggml has run a pass in this process: it has read them
+
+
+SWITCHES = _Switches()
+
+
 def prefer_invariant_kernels() -> None:
-    """Every K-quant batch on the tiled kernel, unless the environment chose otherwise. Called before ggml runs."""
-    os.environ.setdefault(FORCE_TILED, "1")
+    """One kernel for every K-quant batch: the dot-product ones, unless the environment set either switch."""
+    if TILED not in os.environ and FORCE_TILED not in os.environ:
+        os.environ[TILED] = "0"
+        SWITCHES.chosen_here = True
+
+
+def prefer_tiled(tiled: bool) -> None:
+    """Before a pair loads: the tiled kernel at every batch size (`tiled`: its target streams from the drive, where
+    trees pay and the tiled kernel is the faster for them) or the dot-product kernels (in RAM). Nothing changes once
+    a pass has run or where the environment chose."""
+    if SWITCHES.read or not SWITCHES.chosen_here:
+        return
+    if tiled:
+        os.environ.pop(TILED, None)
+        os.environ[FORCE_TILED] = "1"
+    else:
+        os.environ[TILED] = "0"
+        os.environ.pop(FORCE_TILED, None)
+
+
+def mark_ran() -> None:
+    SWITCHES.read = True
 
 
 def tiled_everywhere() -> bool:
-    """Whether K-quant matmuls take one kernel at every batch size here: the tiled one forced, or it turned off (the
-    dot-product kernels then run every batch: invariant too, but a 256-token pass takes twice as long)."""
-    return os.environ.get(FORCE_TILED) == "1" or os.environ.get(TILED) == "0"
+    """Whether K-quant matmuls take one kernel at every batch size here: the tiled one turned off (the dot-product
+    kernels run every batch) or forced."""
+    return os.environ.get(TILED) == "0" or os.environ.get(FORCE_TILED) == "1"
 
 
 def invariant_types() -> frozenset[str]:

@@ -35,15 +35,18 @@ class OnnxOptions:
     mem_reuse: bool = False  # onnxruntime's buffer-reuse planning (off: a faster start; benchmarks/session_start.py)
     graph_dir: Path | None = None  # where graphs are cached; None: beside the GGUF (a file in edge-spec's own cache)
     reserve: Callable[[Path, int], None] | None = field(default=None, compare=False)  # ModelOptions.reserve
+    int4_block: int = 0  # a drafter's matmuls requantized into int4 blocks of this many weights (GraphOptions)
 
 
 GRAPH_VERSION = 7  # bumped whenever graph.py builds a different graph: cached graphs of older versions are not reused
 
 
-def _variant(role: str, head_ids: np.ndarray | None) -> str:
+def _variant(role: str, head_ids: np.ndarray | None, int4_block: int = 0) -> str:
     # the ids' hash: a vocabulary prepared again (other prompts, other ranking) must not reuse an old graph
     head = "full" if head_ids is None else f"vocab{len(head_ids)}-{_digest(head_ids)}"
-    kind = {"drafter": f"int4-{head}-kv4", "shared-drafter": f"int4-{head}-kv8d", "target": "int8-full-kv8-f64"}[role]
+    weights = f"int4b{int4_block}" if int4_block else "int4"
+    kind = {"drafter": f"{weights}-{head}-kv4", "shared-drafter": f"{weights}-{head}-kv8d",
+            "target": "int8-full-kv8-f64"}[role]
     return f"{kind}.v{GRAPH_VERSION}"
 
 
@@ -51,30 +54,34 @@ def _digest(ids: np.ndarray) -> str:
     return hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:8]
 
 
-def graph_path(gguf: Path, role: str, head_ids: np.ndarray | None = None, folder: Path | None = None) -> Path:
+def graph_path(gguf: Path, role: str, head_ids: np.ndarray | None = None, folder: Path | None = None,
+               int4_block: int = 0) -> Path:
     """The cached graph for a GGUF file and a role: beside the file (one in edge-spec's cache), or in `folder` (a
     user's own file, whose folder is not ours to write in), named for the file's path, size and time."""
+    variant = _variant(role, head_ids, int4_block)
     if folder is None:
-        return gguf.with_name(f"{gguf.stem}.{_variant(role, head_ids)}.onnx")
+        return gguf.with_name(f"{gguf.stem}.{variant}.onnx")
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return folder / f"{gguf.stem}-{key}.{_variant(role, head_ids)}.onnx"
+    return folder / f"{gguf.stem}-{key}.{variant}.onnx"
 
 
-def _options(role: str, arch, head_ids: np.ndarray | None) -> GraphOptions:
+def _options(role: str, arch, head_ids: np.ndarray | None, int4_block: int = 0) -> GraphOptions:
     vg = value_group(arch.n_kv_heads, arch.head_dim)
     if role == "target":  # int8 weights, full head, full reader of the shared hierarchical cache, logits out
         return GraphOptions(weights="int8", kv="hier8", kv_reader="full", kv_value_group=vg, outputs="logits",
                             attention="f64")
     kv = "upper4" if role == "drafter" else "hier8"
-    return GraphOptions(weights="int4", head_ids=head_ids, kv=kv, kv_reader="draft", kv_value_group=vg)
+    return GraphOptions(weights="int4", head_ids=head_ids, kv=kv, kv_reader="draft", kv_value_group=vg,
+                        int4_block=int4_block)
 
 
 def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, report=None,
-                  folder: Path | None = None, reserve: Callable[[Path, int], None] | None = None) -> Path:
+                  folder: Path | None = None, reserve: Callable[[Path, int], None] | None = None,
+                  int4_block: int = 0) -> Path:
     """Builds (once) the graph for `role` in 'drafter', 'shared-drafter', 'target'; returns its path. `reserve` hears
     of the space a build may take first (its weights take up to twice the GGUF file)."""
-    dest = graph_path(gguf, role, head_ids, folder)
+    dest = graph_path(gguf, role, head_ids, folder, int4_block)
     if dest.exists() and Path(str(dest) + ".data").exists():
         return dest
     if reserve is not None:
@@ -85,7 +92,7 @@ def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, rep
     tmp_dir = dest.with_name(dest.name + f".tmp-{os.getpid()}")  # a killed build's is cleaned: models.cache.clean_stale
     tmp_dir.mkdir(parents=True, exist_ok=True)
     try:
-        built = build_graph(gguf, _options(role, weights.arch, head_ids), tmp_dir / dest.name)
+        built = build_graph(gguf, _options(role, weights.arch, head_ids, int4_block), tmp_dir / dest.name)
         os.replace(str(built) + ".data", str(dest) + ".data")  # the weights first: a graph is never half there
         os.replace(built, dest)
     finally:
@@ -96,7 +103,8 @@ def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, rep
 def load_drafter(gguf: Path, options: OnnxOptions, head_ids: np.ndarray | None = None, report=None) -> OnnxDrafter:
     """The drafter with its own 4-bit KV cache."""
     arch = file_arch(gguf)
-    session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report, options.graph_dir, options.reserve),
+    session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report, options.graph_dir, options.reserve,
+                                           options.int4_block),
                              options.provider, options.threads, options.mem_reuse)
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=4,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
@@ -128,7 +136,7 @@ def load_quantspec(target_gguf: Path, drafter_gguf: Path, options: OnnxOptions, 
 
 def _onnx_options(options: ModelOptions) -> OnnxOptions:
     return OnnxOptions(provider=options.provider, threads=options.threads, n_ctx=options.n_ctx,
-                       graph_dir=options.derived_dir, reserve=options.reserve)
+                       graph_dir=options.derived_dir, reserve=options.reserve, int4_block=options.int4_block)
 
 
 def open_target(path: Path, options: ModelOptions, max_tree: int) -> OnnxTarget:

@@ -43,6 +43,9 @@ NEG_INF = float("-inf")
 class GraphOptions:
     weights: str = "int4"  # "int4", "int8" (MatMulNBits) or "f32" (plain MatMul, the reference graph)
     block: int = 32  # quantization group of MatMulNBits
+    # 0: a matmul keeps its file's own blocks (quant/grid.py: Q5_0, Q8_0 and Q6_K as 8-bit codes); N: every matmul
+    # is requantized into blocks of N weights, 4-bit but for what the file stores at 8 bits or more (int4 weights)
+    int4_block: int = 0
     accuracy_level: int = 4  # int8 compute in MatMulNBits: fastest here, and batch-invariant (docs/drafter.md)
     head_ids: np.ndarray | None = field(default=None, compare=False)  # kept vocabulary rows, None = full head
     kv: str = "upper4"  # "upper4" (draft-only 4-bit cache), "hier8" (shared hierarchical cache) or "f32"
@@ -136,7 +139,7 @@ class DecoderBuilder:
         g, opt = self.g, self.opt
         if opt.weights == "f32":
             return g.op("MatMul", x, g.weight(name, w.T), hint="mm")
-        exact = pack_exact(w, grid) if opt.weights == "int4" and grid is not None else None
+        exact = pack_exact(w, grid) if opt.weights == "int4" and grid is not None and not opt.int4_block else None
         packed, residual = exact if exact is not None else (self.quantize(w, source or name), None)
         inputs = [g.weight(name + ".q", packed.packed), g.weight(name + ".scales", packed.scales)]
         if packed.zero_points is not None:
@@ -176,7 +179,7 @@ class DecoderBuilder:
         if bits == 4 and kind in ("Q8_0", "F16", "BF16", "F32", "Q6_K"):
             bits = 8
         symmetric = symmetric_only or (kind == "Q4_0" and bits == 4) or (kind == "Q8_0" and bits == 8)
-        return quantize_weight(w, bits=bits, block=self.opt.block, symmetric=symmetric)
+        return quantize_weight(w, bits=bits, block=self.opt.int4_block or self.opt.block, symmetric=symmetric)
 
     def rms_norm(self, x: str, name: str) -> str:
         return self.g.op("SimplifiedLayerNormalization", x, self.g.weight(name, self.w.get(name)), hint="norm",
@@ -307,8 +310,9 @@ class DecoderBuilder:
         for count in parts or [1] * len(names):
             groups.append(names[start : start + count])
             start += count
-        grid = BlockGrid.concat([self.w.grid(name) for name in names]) if self.opt.weights == "int4" else None
-        if grid is None and len({self.w.tensors[name].tensor_type for name in names}) > 1:
+        keep = self.opt.weights == "int4" and not self.opt.int4_block
+        grid = BlockGrid.concat([self.w.grid(name) for name in names]) if keep else None
+        if grid is None and keep and len({self.w.tensors[name].tensor_type for name in names}) > 1:
             # mixed types keep their own grids (those of one width, e.g. Q5_0 and Q8_0 both 8-bit, fuse above)
             return [self.linear(x, group[0]) if len(group) == 1
                     else self.g.op("Concat", *(self.linear(x, name) for name in group), axis=-1) for group in groups]
