@@ -55,19 +55,19 @@ def method_label(row: dict[str, Any], result: dict[str, Any]) -> str:
 def parse_drafters(text: str | None) -> list[DrafterChoice] | None:
     """'llama_cpp,onnx:32768,llama_cpp@q4_0' -> drafters to compare: a runtime, a trimmed head (onnx:K) and a
     requantization of the pair's drafter file (@QUANT)."""
-    from models.registry import FTYPES
-    from runtimes import RUNTIMES, traits
+    from models.registry import FTYPES, names, traits
 
     if text is None:
         return None
-    trimming = [name for name in RUNTIMES if traits(name).trims_head]
+    runtimes = names()
+    trimming = [name for name in runtimes if traits(name).trims_head]
     choices = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         head, _, quantize = part.partition("@")
         runtime, _, vocab = head.partition(":")
-        if (runtime not in RUNTIMES or (vocab and (runtime not in trimming or not vocab.isdigit()))
+        if (runtime not in runtimes or (vocab and (runtime not in trimming or not vocab.isdigit()))
                 or ("@" in part and quantize not in FTYPES)):
-            raise UserError(f"--drafters takes {', '.join(RUNTIMES)}, or {' or '.join(trimming)}:K (a vocabulary "
+            raise UserError(f"--drafters takes {', '.join(runtimes)}, or {' or '.join(trimming)}:K (a vocabulary "
                             f"size), each optionally with @QUANT (the drafter requantized: {', '.join(FTYPES)}), "
                             f"comma-separated (got {part!r})")
         choices.append(DrafterChoice(runtime, int(vocab) if vocab else None, quantize or None))

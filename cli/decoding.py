@@ -13,29 +13,18 @@ from rich.markup import escape
 
 from cli.app import app
 from cli.options import (
-    AcceptOpt,
-    BudgetOpt,
+    DECODING,
     ChatSamplingOpt,
-    CtxOpt,
-    DrafterOpt,
-    GpuOpt,
     MinPOpt,
-    MlockOpt,
     ModelArg,
     NoSpecOpt,
-    PairOpt,
-    PlacementOpt,
-    ProviderOpt,
     RawOpt,
-    ReadaheadOpt,
     RepeatOpt,
     SeedOpt,
-    TargetDtypeOpt,
-    TargetOpt,
     TempOpt,
-    ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    load_flags,
     load_pair,
     read_stdin,
     refuse_base_model,
@@ -44,17 +33,15 @@ from cli.options import (
 )
 from cli.render import err, reply_stats, warning
 from edge.errors import UserError
-from edge.options import LoadOptions
+from edge.options import LoadOptions, check_max_tokens
 
 
 @app.command()
 @user_errors
+@load_flags("pair", "target", *DECODING, "target_dtype")
 def generate(
     ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(help="the prompt ('-' reads stdin)")],
-    pair: PairOpt = None,
-    target: TargetOpt = None,
-    drafter: DrafterOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 256,
     temperature: TempOpt = 0.0,
     top_k: TopKOpt = 0,
@@ -62,36 +49,22 @@ def generate(
     min_p: MinPOpt = 0.0,
     repeat_penalty: RepeatOpt = 1.0,
     seed: SeedOpt = None,
-    budget: BudgetOpt = None,
-    accept: AcceptOpt = "auto",
-    ctx_size: CtxOpt = None,
     no_spec: NoSpecOpt = False,
     raw: RawOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
-    threads: ThreadsOpt = None,
-    provider: ProviderOpt = None,
-    gpu_layers: GpuOpt = None,
-    placement: PlacementOpt = "ram",
-    readahead: ReadaheadOpt = True,
-    mlock: MlockOpt = False,
-    target_dtype: TargetDtypeOpt = None,
+    *,
+    load: LoadOptions,
 ) -> None:
     """Complete one prompt, streaming the text (or one JSON object with --json)."""
-    if max_tokens < 1:
-        raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
     sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     text = read_stdin() if prompt == "-" else prompt
     import edge
 
-    options = LoadOptions(models_file=ctx.obj, pair=pair, target=target, drafter=drafter, ctx=ctx_size, budget=budget,
-                          accept=accept, threads=threads, gpu_layers=gpu_layers, provider=provider,
-                          placement=placement, mlock=mlock,
-                          readahead=readahead, target_dtype=target_dtype)
     if not raw:
-        refuse_base_model(options, "pass --raw to complete the prompt as-is")
+        refuse_base_model(load, "pass --raw to complete the prompt as-is")
     from cli.repl import interruptible
 
-    with load_pair(options) as loaded, interruptible() as stopped:  # Ctrl-C: stop reading or replying, then exit
+    with load_pair(load) as loaded, interruptible() as stopped:  # Ctrl-C: stop reading or replying, then exit
         if loaded.lossless_warning and not no_spec:
             warning(loaded.lossless_warning)
         steps = edge.stream_generate(loaded, text, max_tokens=max_tokens, sampling=sampling, speculate=not no_spec,
@@ -113,10 +86,9 @@ def generate(
 
 @app.command()
 @user_errors
+@load_flags(*DECODING, pair=ModelArg)
 def chat(
     ctx: typer.Context,
-    pair: ModelArg = None,
-    drafter: DrafterOpt = None,
     system: Annotated[str | None, typer.Option(help="system prompt", show_default=False)] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="most tokens per reply")] = 1024,
     temperature: ChatSamplingOpt = None,
@@ -126,32 +98,20 @@ def chat(
     min_p: ChatSamplingOpt = None,
     repeat_penalty: ChatSamplingOpt = None,
     seed: SeedOpt = None,
-    budget: BudgetOpt = None,
-    accept: AcceptOpt = "auto",
-    ctx_size: CtxOpt = None,
     no_spec: NoSpecOpt = False,
-    threads: ThreadsOpt = None,
-    provider: ProviderOpt = None,
-    gpu_layers: GpuOpt = None,
-    placement: PlacementOpt = "ram",
-    readahead: ReadaheadOpt = True,
-    mlock: MlockOpt = False,
+    *,
+    load: LoadOptions,
 ) -> None:
     """Talk to a model. Piped stdin: one prompt per line, replies on stdout. Samples as the model recommends (its
     GGUF's general.sampling.*, else temperature 0.8, top-k 40, top-p 0.95, min-p 0.05); --temperature 0 is greedy."""
     from cli.repl import HISTORY_FILE, greedy_penalty, run_chat
     from models.cache import cache_dir
 
-    if max_tokens < 1:
-        raise UserError(f"--max-tokens must be at least 1 (got {max_tokens})")
+    check_max_tokens(max_tokens)
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
              "min_p": min_p, "repeat_penalty": repeat_penalty, "seed": seed}
-    options = LoadOptions(models_file=ctx.obj, pair=pair, drafter=drafter, ctx=ctx_size, budget=budget,
-                          accept=accept, threads=threads, gpu_layers=gpu_layers, provider=provider,
-                          placement=placement, mlock=mlock,
-                          readahead=readahead)
-    refuse_base_model(options, "use `edge-spec generate --raw`")
-    with load_pair(options) as loaded:
+    refuse_base_model(load, "use `edge-spec generate --raw`")
+    with load_pair(load) as loaded:
         if loaded.template is None:
             raise UserError(f"{loaded.name} has no chat template (a base model): use `edge-spec generate --raw`")
         from dataclasses import replace
@@ -165,11 +125,9 @@ def chat(
 
 @app.command()
 @user_errors
+@load_flags("target", *DECODING, "target_dtype", pair=ModelArg)
 def serve(
     ctx: typer.Context,
-    pair: ModelArg = None,
-    target: TargetOpt = None,
-    drafter: DrafterOpt = None,
     host: Annotated[str, typer.Option(help="address to listen on; 0.0.0.0: every interface (other machines too)")
                     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on (0: any free port)")] = 8080,
@@ -180,18 +138,10 @@ def serve(
     cors_origin: Annotated[list[str] | None, typer.Option(
         "--cors-origin", help="let web pages from this origin call the API (repeat; * for any)",
         show_default=False)] = None,
-    budget: BudgetOpt = None,
-    accept: AcceptOpt = "auto",
-    ctx_size: CtxOpt = None,
     no_spec: NoSpecOpt = False,
-    threads: ThreadsOpt = None,
-    provider: ProviderOpt = None,
-    gpu_layers: GpuOpt = None,
-    placement: PlacementOpt = "ram",
-    readahead: ReadaheadOpt = True,
-    mlock: MlockOpt = False,
-    target_dtype: TargetDtypeOpt = None,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: debug, info, warning, error")] = "info",
+    *,
+    load: LoadOptions,
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions), one generation at
     a time (docs/server.md)."""
@@ -201,16 +151,12 @@ def serve(
         raise UserError(f"--log-level must be debug, info, warning or error (got {log_level!r})")
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key is empty: give a key, or leave the option out")
-    options = LoadOptions(models_file=ctx.obj, pair=pair, target=target, drafter=drafter, ctx=ctx_size, budget=budget,
-                          accept=accept, threads=threads, gpu_layers=gpu_layers, provider=provider,
-                          placement=placement, mlock=mlock,
-                          readahead=readahead, target_dtype=target_dtype)
     sock = bind(host, port)  # a port in use is said before a load of seconds
     try:
         if not is_loopback(host):
             warning(f"listening on {host}: other machines can reach this server"
                     + ("" if api_key else "; anyone who can is able to use it (add --api-key KEY)"))
-        with load_pair(options) as loaded:
+        with load_pair(load) as loaded:
             if loaded.lossless_warning and not no_spec:
                 warning(loaded.lossless_warning)
             if not no_spec and loaded.drafter is not None and loaded.budget == "auto":

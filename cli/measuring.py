@@ -12,39 +12,31 @@ from rich.markup import escape
 
 from cli.app import app
 from cli.options import (
-    CtxOpt,
-    DrafterOpt,
+    PLACING,
     MinPOpt,
-    MlockOpt,
     ModelArg,
-    PairOpt,
-    PlacementOpt,
-    ProviderOpt,
     RawOpt,
-    ReadaheadOpt,
     SeedOpt,
-    TargetDtypeOpt,
     TempOpt,
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
-    load,
+    load_flags,
+    load_pair,
     named,
     sampling_config,
     user_errors,
     working,
 )
 from cli.render import err, report, warning
-from edge.errors import UserError
-from edge.options import MIN_CTX, PLACEMENTS
+from edge.options import LoadOptions
 
 
 @app.command()
 @user_errors
+@load_flags("pair", "drafter", "ctx", *PLACING, "target_dtype")
 def bench(
     ctx: typer.Context,
-    pair: PairOpt = None,
-    drafter: DrafterOpt = None,
     prompts: Annotated[Path | None, typer.Option(help="one prompt per line (default: the repo's chat prompts)",
                                                  show_default=False)] = None,
     budgets: Annotated[str, typer.Option(
@@ -58,21 +50,16 @@ def bench(
         help="acceptance rules to compare when sampling, comma-separated: match, residual, auto")] = "auto",
     seed: SeedOpt = 0,
     raw: RawOpt = False,
-    ctx_size: CtxOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
-    threads: ThreadsOpt = None,
-    provider: ProviderOpt = None,
     drafters: Annotated[str | None, typer.Option(
         help="drafters to compare, comma-separated: llama_cpp, onnx, onnx:K (K-token head), each with an optional "
              "@QUANT (its file requantized, e.g. llama_cpp@q4_0); default: the pair's",
         show_default=False)] = None,
     methods: Annotated[str, typer.Option(help="plain, chain (one draft token per drafter pass), tree")] = "plain,tree",
-    placement: PlacementOpt = "ram",
-    readahead: ReadaheadOpt = True,
-    mlock: MlockOpt = False,
-    target_dtype: TargetDtypeOpt = None,
     plot: Annotated[Path | None, typer.Option(help="write a PNG: tokens/s and tokens per pass against the budget",
                                               show_default=False)] = None,
+    *,
+    load: LoadOptions,
 ) -> None:
     """Plain decoding vs chain and tree speculation on the same prompts, the same placement, in one run."""
     from cli.benchmark import parse_accepts, parse_budgets, parse_drafters, parse_methods, pyplot, render_table
@@ -90,15 +77,14 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("bench: prompts x rows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with load(ctx, pair=pair, drafter=drafter, ctx=ctx_size, threads=threads, provider=provider, placement=placement,
-              mlock=mlock, readahead=readahead, target_dtype=target_dtype) as loaded, \
+    with load_pair(load) as loaded, \
             Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         loaded.fit_budget(max((b for b in budget_list if b != "auto"), default=1))  # a 1025-node batch for 1024
         task = bar.add_task("bench", total=None)
         result = run_bench(loaded, prompt_list, budget_list, max_tokens, sampling, raw, report, drafter_list,
                            tuple(method_list), lambda done, total: bar.update(task, completed=done, total=total),
                            accept_list)
-    result["readahead"] = readahead if placement == "ssd" else None
+    result["readahead"] = load.readahead if load.placement == "ssd" else None
     if as_json:  # the figures first: a plot that cannot be written loses nothing
         print(json.dumps(result, indent=2))
     else:
@@ -144,40 +130,33 @@ def check(
 
 @app.command()
 @user_errors
+@load_flags("drafter", "ctx", pair=ModelArg, placement=Annotated[str, typer.Option(
+    help="ram: the target where it fits (RAM, else streamed from the drive); ssd: streamed from its file even where "
+         "it would fit, as `--placement ssd` runs it")])
 def plan(
     ctx: typer.Context,
-    pair: ModelArg = None,
-    drafter: DrafterOpt = None,
     machine: Annotated[str | None, typer.Option(
         help="plan for a described machine instead of this one: ram=32G,vram=24G,disk=3GB/s (optional: cores=N, "
              "pcie=25GB/s, rambw=20GB/s)", show_default=False)] = None,
-    ctx_size: CtxOpt = None,
-    placement: Annotated[str, typer.Option(
-        help="ram: the target where it fits (RAM, else streamed from the drive); ssd: streamed from its file even "
-             "where it would fit, as `--placement ssd` runs it")] = "ram",
     acceptance: Annotated[Path | None, typer.Option(
         help="a bench JSON (edge-spec bench --json): print the tokens/s expected at each of its tree budgets from "
              "its tokens per pass and this plan's pass times, and the budget the plan would pick",
         show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    *,
+    load: LoadOptions,
 ) -> None:
     """Where each part of a pair goes (GPU, RAM, SSD) and what a target pass costs; loads and downloads nothing."""
-    from dataclasses import replace
-
     from cli.planning import render_plan, render_rates
+    from models.loading import resolve_spec
     from models.planning import make_plan, unused_gpu
     from offload.expected import expected_rates, pick, read_acceptance
 
-    if ctx_size is not None and ctx_size < MIN_CTX:
-        raise UserError(f"--ctx must be at least {MIN_CTX} tokens (got {ctx_size})")
-    spec, models_file = named(ctx, pair, drafter)
+    spec, models_file = resolve_spec(load)
     if (unused := unused_gpu()) is not None:
         warning(unused)
-    if placement not in PLACEMENTS:
-        raise UserError(f"--placement must be ram or ssd (got {placement!r})")
     measured = read_acceptance(acceptance) if acceptance is not None else None
-    result = make_plan(replace(spec, ctx=ctx_size) if ctx_size else spec, machine, models_file,
-                       stream=placement == "ssd")
+    result = make_plan(spec, machine, models_file, stream=load.placement == "ssd")
     rates = expected_rates(result, measured) if measured is not None else None
     if as_json:
         out = result.as_dict()

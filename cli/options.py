@@ -4,6 +4,7 @@ read the prompt, name a pair and load it behind a spinner."""
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.markup import escape
 
-from cli.render import err, error, report
+from cli.render import err, error, report, worded
 from edge.errors import UserError
 from edge.options import LoadOptions
 
@@ -28,7 +29,7 @@ def user_errors(command: F) -> F:
         try:
             return command(*args, **kwargs)
         except UserError as problem:
-            error(str(problem))
+            error(worded(problem))
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
@@ -82,6 +83,47 @@ GpuOpt = Annotated[int | None, typer.Option(
     show_default=False)]
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="decode with the target alone (the reference)")]
 RawOpt = Annotated[bool, typer.Option("--raw", help="complete the prompt as-is, without the chat template")]
+
+
+# LoadOptions' fields that commands take as flags, declared once: the field, its flag. A command lists the ones it
+# takes (load_flags) and receives them as one LoadOptions; their defaults are LoadOptions'.
+LOAD_FLAGS: dict[str, Any] = {
+    "pair": PairOpt, "target": TargetOpt, "drafter": DrafterOpt, "ctx": CtxOpt, "budget": BudgetOpt,
+    "accept": AcceptOpt, "threads": ThreadsOpt, "provider": ProviderOpt, "gpu_layers": GpuOpt,
+    "placement": PlacementOpt, "readahead": ReadaheadOpt, "mlock": MlockOpt, "target_dtype": TargetDtypeOpt,
+}
+PLACING = ("threads", "provider", "gpu_layers", "placement", "readahead", "mlock")  # where and how models run
+DECODING = ("drafter", "budget", "accept", "ctx", *PLACING)  # what the decoding commands share
+PARAMETERS = {"ctx": "ctx_size"}  # a field whose name the command's typer.Context already takes
+
+
+def load_flags(*fields: str, **flags: Any) -> Callable[[F], F]:
+    """Give a command the flags of these LoadOptions fields (LOAD_FLAGS'; `flags` overrides one, e.g. the model as
+    an argument), and call it with them as one `load=LoadOptions(...)` (the app's --models file included). The
+    command's first parameter is its typer.Context."""
+    from dataclasses import fields as dataclass_fields
+
+    defaults = {field.name: field.default for field in dataclass_fields(LoadOptions)}
+    names = [*fields, *(name for name in flags if name not in fields)]
+
+    def decorate(command: F) -> F:
+        signature = inspect.signature(command, eval_str=True)
+        kept = [p for p in signature.parameters.values() if p.name != "load"]
+        added = [inspect.Parameter(PARAMETERS.get(name, name), inspect.Parameter.KEYWORD_ONLY, default=defaults[name],
+                                   annotation=flags.get(name, LOAD_FLAGS[name])) for name in names]
+
+        context_name = kept[0].name  # typer passes every parameter by name
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            given = {name: kwargs.pop(PARAMETERS.get(name, name)) for name in names}
+            return command(**kwargs, load=LoadOptions(models_file=kwargs[context_name].obj, **given))
+
+        wrapper.__signature__ = signature.replace(parameters=[*kept, *added])  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in (*kept, *added)}
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 def sampling_config(temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,

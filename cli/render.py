@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
+from edge.errors import ContextFull, UserError
 from edge.generate import Stats, Step
 
 err = Console(stderr=True, highlight=False)
@@ -18,6 +19,19 @@ def report(message: str) -> None:
 
 def error(message: str) -> None:
     err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
+def flag(option: str) -> str:
+    """The command line's name for a library option: max_tokens -> --max-tokens."""
+    return "--" + option.replace("_", "-")
+
+
+def worded(problem: UserError, in_chat: bool = False) -> str:
+    """A library error in the command line's words: its option as a flag (in a chat, as /set names it: the library's
+    own name), and for a prompt that does not fit, what to do here."""
+    if isinstance(problem, ContextFull):
+        return f"{problem}: shorten it, {'/clear the chat, ' if in_chat else ''}or raise --ctx"
+    return str(problem) if in_chat else problem.worded(flag)
 
 
 def warning(message: str) -> None:

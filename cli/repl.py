@@ -16,11 +16,11 @@ import typer
 from rich.console import Console
 
 from cli.render import error as report_error
-from cli.render import note, stats_line, warning
+from cli.render import note, stats_line, warning, worded
 from edge.chat import ChatSession
 from edge.errors import UserError
 from edge.generate import Stats, Step
-from edge.options import parse_budget
+from edge.options import check_max_tokens, parse_budget
 from edge.sampling import SamplingConfig
 
 HELP = """commands:
@@ -74,9 +74,7 @@ class Chat:
             self.session.decoder = self.loaded.decoder(self.sampling, True, self.budget)
             return f"tree budget: {self.budget}"
         if name in ("max_tokens", "n"):
-            tokens = _number(value, int)
-            if tokens < 1:
-                raise UserError(f"max_tokens must be at least 1 (got {tokens})")
+            tokens = check_max_tokens(_number(value, int))
             self.max_tokens = tokens
             return f"at most {tokens} tokens per reply"
         raise UserError(f"/set does not know {name!r}: temperature, top_k, top_p, min_p, repeat_penalty, "
@@ -150,7 +148,7 @@ def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: i
         try:
             stats = _reply(chat, text)
         except UserError as error:  # e.g. the conversation no longer fits the context
-            report_error(str(error))
+            report_error(worded(error, in_chat=True))
             failed += 1
             continue
         totals.add(stats)
@@ -282,7 +280,7 @@ def _command(text: str, chat: Chat, totals: Stats, err: Console) -> bool:
         try:
             note(chat.set(setting, value.strip()))
         except UserError as problem:
-            report_error(str(problem))
+            report_error(worded(problem, in_chat=True))
     elif name == "/clear":
         session.clear()
         err.print("[dim]conversation cleared[/]")

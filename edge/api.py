@@ -18,9 +18,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from edge.chat import Prompt
-from edge.errors import UserError
 from edge.generate import Stats, Step, check_fits
-from edge.options import LoadOptions, parse_budget
+from edge.options import LoadOptions, check_max_tokens, parse_budget
 from edge.sampling import SamplingConfig
 from edge.stops import StopStrings, cut_at_stop_strings, stopping
 
@@ -78,8 +77,7 @@ def stream_generate(pair: Pair, prompt: Prompt, *, max_tokens: int = 256, temper
     only how many tokens each target pass yields. `stop`: stop strings; the reply ends before the first one its text
     contains (finish reason "stop"). `should_stop` is asked after each token: True ends the reply ("interrupted").
     """
-    if max_tokens < 1:
-        raise UserError(f"max_tokens must be at least 1 (got {max_tokens})", "max_tokens")
+    check_max_tokens(max_tokens)
     sampling = sampling or SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                           repeat_penalty=repeat_penalty, seed=seed)
     stops = StopStrings([] if stop is None else stop)

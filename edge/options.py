@@ -67,6 +67,13 @@ class LoadOptions:
             raise UserError(f"the drafter's vocabulary must be 0 (the full head) or more (got {self.drafter_vocab})")
 
 
+def check_max_tokens(value: int) -> int:
+    """A reply's length limit: at least one token."""
+    if value < 1:
+        raise UserError(f"max_tokens must be at least 1 (got {value})", "max_tokens")
+    return value
+
+
 def parse_budget(value: int | str | None) -> int | str | None:
     """None (the pair's), "auto", or draft nodes per tree in 1..MAX_BUDGET; a string of digits counts as a number."""
     if value is None or value == "auto":

@@ -12,6 +12,7 @@ from edge.budget import json_table
 from edge.errors import UserError
 from edge.generate import Decoder, Stats
 from edge.grow import GrowConfig
+from edge.options import check_max_tokens
 from edge.protocols import Drafter
 from edge.sampling import SamplingConfig
 from models.sources import model_path
@@ -51,7 +52,7 @@ def read_prompts(path: Path | None) -> list[str]:
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    runtime: str  # one of runtimes.RUNTIMES
+    runtime: str  # a runtime's name (runtimes.names())
     vocab: int | None = None  # a trimmed head's size (onnx), None: the full head
     quantize: str | None = None  # prepare it from the target's source requantized (llama.cpp ftype), None: the pair's
 
@@ -75,6 +76,7 @@ def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_toke
     from offload.probe import probe_machine
     from offload.tuning import measure_costs
 
+    check_max_tokens(max_tokens)
     prompt_tokens = [pair.prompt_tokens(prompt, raw=raw or None) for prompt in prompts]
     pass_ms = target_pass_times(pair, prompt_tokens[0], report)
     rows, drafter_info, reference, costs = [], [], None, None

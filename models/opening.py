@@ -21,7 +21,7 @@ from edge.protocols import Drafter
 from models.cache import atomic_path, cache_dir, clean_stale, ensure_space
 from models.registry import ModelSpec, PairSpec
 from models.sources import download_folder, fetch, prepared_path, source_path, vocab_path
-from runtimes import RUNTIMES, ModelOptions, runtime, tools, traits
+from runtimes import ModelOptions, names, runtime, tools, traits
 
 Report = Callable[[str], None]
 
@@ -42,12 +42,12 @@ def phase(times: dict[str, float], name: str) -> Iterator[None]:
 
 def drafter_model(model: ModelSpec, runtime_name: str | None, vocab: int | None, quantize: str | None) -> ModelSpec:
     runtime_name = runtime_name or model.runtime
-    trims = runtime_name in RUNTIMES and traits(runtime_name).trims_head  # decided at load: BY_ARCHITECTURE
+    trims = runtime_name in names() and traits(runtime_name).trims_head  # decided at load: BY_ARCHITECTURE
     if vocab is None:
         vocab = model.vocab if trims else None
     if vocab and not trims:
         raise UserError(f"a trimmed drafter head (a vocabulary size) needs a drafter runtime that trims its head "
-                        f"({', '.join(name for name in RUNTIMES if traits(name).trims_head)})")
+                        f"({', '.join(name for name in names() if traits(name).trims_head)})")
     return replace(model, runtime=runtime_name, vocab=vocab or None, quantize=quantize or model.quantize)
 
 

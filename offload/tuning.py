@@ -64,7 +64,7 @@ def pass_ms(target: Target, prefix: list[int], sizes: tuple[int, ...] = (1, 16, 
     for n in sizes:
         if len(result) >= 2 and result[max(result)] > 1000 * long_s:
             break
-        chain = timing_chain(prefix[-1], n)
+        chain = timing_chain(prefix[-1], n, target.n_vocab)
         times: list[float] = []
         while len(times) < repeats and not (times and times[-1] > slow_s):
             if before is not None:
@@ -78,10 +78,12 @@ def pass_ms(target: Target, prefix: list[int], sizes: tuple[int, ...] = (1, 16, 
     return result
 
 
-def timing_chain(first: int, n: int) -> TokenTree:
-    """A chain of n tokens, `first` then arbitrary ids: what a pass over n new tokens costs does not depend on them."""
-    return TokenTree(np.array([first, *range(100, 99 + n)], np.int32), np.arange(-1, n - 1, dtype=np.int32),
-                     np.arange(n, dtype=np.int32), np.zeros(n, np.float32))
+def timing_chain(first: int, n: int, n_vocab: int = 1 << 31) -> TokenTree:
+    """A chain of n tokens, `first` then arbitrary ids below n_vocab: what a pass over n new tokens costs does not
+    depend on them."""
+    tokens = np.array([first, *(np.arange(100, 99 + n) % n_vocab)], np.int32)
+    return TokenTree(tokens, np.arange(-1, n - 1, dtype=np.int32), np.arange(n, dtype=np.int32),
+                     np.zeros(n, np.float32))
 
 
 def expand_ms(drafter: Drafter, prefix: list[int], sizes: tuple[int, ...] = (1, 8, 32),
@@ -91,7 +93,7 @@ def expand_ms(drafter: Drafter, prefix: list[int], sizes: tuple[int, ...] = (1, 
     drafter.prefill(prefix[:-1])
     result = {}
     for n in sizes:
-        tree = TokenTree(np.array([prefix[-1], *range(100, 100 + n)], np.int32),
+        tree = TokenTree(np.array([prefix[-1], *(np.arange(100, 100 + n) % drafter.vocab)], np.int32),
                          np.array([-1, *[0] * n], np.int32), np.array([0, *[1] * n], np.int32),
                          np.zeros(n + 1, np.float32))
         times = []

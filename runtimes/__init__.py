@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from edge.errors import UserError
 from edge.protocols import Drafter, Target
 
-RUNTIMES = ("llama_cpp", "onnx")
+RUNTIMES = ("llama_cpp", "onnx")  # the built-in runtimes (register adds others)
 DEFAULT = "llama_cpp"  # what a model runs on unless models.toml or a flag says otherwise
 DRAFTERS = ("onnx", "llama_cpp")  # a drafter named by its file alone runs on the first that can run it
 TOOLS = "llama_cpp"  # the runtime whose tools read and rewrite model files: its tokenizer and quantizer
@@ -50,6 +50,7 @@ TRAITS = {
                    providers=True, derives_files=True, own_kv=("q4_0", "q8_0"),
                    architectures=frozenset({"llama", "qwen2", "gemma3"})),
 }
+PACKAGES = {name: f"runtimes.{name}" for name in RUNTIMES}  # the package each runtime's functions are in
 
 
 @dataclass(frozen=True)
@@ -83,15 +84,27 @@ class Runtime(Protocol):
     def lossless_guarantee(self, weight_types: frozenset[str], kv_type: str, fix: str) -> str | None: ...
 
 
+def register(name: str, package: str, traits: Traits) -> None:
+    """A runtime besides the built-in ones (a GPU runtime, MLX, a test's): `package` has the Runtime functions. It can
+    be named from now on, in models.toml and on the command line, as the built-in ones are."""
+    PACKAGES[name] = package
+    TRAITS[name] = traits
+
+
+def names() -> tuple[str, ...]:
+    """Every runtime that can be named: the built-in ones and those registered since."""
+    return tuple(PACKAGES)
+
+
 def check_name(name: str) -> str:
-    if name not in RUNTIMES:
-        raise UserError(f"unknown runtime {name!r} (known: {', '.join(RUNTIMES)})")
+    if name not in PACKAGES:
+        raise UserError(f"unknown runtime {name!r} (known: {', '.join(PACKAGES)})")
     return name
 
 
 def runtime(name: str) -> Runtime:
     """The runtime package `name`, imported on first use."""
-    return import_module(f"runtimes.{check_name(name)}")  # type: ignore[return-value]
+    return import_module(PACKAGES[check_name(name)])  # type: ignore[return-value]
 
 
 def traits(name: str) -> Traits:

@@ -23,7 +23,7 @@ from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from edge.errors import UserError
+from edge.errors import ContextFull, UserError
 from edge.generate import Stats, check_fits
 from edge.sampling import CHAT_DEFAULTS
 from serve.schemas import (
@@ -112,7 +112,7 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
             stop = body.stop_strings()
             tokens = await run_in_threadpool(pair.prompt_tokens, prompt, raw)
         except UserError as problem:
-            raise Refused(400, str(problem)) from None
+            raise Refused(400, str(problem), problem.option) from None
         n_ctx, n_vocab = pair.target.n_ctx, pair.target.n_vocab
         if not tokens:
             raise Refused(400, "the prompt is empty", "prompt")
@@ -120,7 +120,7 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
             raise Refused(400, f"a token id of the prompt is outside the vocabulary (0 to {n_vocab - 1})", "prompt")
         try:
             check_fits(tokens, n_ctx)
-        except UserError:
+        except ContextFull:
             raise Refused(400, f"the prompt is {len(tokens)} tokens but this server's context holds {n_ctx}: "
                                "shorten it, or restart the server with a larger --ctx",
                           "prompt" if raw else "messages", "context_length_exceeded") from None

@@ -1,9 +1,13 @@
-"""GGUF files for tests, made from real ones."""
+"""GGUF files for tests: tiny ones written here (write_gguf) and real ones cut down (cut_layers)."""
 
 from __future__ import annotations
 
 import struct
 from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType, quants
 
 from runtimes.gguf_file import open_reader
 
@@ -37,3 +41,52 @@ def cut_layers(source: Path, out: Path, layers: int, drop: tuple[str, ...] = ())
             file.write(reader.data[tensor.data_offset : tensor.data_offset + tensor.n_bytes])
             file.write(bytes(-tensor.n_bytes % align))
     return out
+
+
+TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+TOKENS = ["<unk>", "<s>", "</s>", *(f"tok{i}" for i in range(61))]
+
+
+def write_gguf(path: Path, q6k: bool = False, tied: bool = True, tokens: list[str] = TOKENS,
+               shape: bool = False) -> Path:
+    """A tiny llama GGUF: a vocabulary, a chat template, a Q4_0 embedding; `shape`: the hyperparameters too (what
+    `edge-spec plan` reads)."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, arch="llama")
+    writer.add_name("tiny")
+    if shape:
+        writer.add_block_count(1)
+        writer.add_embedding_length(64)
+        writer.add_feed_forward_length(64)
+        writer.add_head_count(1)
+        writer.add_head_count_kv(1)
+        writer.add_context_length(256)
+        writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(TEMPLATE)
+    embedding = rng.standard_normal((len(tokens), 64), dtype=np.float32)  # [n_vocab, n_embd]
+    writer.add_tensor(
+        "token_embd.weight",
+        quants.quantize(embedding, GGMLQuantizationType.Q4_0),
+        raw_dtype=GGMLQuantizationType.Q4_0,
+    )
+    if not tied:
+        # F16 on purpose: a separate head counts, the embedding lookup then does not.
+        writer.add_tensor("output.weight", embedding.astype(np.float16))
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    if q6k:
+        # Q6_K bytes need not be meaningful here: only the type and shape are read. 2 rows x 210 bytes.
+        writer.add_tensor(
+            "blk.0.ffn_down.weight", np.zeros((2, 210), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q6_K
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

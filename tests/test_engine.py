@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -12,7 +10,8 @@ from edge.generate import Decoder
 from edge.grow import GrowConfig, grow
 from edge.sampling import SamplingConfig, distribution, draw
 from edge.tree import TokenTree
-from tests.tiny import TinyModel, softmax
+from tests.oracles import first_tokens_distribution
+from tests.tiny import TinyModel, generate_tokens, softmax
 
 
 def tree_of(parents: list[int], tokens: list[int] | None = None) -> TokenTree:
@@ -138,13 +137,6 @@ def test_invalid_sampling_values(bad: dict) -> None:
         SamplingConfig(**bad)
 
 
-def generate_tokens(target: TinyModel, drafter: TinyModel | None, budget: int | None, prompt: list[int],
-                    n: int, sampling: SamplingConfig) -> list[int]:
-    decoder = Decoder(target, drafter, GrowConfig.for_budget(budget) if budget else None, sampling)
-    decoder.load(prompt)
-    return [s.token for s in decoder.generate(n) if s.token is not None and s.finish_reason is None]
-
-
 @pytest.mark.parametrize("budget", [1, 3, 16, 64, 255])
 def test_greedy_speculation_equals_plain(budget: int) -> None:
     target = TinyModel(n_vocab=9, seed=5)
@@ -167,19 +159,6 @@ def test_same_seed_same_sample(sampling: SamplingConfig) -> None:
     target = TinyModel(n_vocab=9, seed=2)
     spec = generate_tokens(target, target.noisy(1.0), 32, [4, 5], 80, sampling)
     assert spec == plain
-
-
-def first_tokens_distribution(n_vocab: int, target: TinyModel, length: int, sampling: SamplingConfig):
-    """Exact probability of every `length`-token continuation of [0, 1] under plain sampling."""
-    exact = {}
-    for seq in itertools.product(range(n_vocab), repeat=length):
-        p, context = 1.0, [0, 1]
-        for token in seq:
-            ids, probs = distribution(target.logits(context), sampling, context)
-            p *= dict(zip(ids.tolist(), probs.tolist(), strict=True)).get(token, 0.0)
-            context.append(token)
-        exact[seq] = p
-    return exact
 
 
 def sample_counts(target: TinyModel, drafter: TinyModel, length: int, runs: int,

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from edge.errors import UserError
 from models.registry import Registry, load_registry
 from runtimes.gguf_file import GGUFInfo, check_gguf, gguf_header, gguf_shape
-from tests.test_gguf_file import write_gguf
+from tests.ggufs import write_gguf
 
 EXAMPLES = int(os.environ.get("EDGE_SPEC_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,

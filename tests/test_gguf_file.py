@@ -6,47 +6,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, quants
 
 from edge.errors import UserError
 from runtimes.gguf_file import GGUFInfo, check_gguf, check_same_vocab, vocab_tokens
-
-TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-TOKENS = ["<unk>", "<s>", "</s>", *(f"tok{i}" for i in range(61))]
-
-
-def write_gguf(path: Path, q6k: bool = False, tied: bool = True, tokens: list[str] = TOKENS) -> Path:
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, arch="llama")
-    writer.add_name("tiny")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(True)
-    writer.add_chat_template(TEMPLATE)
-    embedding = rng.standard_normal((len(tokens), 64), dtype=np.float32)  # [n_vocab, n_embd]
-    writer.add_tensor(
-        "token_embd.weight",
-        quants.quantize(embedding, GGMLQuantizationType.Q4_0),
-        raw_dtype=GGMLQuantizationType.Q4_0,
-    )
-    if not tied:
-        # F16 on purpose: a separate head counts, the embedding lookup then does not.
-        writer.add_tensor("output.weight", embedding.astype(np.float16))
-    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
-    if q6k:
-        # Q6_K bytes need not be meaningful here: only the type and shape are read. 2 rows x 210 bytes.
-        writer.add_tensor(
-            "blk.0.ffn_down.weight", np.zeros((2, 210), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q6_K
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+from tests.ggufs import TEMPLATE, TOKENS, write_gguf
 
 
 @pytest.fixture

@@ -195,7 +195,7 @@ def test_measure_costs_times_large_trees_only_where_flat(flat: bool, monkeypatch
 
 def test_budgets_past_2048_are_one_line_on_the_command_line() -> None:
     from cli.benchmark import parse_budgets
-    from tests.test_cli import assert_one_line_error, run
+    from tests.cli_helpers import assert_one_line_error, run
 
     assert parse_budgets("16,64,255,1024,2048") == [16, 64, 255, 1024, 2048]
     assert_one_line_error(run("generate", "hi", "--budget", "4096"), "--budget can be at most 2048")
@@ -205,7 +205,7 @@ def test_budgets_past_2048_are_one_line_on_the_command_line() -> None:
 def test_bench_runs_a_budget_of_1024(tmp_path) -> None:
     """bench sizes the target's verify batch for its largest budget: the 1024 row grows trees past 255 nodes
     (about 8 s here: a 1025-node pass takes 3-6 s on 2 cores)."""
-    from tests.test_cli import run
+    from tests.cli_helpers import run
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Name three colors.\n")

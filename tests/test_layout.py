@@ -96,3 +96,82 @@ def test_import_edge_and_help_load_nothing_heavy() -> None:
     loaded = set(json.loads(run.stderr.strip().splitlines()[-1]))
     assert not [m for m in loaded if m.split(".")[0] in ("llama_cpp", "onnxruntime", "onnx", "huggingface_hub",
                                                          "fastapi", "uvicorn", "sse_starlette")]
+
+
+def _code(path: Path) -> list[ast.AST]:
+    """Every node of a module but its docstrings."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {id(body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                  and (body := node.body) and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)}
+    return [node for node in ast.walk(tree) if id(node) not in docstrings]
+
+
+def test_the_library_asks_models_nothing_outside_the_protocols() -> None:
+    """What the library calls on a model is in edge/protocols.py: no probing with hasattr or getattr(x, "name", None),
+    and no __getattr__ passing everything through, in the engine, models/ or offload/."""
+    found = []
+    for name, path in _modules().items():
+        if name.split(".")[0] not in ("edge", "models", "offload"):
+            continue
+        for node in _code(path):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and (
+                    node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3
+                                                  and isinstance(node.args[2], ast.Constant)
+                                                  and node.args[2].value is None)):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.func.id}")
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} __getattr__")
+    assert not found, found
+
+
+def test_no_runtime_is_named_outside_the_runtimes() -> None:
+    """Code above runtimes/ asks a runtime's traits; only the runtimes and the registry's parser spell their names."""
+    from runtimes import RUNTIMES
+
+    found = []
+    for name, path in _modules().items():
+        if name.startswith("runtimes") or name == "models.registry":
+            continue
+        for node in _code(path):
+            if isinstance(node, ast.Constant) and node.value in RUNTIMES:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
+    assert not found, found
+
+
+def test_a_runtime_made_from_the_protocols_alone_runs_in_the_engine_the_bench_and_the_server(tmp_path: Path) -> None:
+    """tests/fake_runtime.py knows edge/protocols.py and runtimes' Traits and Runtime functions, nothing else: once
+    registered, a models.toml pair of its models loads, decodes speculatively (the same text as plain decoding),
+    runs in `bench` and answers the server's chat completions."""
+    from fastapi.testclient import TestClient
+
+    import edge
+    from edge.sampling import SamplingConfig
+    from models.bench import run_bench
+    from runtimes import register
+    from serve.app import create_app
+    from serve.worker import Worker
+    from tests.fake_runtime import TRAITS
+    from tests.ggufs import write_gguf
+
+    register("fake", "tests.fake_runtime", TRAITS)
+    model = write_gguf(tmp_path / "fake.gguf", shape=True)
+    models = tmp_path / "models.toml"
+    models.write_text(f'[pairs.fake]\nabout = "numpy models"\nctx = 512\nbudget = 16\ntarget.path = "{model}"\n'
+                      'target.runtime = "fake"\ndrafter.from = "target"\ndrafter.runtime = "fake"\n')
+    with edge.load("fake", models_file=models) as pair:
+        assert (pair.target.runtime, pair.drafter.runtime, pair.lossless_warning) == ("fake", "fake", None)
+        tree = edge.generate(pair, "Hello there", max_tokens=24)
+        plain = edge.generate(pair, "Hello there", max_tokens=24, speculate=False)
+        assert tree.tokens == plain.tokens and tree.stats.target_passes < plain.stats.target_passes
+        bench = run_bench(pair, ["Hello there", "Say more"], [16], 12, SamplingConfig())
+        assert [row["matches_plain"] for row in bench["rows"]] == [True, True]
+        worker = Worker(pair)
+        try:
+            client = TestClient(create_app(pair, worker))
+            reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello there"}],
+                                                              "max_tokens": 24, "temperature": 0})
+        finally:
+            worker.close()
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == tree.text

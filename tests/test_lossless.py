@@ -227,9 +227,9 @@ def test_sampled_first_tokens_follow_the_targets_distribution(smollm2: Pair) -> 
 
 
 def test_residual_rule_follows_the_targets_distribution(smollm2: Pair) -> None:
-    """The residual rule on the real pair (the ONNX drafter's q, llama.cpp's p): two-token continuations over 400
-    seeded generations against their exact probabilities from the target's logits, as above, at a temperature and
-    top-p where the drafter's draws are often not the target's."""
+    """The residual rule on the real pair (the llama.cpp drafter's q on its Q4_0 requantization, the target's p):
+    two-token continuations over 400 seeded generations against their exact probabilities from the target's logits,
+    as above, at a temperature and top-p where the drafter's draws are often not the target's."""
     sampling = SamplingConfig(temperature=1.0, top_k=5, top_p=0.9)
     tokens = prompt_tokens(smollm2, "Name a colour.")
     exact = two_token_probabilities(smollm2, tokens, sampling)

@@ -6,8 +6,6 @@ wrong rule fails; the real SmolLM2 pair checks it against exact probabilities fr
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -16,7 +14,7 @@ from edge.grow import GrowConfig
 from edge.residual import AutoRule, Proposal, Proposer, _draw_without_replacement, residual_draw
 from edge.sampling import SamplingConfig, distribution
 from edge.tree import TokenTree
-from tests.test_engine import first_tokens_distribution
+from tests.oracles import chi_square, first_tokens_distribution
 from tests.tiny import TinyModel
 
 CONFIGS = [  # two temperatures, top-p and min-p on, a penalty on one
@@ -24,23 +22,6 @@ CONFIGS = [  # two temperatures, top-p and min-p on, a penalty on one
     SamplingConfig(temperature=1.3, top_p=0.95, min_p=0.02, repeat_penalty=1.2),
 ]
 RUNS = 4000
-
-
-def chi_square(counts: dict, exact: dict, runs: int) -> tuple[float, float]:
-    """(statistic, its critical value at p = 1e-4) over the outcomes, those expected fewer than 5 times pooled.
-    The critical value is Wilson and Hilferty's approximation of the chi-square quantile (within 1% here)."""
-    expected = np.array([p * runs for p in exact.values()])
-    observed = np.array([counts.get(outcome, 0) for outcome in exact], float)
-    assert sum(counts.values()) == observed.sum(), "an outcome the target cannot produce"
-    small = expected < 5
-    expected = np.append(expected[~small], expected[small].sum())
-    observed = np.append(observed[~small], observed[small].sum())
-    keep = expected > 0
-    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    dof = int(keep.sum()) - 1
-    z = 3.719  # the normal quantile at 1 - 1e-4
-    critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-    return statistic, critical
 
 
 def residual_counts(sampling: SamplingConfig, runs: int = RUNS) -> dict[tuple[int, ...], int]:

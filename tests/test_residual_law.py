@@ -1,4 +1,4 @@
-"""The residual rule's exact law (edge.residual.residual_law), and PathTarget (edge.replay), which runs the rule
+"""The residual rule's exact law (tests/oracles.py: residual_law), and PathTarget (edge.replay), which runs the rule
 without tree passes.
 
 residual_law is checked against residual_draw's frequencies with the candidates fixed, and against p once the
@@ -16,11 +16,11 @@ import pytest
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.replay import PathTarget
-from edge.residual import Proposal, residual_draw, residual_law, residual_probability
+from edge.residual import Proposal, residual_draw
 from edge.sampling import SamplingConfig
 from models.pair import Pair
 from tests.conftest import prompt_tokens
-from tests.test_residual import chi_square
+from tests.oracles import chi_square, residual_law, residual_probability
 
 # (p, q, the candidates in draw order), each distribution as {token: probability}: q close to p, q holding tokens p
 # lacks (the first candidate one of them), a single candidate, and q almost p (the residual is then one token)

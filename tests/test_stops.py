@@ -13,8 +13,7 @@ from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.sampling import SamplingConfig, distribution, penalized
 from edge.stops import StopStrings, cut_at_stop_strings, stopping
-from tests.test_engine import generate_tokens
-from tests.tiny import TinyModel
+from tests.tiny import TinyModel, generate_tokens
 
 ALPHABET = "ab\nxé"
 

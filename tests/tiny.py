@@ -12,7 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from edge.generate import Decoder
+from edge.grow import GrowConfig
 from edge.protocols import ModelDefaults, SpecialTokens
+from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
 
 
@@ -121,3 +124,10 @@ def _path_tokens(tree: TokenTree, node: int) -> list[int]:
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
     return e / e.sum()
+
+
+def generate_tokens(target: TinyModel, drafter: TinyModel | None, budget: int | None, prompt: list[int],
+                    n: int, sampling: SamplingConfig) -> list[int]:
+    decoder = Decoder(target, drafter, GrowConfig.for_budget(budget) if budget else None, sampling)
+    decoder.load(prompt)
+    return [s.token for s in decoder.generate(n) if s.token is not None and s.finish_reason is None]
