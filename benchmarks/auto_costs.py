@@ -16,9 +16,10 @@ import json
 import sys
 from dataclasses import replace
 
+from edge.models.pair import CALIBRATION_TEXT
+from edge.offload.tuning import CANDIDATES, AutoBudget, measure_costs
+
 import edge
-from models.pair import CALIBRATION_TEXT
-from offload.tuning import CANDIDATES, AutoBudget, measure_costs
 
 
 def main() -> None:

@@ -16,18 +16,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import edge.runtimes.onnx as onnx_runtime
 import numpy as np
+from edge.models.bench import read_prompts
+from edge.models.opening import materialize, open_drafter
+from edge.models.pair import CALIBRATION_TEXT, Pair
+from edge.offload.tuning import expand_ms
+from edge.runtimes.onnx import graph
 
 import edge
-import runtimes.onnx as onnx_runtime
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.sampling import SamplingConfig
-from models.bench import read_prompts
-from models.opening import materialize, open_drafter
-from models.pair import CALIBRATION_TEXT, Pair
-from offload.tuning import expand_ms
-from runtimes.onnx import graph
 
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0")
 

@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from edge.models.bench import read_prompts
 
 import edge
 from edge.replay import plain_replies
 from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
-from models.bench import read_prompts
 
 EDGES = [0.0, 0.3, 0.5, 0.7, 0.9, 0.98, 1.0001]  # bins of the drafter's probability for its top token
 

@@ -12,10 +12,11 @@ import argparse
 import sys
 from dataclasses import replace
 
+from edge.models.opening import open_drafter
+from edge.models.pair import CALIBRATION_TEXT
+from edge.offload.tuning import expand_ms
+
 import edge
-from models.opening import open_drafter
-from models.pair import CALIBRATION_TEXT
-from offload.tuning import expand_ms
 
 CONTEXTS = (20, 60, 120, 200)
 

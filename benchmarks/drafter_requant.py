@@ -21,18 +21,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import edge.runtimes.onnx as onnx_runtime
 import numpy as np
 from draft_agreement import teacher_forced  # benchmarks/, the script's folder
+from edge.models.bench import read_prompts
+from edge.models.opening import open_drafter
+from edge.models.pair import CALIBRATION_TEXT, Pair
+from edge.offload.tuning import expand_ms
+from edge.runtimes.onnx import graph
 
 import edge
-import runtimes.onnx as onnx_runtime
 from edge.replay import plain_replies
 from edge.sampling import SamplingConfig
-from models.bench import read_prompts
-from models.opening import open_drafter
-from models.pair import CALIBRATION_TEXT, Pair
-from offload.tuning import expand_ms
-from runtimes.onnx import graph
 
 _kept_init = graph.DecoderBuilder.__init__
 _kept_linear = graph.DecoderBuilder.linear

@@ -7,7 +7,7 @@
    drafter grows a tree), in a memory cgroup without a limit that only counts;
 2. capped: `--placement ram` (edge-spec evicts nothing and reads nothing ahead) in a memory cgroup whose limit leaves
    the process its anonymous memory (the emulated run's peak) and `--room` of the target file's size for the page
-   cache, so the kernel itself must stream the mmap'd target from the disk on every pass (offload/memcap.py).
+   cache, so the kernel itself must stream the mmap'd target from the disk on every pass (benchmarks/memcap.py).
 
 A one-prompt, one-token warm-up runs first, so that what a first run prepares (a requantized target, an ONNX graph)
 is made before the measured runs and its memory does not raise the cap. Both decode plainly and with
@@ -29,11 +29,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import edge
-from models.bench import read_prompts
-from offload import memcap
+import memcap  # benchmarks/, the script's folder
+from edge.models.bench import read_prompts
 
-EDGE_SPEC = [sys.executable, "-c", "from cli.main import main; main()"]  # `edge-spec`, on this interpreter
+import edge
+
+EDGE_SPEC = [sys.executable, "-c", "from edge.cli.main import main; main()"]  # `edge-spec`, on this interpreter
 MB = 1e6
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?)\s*([kmg]?)(?:i?b)?$", re.IGNORECASE)
 
@@ -48,8 +49,8 @@ def parse_size(text: str) -> int:
 
 def target_file(pair: str | None, target_dtype: str | None) -> Path:
     """The target file both runs load (prepared now if --target-dtype asks for a rewrite not made yet)."""
-    from models.loading import resolve_spec
-    from models.opening import materialize
+    from edge.models.loading import resolve_spec
+    from edge.models.opening import materialize
 
     spec, _ = resolve_spec(edge.LoadOptions(pair=pair, target_dtype=target_dtype))
     return materialize(spec.target, lambda message: print(message, file=sys.stderr, flush=True))

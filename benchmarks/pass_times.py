@@ -27,15 +27,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from edge.models.loading import resolve_spec
+from edge.models.planning import make_plan
+from edge.offload.plan import fit_constants, pass_cost
+from edge.offload.probe import probe_machine
+from edge.offload.ssd import read_bytes
+from edge.offload.tuning import timing_chain
 
 import edge
 from edge.options import LoadOptions
-from models.loading import resolve_spec
-from models.planning import make_plan
-from offload.plan import fit_constants, pass_cost
-from offload.probe import probe_machine
-from offload.ssd import read_bytes
-from offload.tuning import timing_chain
 
 
 class MemoryPeaks:

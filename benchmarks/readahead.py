@@ -15,11 +15,12 @@ import resource
 import time
 from pathlib import Path
 
+from edge.offload import libc
+from edge.offload.libc import MADV_POPULATE_READ
+from edge.offload.ssd import READAHEAD_CHUNK, SsdStreamer, resident_fraction
+from edge.runtimes.llama_cpp import RunOptions, load_target
+
 from edge.tree import TokenTree
-from offload import libc
-from offload.libc import MADV_POPULATE_READ
-from offload.ssd import READAHEAD_CHUNK, SsdStreamer, resident_fraction
-from runtimes.llama_cpp import RunOptions, load_target
 
 CHUNK_READAHEAD = 2 << 20
 MADV_NORMAL, MADV_SEQUENTIAL, MADV_WILLNEED = 0, 2, 3

@@ -138,7 +138,7 @@ def main() -> None:
         result = soak(args.url.rstrip("/"), None, args.clients, args.requests, args.max_tokens, args.time_limit,
                       prompts)
     else:
-        from serve.process import ServerProcess
+        from serve_process import ServerProcess  # benchmarks/, the script's folder
 
         server_args = ([args.pair] if args.pair else []) + args.server_args.split()
         with ServerProcess(server_args) as server:

@@ -19,12 +19,13 @@ import numpy as np
 
 def measure(pair: str, mem_reuse: bool) -> dict:
     """In this process: load the pair's drafter file as an ONNX drafter, time its passes, hash what it drafts."""
+    from edge.models.opening import materialize
+    from edge.models.pair import CALIBRATION_TEXT
+    from edge.models.registry import load_registry
+    from edge.offload.tuning import expand_ms
+    from edge.runtimes import runtime
+
     from edge.tree import TokenTree
-    from models.opening import materialize
-    from models.pair import CALIBRATION_TEXT
-    from models.registry import load_registry
-    from offload.tuning import expand_ms
-    from runtimes import runtime
 
     spec = load_registry().pair(pair)
     path = materialize(spec.drafter)

@@ -18,12 +18,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from edge.models.bench import read_prompts
+from edge.offload.ssd import embedding_table, pass_order
+
 import edge
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.sampling import SamplingConfig
-from models.bench import read_prompts
-from offload.ssd import embedding_table, pass_order
 
 COLUMNS = ("evict", "read_from", "read_to", "grow", "pass_to", "pass_after_read", "round")
 

@@ -28,7 +28,7 @@ BASELINE = """
 import sys
 import llama_cpp.llama_cpp as native
 from llama_cpp import Llama
-from runtimes.llama_cpp._native import USE_EXTRA_BUFFERS
+from edge.runtimes.llama_cpp._native import USE_EXTRA_BUFFERS
 defaults = native.llama_model_default_params
 def model_params():
     params = defaults()
@@ -58,15 +58,16 @@ def first_byte_seconds(command: list[str]) -> tuple[float, float]:
 
 def edge_spec_command(pair: str, base_model: bool) -> list[str]:
     exe = shutil.which("edge-spec")
-    launcher = [exe] if exe else [sys.executable, "-c", "from cli.main import main; main()"]
+    launcher = [exe] if exe else [sys.executable, "-c", "from edge.cli.main import main; main()"]
     return [*launcher, "generate", "hi", "-n", "1", "--pair", pair, *(["--raw"] if base_model else [])]
 
 
 def phases(pair: str, spawned: float) -> dict[str, float]:
     """In a fresh process: seconds of each start-up phase, up to the first token."""
     started = time.time()
+    from edge.models.pair import NESTED
+
     import edge
-    from models.pair import NESTED
 
     imported = time.time()
     with edge.load(pair) as loaded:
@@ -95,9 +96,10 @@ def main() -> None:
         print(json.dumps(phases(args.pair, args.phases_child)))
         return
 
+    from edge.models.loading import base_model, resolve_spec
+    from edge.models.sources import model_path
+
     from edge.options import LoadOptions
-    from models.loading import base_model, resolve_spec
-    from models.sources import model_path
 
     options = LoadOptions(pair=args.pair)
     command = edge_spec_command(args.pair, base_model(options) is not None)

@@ -190,8 +190,8 @@ def tokenizer_fields(path: Path) -> list[tuple[str, object, GGUFValueType, GGUFV
 
 def default_tokenizer_file() -> Path:
     """The offline pair's SmolLM2-135M target (llama architecture), fetched by `edge-spec pull smollm2-135m`."""
-    from models.registry import load_registry
-    from models.sources import model_path
+    from edge.models.registry import load_registry
+    from edge.models.sources import model_path
 
     path = model_path(load_registry().pair("smollm2-135m").target)
     if path is None or not path.is_file():

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from edge.models.bench import read_prompts
 
 import edge
 from edge.generate import GREEDY_DRAFT_TEMPERATURE, Decoder
@@ -28,7 +29,6 @@ from edge.replay import ReplayTarget, plain_replies, replay
 from edge.sampling import SamplingConfig
 from edge.speculative import RoundResult
 from edge.tree import TokenTree
-from models.bench import read_prompts
 
 
 class ChainBeside:

@@ -29,6 +29,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from edge.models.bench import read_prompts
+
 import edge
 from edge.generate import Decoder, Stats
 from edge.grow import GrowConfig
@@ -36,7 +38,6 @@ from edge.protocols import Drafter
 from edge.replay import PathTarget, ReplayTarget, plain_replies, replay
 from edge.sampling import SamplingConfig
 from edge.speculative import RoundResult
-from models.bench import read_prompts
 
 
 class Row:

@@ -16,12 +16,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from edge.models.bench import read_prompts
+from edge.models.loading import resolve_spec
+from edge.models.opening import head_ids
+
 import edge
 from edge.replay import plain_replies
 from edge.sampling import SamplingConfig
-from models.bench import read_prompts
-from models.loading import resolve_spec
-from models.opening import head_ids
 
 
 def main() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from edge.models.bench import METHODS, DrafterChoice
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from edge.errors import UserError
 from edge.options import MAX_BUDGET
-from models.bench import METHODS, DrafterChoice
 
 
 def parse_budgets(text: str) -> list[int | str]:
@@ -55,7 +55,7 @@ def method_label(row: dict[str, Any], result: dict[str, Any]) -> str:
 def parse_drafters(text: str | None) -> list[DrafterChoice] | None:
     """'llama_cpp,onnx:32768,llama_cpp@q4_0' -> drafters to compare: a runtime, a trimmed head (onnx:K) and a
     requantization of the pair's drafter file (@QUANT)."""
-    from models.registry import FTYPES, names, traits
+    from edge.models.registry import FTYPES, names, traits
 
     if text is None:
         return None

@@ -9,10 +9,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
-
-from cli.app import app
-from cli.options import (
+from edge.cli.app import app
+from edge.cli.options import (
     DECODING,
     ChatSamplingOpt,
     MinPOpt,
@@ -31,7 +29,9 @@ from cli.options import (
     sampling_config,
     user_errors,
 )
-from cli.render import err, reply_stats, warning
+from edge.cli.render import err, reply_stats, warning
+from rich.markup import escape
+
 from edge.errors import UserError
 from edge.options import LoadOptions, check_max_tokens
 
@@ -62,7 +62,7 @@ def generate(
 
     if not raw:
         refuse_base_model(load, "pass --raw to complete the prompt as-is")
-    from cli.repl import interruptible
+    from edge.cli.repl import interruptible
 
     with load_pair(load) as loaded, interruptible() as stopped:  # Ctrl-C: stop reading or replying, then exit
         if loaded.lossless_warning and not no_spec:
@@ -104,8 +104,8 @@ def chat(
 ) -> None:
     """Talk to a model. Piped stdin: one prompt per line, replies on stdout. Samples as the model recommends (its
     GGUF's general.sampling.*, else temperature 0.8, top-k 40, top-p 0.95, min-p 0.05); --temperature 0 is greedy."""
-    from cli.repl import HISTORY_FILE, greedy_penalty, run_chat
-    from models.cache import cache_dir
+    from edge.cli.repl import HISTORY_FILE, greedy_penalty, run_chat
+    from edge.models.cache import cache_dir
 
     check_max_tokens(max_tokens)
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
@@ -145,7 +145,7 @@ def serve(
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions), one generation at
     a time (docs/server.md)."""
-    from serve.run import bind, is_loopback, serve, url
+    from edge.serve.run import bind, is_loopback, serve, url
 
     if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         raise UserError(f"--log-level must be debug, info, warning or error (got {log_level!r})")

@@ -6,8 +6,8 @@ plan); cli/options.py holds the options and helpers they share."""
 
 from __future__ import annotations
 
-from cli import decoding, managing, measuring  # noqa: F401  (importing a command module registers its commands)
-from cli.app import app
+from edge.cli import decoding, managing, measuring  # noqa: F401  (importing a command module registers its commands)
+from edge.cli.app import app
 
 __all__ = ["app", "main"]
 

@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from edge.cli.app import app
+from edge.cli.options import MODEL_HELP, ModelArg, ThreadsOpt, load, named, user_errors, working
+from edge.cli.render import err, note
+from edge.models.registry import Registry, load_registry
 from rich.console import Console
 from rich.markup import escape
 
-from cli.app import app
-from cli.options import MODEL_HELP, ModelArg, ThreadsOpt, load, named, user_errors, working
-from cli.render import err, note
 from edge.errors import UserError
-from models.registry import Registry, load_registry
 
 
 def registry(ctx: typer.Context) -> Registry:
@@ -28,7 +28,7 @@ def models(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """List the pairs in models.toml: their files, sizes, and whether they are here."""
-    from models.sources import model_path
+    from edge.models.sources import model_path
 
     reg = registry(ctx)
     listing = {}
@@ -86,7 +86,7 @@ def rm(ctx: typer.Context,
        model: Annotated[str, typer.Argument(help=MODEL_HELP, show_default=False, metavar="MODEL")]) -> None:
     """Remove a model's files from the cache: its download and what was prepared from it (requantized copies,
     vocabularies, ONNX graphs). Pairs that share them fetch or build them again when next used."""
-    from models.sources import cached_files
+    from edge.models.sources import cached_files
 
     spec = named(ctx, model)[0]
     removed, freed = 0, 0
@@ -107,7 +107,7 @@ def rm(ctx: typer.Context,
 @user_errors
 def pull(ctx: typer.Context, pair: ModelArg = None) -> None:
     """Download a model's files (verified by sha256) into the cache."""
-    from models.sources import fetch
+    from edge.models.sources import fetch
 
     spec = named(ctx, pair)[0]
     for role, model in (("target", spec.target), ("drafter", spec.drafter)):
@@ -131,12 +131,12 @@ def prepare(
     threads: ThreadsOpt = None,
 ) -> None:
     """Download a model and build its prepared files (requantized target / drafter, --vocab vocabularies)."""
-    from models.opening import materialize
+    from edge.models.opening import materialize
 
     spec = named(ctx, pair)[0]
     sizes: list[int] = []
     if vocab:
-        from models.vocabulary import parse_vocab_sizes
+        from edge.models.vocabulary import parse_vocab_sizes
 
         sizes = parse_vocab_sizes(vocab)
     elif prompts is not None or calibration_tokens is not None:
@@ -149,9 +149,8 @@ def prepare(
             prepared = materialize(model, said)
         print(f"{role}: {prepared}")
     if sizes:
+        from edge.models.vocabulary import build_vocabs
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        from models.vocabulary import build_vocabs
 
         columns = (TextColumn("calibrating {task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeRemainingColumn())

@@ -7,11 +7,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-
-from cli.app import app
-from cli.options import (
+from edge.cli.app import app
+from edge.cli.options import (
     PLACING,
     MinPOpt,
     ModelArg,
@@ -28,7 +25,10 @@ from cli.options import (
     user_errors,
     working,
 )
-from cli.render import err, report, warning
+from edge.cli.render import err, report, warning
+from rich.console import Console
+from rich.markup import escape
+
 from edge.options import LoadOptions
 
 
@@ -62,9 +62,9 @@ def bench(
     load: LoadOptions,
 ) -> None:
     """Plain decoding vs chain and tree speculation on the same prompts, the same placement, in one run."""
-    from cli.benchmark import parse_accepts, parse_budgets, parse_drafters, parse_methods, pyplot, render_table
-    from cli.benchmark import plot as plot_result
-    from models.bench import read_prompts, run_bench
+    from edge.cli.benchmark import parse_accepts, parse_budgets, parse_drafters, parse_methods, pyplot, render_table
+    from edge.cli.benchmark import plot as plot_result
+    from edge.models.bench import read_prompts, run_bench
 
     if plot is not None:
         pyplot()  # a missing matplotlib is said now, not after the whole run
@@ -104,9 +104,9 @@ def check(
 ) -> None:
     """Measure whether a model's target is batch-invariant here (the condition for bit-exact lossless
     speculation)."""
-    from models.checking import run_check
-    from models.opening import materialize
-    from models.planning import unused_gpu
+    from edge.models.checking import run_check
+    from edge.models.opening import materialize
+    from edge.models.planning import unused_gpu
 
     if (unused := unused_gpu()) is not None:
         warning(unused)
@@ -147,10 +147,10 @@ def plan(
     load: LoadOptions,
 ) -> None:
     """Where each part of a pair goes (GPU, RAM, SSD) and what a target pass costs; loads and downloads nothing."""
-    from cli.planning import render_plan, render_rates
-    from models.loading import resolve_spec
-    from models.planning import make_plan, unused_gpu
-    from offload.expected import expected_rates, pick, read_acceptance
+    from edge.cli.planning import render_plan, render_rates
+    from edge.models.loading import resolve_spec
+    from edge.models.planning import make_plan, unused_gpu
+    from edge.offload.expected import expected_rates, pick, read_acceptance
 
     spec, models_file = resolve_spec(load)
     if (unused := unused_gpu()) is not None:

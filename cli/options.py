@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from edge.cli.render import err, error, report, worded
 from rich.markup import escape
 
-from cli.render import err, error, report, worded
 from edge.errors import UserError
 from edge.options import LoadOptions
 
@@ -144,7 +144,7 @@ def read_stdin() -> str:
 def named(command: typer.Context, model: str | None, drafter: str | None = None):
     """The pair a MODEL argument names (a pair of models.toml, a GGUF file, a Hugging Face reference; a file's
     drafter, if given), and the models.toml it came from."""
-    from models.loading import resolve_spec
+    from edge.models.loading import resolve_spec
 
     return resolve_spec(LoadOptions(models_file=command.obj, pair=model, drafter=drafter))
 
@@ -172,7 +172,7 @@ def working(what: str) -> Iterator[Callable[[str], None]]:
 
 def load_pair(options: LoadOptions):
     """Load, with a spinner saying what is happening (on a terminal; elsewhere, progress lines only)."""
-    from models.loading import open_pair
+    from edge.models.loading import open_pair
 
     what = options.pair or (options.target and Path(str(options.target)).name) or "the default pair"
     with working(f"loading {what}") as said:
@@ -181,7 +181,7 @@ def load_pair(options: LoadOptions):
 
 def refuse_base_model(options: LoadOptions, what_to_do: str) -> None:
     """A base model cannot chat: say so from its header, before a load of many seconds."""
-    from models.loading import base_model
+    from edge.models.loading import base_model
 
     name = base_model(options)
     if name is not None:

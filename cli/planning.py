@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from edge.offload.expected import ExpectedRate
+from edge.offload.plan import GIB, Plan
 from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-
-from offload.expected import ExpectedRate
-from offload.plan import GIB, Plan
 
 
 def render_plan(plan: Plan, console: Console) -> None:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+from edge.cli.render import error as report_error
+from edge.cli.render import note, stats_line, warning, worded
 from rich.console import Console
 
-from cli.render import error as report_error
-from cli.render import note, stats_line, warning, worded
 from edge.chat import ChatSession
 from edge.errors import UserError
 from edge.generate import Stats, Step
@@ -172,7 +172,7 @@ def _reply(chat: Chat, text: str) -> Stats:
 def _turn_stats(chat: Chat, step: Step, first_token_s: float | None) -> None:
     """The line under a reply: its stats, the time to its first token (the prompt's prefill and a first round), the
     context used, and whether Ctrl-C cut it short."""
-    from cli.render import err
+    from edge.cli.render import err
 
     extra = f" · first token {first_token_s:.2f}s" if first_token_s is not None else ""
     extra += f" · context {len(chat.session.decoder.context)}/{chat.loaded.target.n_ctx}"

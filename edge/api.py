@@ -24,7 +24,7 @@ from edge.sampling import SamplingConfig
 from edge.stops import StopStrings, cut_at_stop_strings, stopping
 
 if TYPE_CHECKING:
-    from models.pair import Pair
+    from edge.models.pair import Pair
 
 
 @dataclass
@@ -57,7 +57,7 @@ def load(pair: str | LoadOptions | None = None, *, report: Callable[[str], None]
     other keyword is a field of LoadOptions (ctx, budget, threads, placement, ...). `report` receives progress lines
     (downloads, preparing files, building the drafter's graph; default: the "edge" logger at INFO level). Close the
     pair, or use it in a `with` block."""
-    from models.loading import open_pair
+    from edge.models.loading import open_pair
 
     load_options = replace(pair, **options) if isinstance(pair, LoadOptions) else LoadOptions(pair=pair, **options)
     return open_pair(load_options, report or logging.getLogger("edge").info)

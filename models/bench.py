@@ -8,6 +8,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge.models.sources import model_path
+from edge.offload.tuning import expand_ms, pass_ms
+
 from edge.budget import json_table
 from edge.errors import UserError
 from edge.generate import Decoder, Stats
@@ -15,11 +18,9 @@ from edge.grow import GrowConfig
 from edge.options import check_max_tokens
 from edge.protocols import Drafter
 from edge.sampling import SamplingConfig
-from models.sources import model_path
-from offload.tuning import expand_ms, pass_ms
 
 if TYPE_CHECKING:
-    from models.pair import Pair
+    from edge.models.pair import Pair
 
 Report = Callable[[str], None]
 
@@ -72,9 +73,10 @@ def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_toke
     quantization). `progress(done, total)` hears of each prompt decoded by each row. A sampled row whose rule is not
     sample-and-match is not checked against plain decoding's text (it keeps the distribution, not the seed's text):
     its matches_plain is None."""
+    from edge.offload.probe import probe_machine
+    from edge.offload.tuning import measure_costs
+
     from edge.budget import AutoBudget
-    from offload.probe import probe_machine
-    from offload.tuning import measure_costs
 
     check_max_tokens(max_tokens)
     prompt_tokens = [pair.prompt_tokens(prompt, raw=raw or None) for prompt in prompts]
@@ -134,7 +136,7 @@ def _decode_interleaved(decoders: list[Decoder], prompt_tokens: list[list[int]],
                         ) -> list[tuple[list[list[int]], Stats, int | None]]:
     """Every prompt through every decoder in turn; per decoder its outputs, its stats and the bytes the process
     read from storage while it ran (prefill included)."""
-    from offload.ssd import read_bytes
+    from edge.offload.ssd import read_bytes
 
     outputs: list[list[list[int]]] = [[] for _ in decoders]
     totals = [Stats() for _ in decoders]
@@ -161,7 +163,7 @@ def _drafters(pair: Pair, choices: list[DrafterChoice] | None, report: Report) -
             raise UserError(f"{pair.name} has no drafter to compare")
         yield pair.drafter, pair.drafter.runtime + (f":{pair.drafter.vocab}" if pair.spec.drafter.vocab else "")
         return
-    from models.opening import head_ids
+    from edge.models.opening import head_ids
 
     for choice in choices:  # a missing vocabulary fails now, not after the drafters before it have run
         head_ids(pair.spec, replace(pair.spec.drafter, runtime=choice.runtime, vocab=choice.vocab))
@@ -172,11 +174,11 @@ def _drafters(pair: Pair, choices: list[DrafterChoice] | None, report: Report) -
 def target_pass_times(pair: Pair, prefix: list[int], report: Report = _quiet) -> dict[str, dict[str, float]]:
     """Pass times of the pair's target; one sharing its KV cache with its drafter (QuantSpec) is timed beside the
     default runtime's target on the same file."""
-    from runtimes import DEFAULT, ModelOptions, runtime, traits
+    from edge.runtimes import DEFAULT, ModelOptions, runtime, traits
 
     times = {pair.target.runtime: json_table(pass_ms(pair.target, prefix))}
     if traits(pair.spec.target.runtime).shared_cache:
-        from models.opening import materialize
+        from edge.models.opening import materialize
 
         report(f"{DEFAULT} target on the same file, for its pass times")
         options = ModelOptions(n_ctx=pair.spec.ctx, kv_type=pair.spec.target.kv_type, threads=pair.options.threads)

@@ -18,9 +18,9 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 
 def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str, Any]:
-    from models.registry import KV_TYPES
-    from runtimes import DEFAULT, ModelOptions, runtime
-    from runtimes.gguf_file import check_gguf
+    from edge.models.registry import KV_TYPES
+    from edge.runtimes import DEFAULT, ModelOptions, runtime
+    from edge.runtimes.gguf_file import check_gguf
 
     if kv_type not in KV_TYPES:
         raise UserError(f"kv_type must be one of {', '.join(KV_TYPES)} (got {kv_type!r})", "kv_type")

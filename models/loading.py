@@ -13,17 +13,18 @@ from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from edge.models.cache import ensure_space
+from edge.models.opening import drafter_model, graph_folder, head_ids, materialize, open_drafter, phase
+from edge.models.pair import NESTED, Pair, budget_refused, tree_nodes
+from edge.models.registry import ModelSpec, PairSpec, Registry, Source, load_registry
+from edge.models.sources import model_path
+from edge.runtimes import DRAFTERS, ModelOptions, check_name, default_threads, drafts_from, runtime, traits
+
 from edge.chat_template import ChatTemplate
 from edge.errors import UserError
 from edge.options import LoadOptions
 from edge.protocols import Drafter, Target
 from edge.sampling import CHAT_DEFAULTS, SamplingConfig
-from models.cache import ensure_space
-from models.opening import drafter_model, graph_folder, head_ids, materialize, open_drafter, phase
-from models.pair import NESTED, Pair, budget_refused, tree_nodes
-from models.registry import ModelSpec, PairSpec, Registry, Source, load_registry
-from models.sources import model_path
-from runtimes import DRAFTERS, ModelOptions, check_name, default_threads, drafts_from, runtime, traits
 
 Report = Callable[[str], None]
 
@@ -44,7 +45,7 @@ def open_pair(options: LoadOptions, report: Report = _quiet) -> Pair:
 def base_model(options: LoadOptions) -> str | None:
     """The pair's name when the target `options` names has no chat template, read from its header without loading
     anything; None otherwise, and while its file is not here yet (loading fetches it, and tells then)."""
-    from runtimes.gguf_file import check_gguf
+    from edge.runtimes.gguf_file import check_gguf
 
     spec = resolve_spec(options)[0]
     path = model_path(spec.target)
@@ -121,7 +122,7 @@ def spec_for_models(target: str | Path, drafter: str | Path | None, ctx: int,
 
 def drafter_runtime_for(drafter_file: Path) -> str:
     """The first runtime of DRAFTERS (fastest first) that drafts from this file's architecture."""
-    from runtimes.gguf_file import gguf_header
+    from edge.runtimes.gguf_file import gguf_header
 
     architecture = gguf_header(drafter_file).field("general.architecture")
     return next(name for name in DRAFTERS if drafts_from(name, architecture))
@@ -142,8 +143,8 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
     (load_pair plans once it is fetched)."""
     if any(path is None or not path.is_file() for path in (model_path(spec.target), model_path(spec.drafter))):
         return None
-    from models.planning import make_plan
-    from offload.probe import probe_gpus
+    from edge.models.planning import make_plan
+    from edge.offload.probe import probe_gpus
 
     plan = make_plan(spec, None, models_file)
     streamed = plan.target.placement == "ssd"
@@ -163,7 +164,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
 
     A target the plan streams is used from its file's mapping: the kernel reads it on every pass and evicts it.
     placement "ssd": the same for a target that would fit, its pages evicted after every pass (offload/ssd.py)."""
-    from runtimes.gguf_file import check_gguf
+    from edge.runtimes.gguf_file import check_gguf
 
     times = {} if times is None else times
     with phase(times, "model files"):
@@ -217,7 +218,7 @@ def _dtype_fix(spec: PairSpec, models_file: Path | None) -> str:
 
 def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:
     """The sampling the model's GGUF recommends (general.sampling.*), over CHAT_DEFAULTS for what it leaves out."""
-    from runtimes.gguf_file import recommended_sampling
+    from edge.runtimes.gguf_file import recommended_sampling
 
     recommended = recommended_sampling(target_file)
     try:
@@ -276,8 +277,9 @@ def on_ssd(target: Target, path: Path, readahead: bool) -> Target:
     the target is loaded without llama.cpp's repacked buffers, which copy e.g. Q4_0 weights into RAM on x86). A pass
     counts as reading the file when its pages are in the page cache after it, or when the process read that much
     from the drive during it (under a memory limit smaller than the file the pass's first pages are gone by its end)."""
+    from edge.offload.ssd import SsdStreamer, SsdTarget, read_bytes, resident_fraction
+
     from edge.tree import TokenTree
-    from offload.ssd import SsdStreamer, SsdTarget, read_bytes, resident_fraction
 
     probe = SsdStreamer(path, readahead=False)
     probe.evict()

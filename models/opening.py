@@ -15,13 +15,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from edge.models.cache import atomic_path, cache_dir, clean_stale, ensure_space
+from edge.models.registry import ModelSpec, PairSpec
+from edge.models.sources import download_folder, fetch, prepared_path, source_path, vocab_path
+from edge.runtimes import ModelOptions, names, runtime, tools, traits
+
 from edge.errors import UserError
 from edge.grow import MAX_LEAVES
 from edge.protocols import Drafter
-from models.cache import atomic_path, cache_dir, clean_stale, ensure_space
-from models.registry import ModelSpec, PairSpec
-from models.sources import download_folder, fetch, prepared_path, source_path, vocab_path
-from runtimes import ModelOptions, names, runtime, tools, traits
 
 Report = Callable[[str], None]
 
@@ -79,7 +80,7 @@ BITS_PER_WEIGHT = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "
 
 
 def _quantized_size(source: Path, ftype: str) -> int:
-    from runtimes.gguf_file import check_gguf
+    from edge.runtimes.gguf_file import check_gguf
 
     return int(check_gguf(source).n_params * BITS_PER_WEIGHT.get(ftype, 32) / 8)
 
@@ -89,7 +90,7 @@ def open_drafter(spec: PairSpec, model: ModelSpec, target_file: Path, threads: i
                  max_tree: int = MAX_LEAVES + 1) -> Drafter:
     """The drafter `model` (the pair's, or another for a comparison) for the llama.cpp target in `target_file`,
     refused when it does not speak the target's token ids; it grows trees of up to `max_tree` nodes."""
-    from runtimes.gguf_file import check_same_vocab
+    from edge.runtimes.gguf_file import check_same_vocab
 
     times = {} if times is None else times
     drafter_file = materialize(model, report)
@@ -125,7 +126,7 @@ def head_ids(spec: PairSpec, model: ModelSpec) -> Any:
     """The frequency-ranked token ids a trimmed drafter head keeps (None: the full head)."""
     if not model.vocab:
         return None
-    from quant.vocab import RankedVocab
+    from edge.quant.vocab import RankedVocab
 
     path = vocab_path(spec.target, model.vocab)
     if not path.exists():

@@ -13,6 +13,11 @@ from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge.models.cache import JsonFile, cache_dir
+from edge.models.opening import drafter_model, head_ids, open_drafter, phase
+from edge.models.registry import PairSpec
+from edge.models.sources import model_path
+
 from edge.chat import Prompt, prompt_tokens
 from edge.chat_template import ChatTemplate
 from edge.errors import UserError
@@ -21,10 +26,6 @@ from edge.grow import MAX_LEAVES, GrowConfig
 from edge.options import LoadOptions
 from edge.protocols import Drafter, Target
 from edge.sampling import CHAT_DEFAULTS, SamplingConfig
-from models.cache import JsonFile, cache_dir
-from models.opening import drafter_model, head_ids, open_drafter, phase
-from models.registry import PairSpec
-from models.sources import model_path
 
 if TYPE_CHECKING:
     from edge.budget import AutoBudget, Costs
@@ -128,7 +129,7 @@ class Pair:
         """Room for trees of `budget` draft nodes: a llama.cpp target and drafter get a larger batch and KV room over
         the same weights (their caches start empty), sized for what is asked, not for every run (a 2049-node batch
         over Gemma's 262144-token vocabulary holds 2 GB of logits). An onnx target verifies 256 nodes at most."""
-        from offload.tuning import fit_trees
+        from edge.offload.tuning import fit_trees
 
         before = self.target.max_tree
         if budget + 1 <= before and (self.drafter is None or budget <= self.drafter.expand_capacity):
@@ -139,8 +140,9 @@ class Pair:
 
     def auto_budget(self) -> AutoBudget:
         """--budget auto's policy; its pass times are measured once per machine, placement and pair (cached)."""
+        from edge.offload.tuning import measure_costs
+
         from edge.budget import AutoBudget, Costs, budget_limit
-        from offload.tuning import measure_costs
 
         if self.costs is None:
             with phase(self.load_seconds, "pass times (--budget auto)"):
@@ -164,7 +166,7 @@ class Pair:
         """Close the pair's drafter and open the same file as another drafter: on another runtime, with a
         `vocab`-token head (onnx; 0: the full head), or requantized. One drafter at a time: idle llama.cpp thread
         pools slow the others down. Benchmarks compare drafters this way."""
-        from runtimes import traits
+        from edge.runtimes import traits
 
         if traits(self.spec.target.runtime).shared_cache:
             raise UserError("another drafter needs a pair whose target keeps its own KV cache (a QuantSpec pair's "
@@ -181,7 +183,7 @@ class Pair:
         return self.drafter
 
     def _costs_key(self) -> str | None:
-        from offload.probe import machine_key
+        from edge.offload.probe import machine_key
 
         path = model_path(self.spec.target)
         if path is None or not path.is_file() or self.drafter is None:

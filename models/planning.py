@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from edge.models.cache import JsonFile, cache_dir
+from edge.models.registry import ModelSpec, PairSpec
+from edge.models.sources import model_path, source_path
+from edge.offload.plan import Machine, Plan, Shape, parse_machine, plan_pair, probe_here
+
 from edge.errors import UserError
-from models.cache import JsonFile, cache_dir
-from models.registry import ModelSpec, PairSpec
-from models.sources import model_path, source_path
-from offload.plan import Machine, Plan, Shape, parse_machine, plan_pair, probe_here
 
 
 def make_plan(pair: PairSpec, machine: str | None, models_file: Path, stream: bool = False) -> Plan:
@@ -46,8 +47,8 @@ def _local_file(model: ModelSpec) -> Path | None:
 
 def unused_gpu() -> str | None:
     """A warning when this machine has a GPU that the installed llama.cpp cannot use (a CPU-only build)."""
-    from offload.probe import probe_gpus
-    from runtimes import tools
+    from edge.offload.probe import probe_gpus
+    from edge.runtimes import tools
 
     gpus = probe_gpus()
     if not gpus or tools().supports_gpu_offload():

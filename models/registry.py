@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge.runtimes import DEFAULT, names, traits  # the names models.toml may give, for its readers too
+
 from edge.errors import UserError
 from edge.options import MAX_BUDGET, PROVIDERS
-from runtimes import DEFAULT, names, traits  # the names models.toml may give, for its readers too
 
 KV_TYPES = ("f16", "q8_0", "q4_0", "f32", "bf16")
 FTYPES = (

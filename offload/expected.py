@@ -15,8 +15,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge.offload.plan import Plan, pass_cost
+
 from edge.errors import UserError
-from offload.plan import Plan, pass_cost
 
 
 @dataclass(frozen=True)

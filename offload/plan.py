@@ -15,12 +15,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from edge.runtimes import DEFAULT, traits
+
 from edge.errors import UserError
-from runtimes import DEFAULT, traits
 
 if TYPE_CHECKING:
-    from models.registry import ModelFacts, ModelSpec, PairSpec
-    from offload.probe import JsonStore
+    from edge.models.registry import ModelFacts, ModelSpec, PairSpec
+    from edge.offload.probe import JsonStore
 
 GIB = 1024**3
 GB = 1e9
@@ -67,7 +68,7 @@ class Shape:
 
     @classmethod
     def from_gguf(cls, path: Path) -> Shape:
-        from runtimes.gguf_file import gguf_shape
+        from edge.runtimes.gguf_file import gguf_shape
 
         shape = gguf_shape(path)
         return cls(n_layers=shape.n_layers, n_embd=shape.n_embd, n_kv_heads=shape.n_kv_heads,
@@ -219,8 +220,8 @@ def parse_machine(text: str) -> Machine:
 def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
     """This machine: free RAM and VRAM now, and the measured read speed of the drive holding the model (kept in
     `store` once measured)."""
-    from offload.probe import GIB as PROBE_GIB
-    from offload.probe import disk_read_gbps, probe_machine
+    from edge.offload.probe import GIB as PROBE_GIB
+    from edge.offload.probe import disk_read_gbps, probe_machine
 
     probed = probe_machine()
     ram_gb = probed["ram_free_gb"] or probed["ram_total_gb"]

@@ -137,7 +137,7 @@ def _timed_read(path: Path, n_bytes: int) -> float:
 
 
 def _populate_read(path: Path, n_bytes: int) -> float:
-    from offload import libc
+    from edge.offload import libc
 
     n_bytes = min(n_bytes, path.stat().st_size)
     fd = os.open(path, os.O_RDONLY)

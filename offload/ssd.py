@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from edge.offload import libc
+from edge.offload.libc import MADV_DONTNEED, MADV_POPULATE_READ
 
 from edge.protocols import Target, TargetWrapper
 from edge.tree import TokenTree
-from offload import libc
-from offload.libc import MADV_DONTNEED, MADV_POPULATE_READ
 
 READAHEAD_CHUNK = 16 << 20  # bytes per populate call: small enough to stop soon when cancelled
 HEAD_FIRST_SHARE = 0.25  # a tied embedding table up to this share of the weights is read ahead first
@@ -90,7 +90,7 @@ class TensorRange:
 
 def pass_order(path: Path) -> list[TensorRange]:
     """The file's tensor byte ranges in the order a forward pass reads them: layers 0..N, then the head."""
-    from runtimes.gguf_file import open_reader
+    from edge.runtimes.gguf_file import open_reader
 
     reader = open_reader(path)  # the header alone: a 262k-token vocabulary's strings are skipped, not parsed
     ranges = [TensorRange(t.name, int(t.data_offset), int(t.n_bytes), int(np.prod(t.shape[1:], dtype=np.int64)))

@@ -50,7 +50,7 @@ TRAITS = {
                    providers=True, derives_files=True, own_kv=("q4_0", "q8_0"),
                    architectures=frozenset({"llama", "qwen2", "gemma3"})),
 }
-PACKAGES = {name: f"runtimes.{name}" for name in RUNTIMES}  # the package each runtime's functions are in
+PACKAGES = {name: f"edge.runtimes.{name}" for name in RUNTIMES}  # the package each runtime's functions are in
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def drafts_from(name: str, architecture: str | None) -> bool:
 
 def tools() -> Any:
     """The runtime whose tools read and rewrite model files (tokenizer, quantizer, GPU support)."""
-    return import_module(f"runtimes.{TOOLS}")
+    return import_module(f"edge.runtimes.{TOOLS}")
 
 
 def default_threads() -> int:

@@ -15,6 +15,17 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from edge.serve.schemas import (
+    FINISH_REASONS,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    Refused,
+    Reply,
+    edge_stats,
+    error_body,
+)
+from edge.serve.worker import GenerationFailed, Job, Work, Worker
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -26,20 +37,9 @@ from starlette.exceptions import HTTPException
 from edge.errors import ContextFull, UserError
 from edge.generate import Stats, check_fits
 from edge.sampling import CHAT_DEFAULTS
-from serve.schemas import (
-    FINISH_REASONS,
-    ChatRequest,
-    CompletionRequest,
-    GenerationRequest,
-    Refused,
-    Reply,
-    edge_stats,
-    error_body,
-)
-from serve.worker import GenerationFailed, Job, Work, Worker
 
 if TYPE_CHECKING:
-    from models.pair import Pair
+    from edge.models.pair import Pair
 
 RequestT = TypeVar("RequestT", bound=GenerationRequest)
 MAX_BODY_BYTES = 32 << 20  # a request body larger than this is refused before it is read (413)

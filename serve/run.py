@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from edge.errors import UserError
 
 if TYPE_CHECKING:
-    from models.pair import Pair
+    from edge.models.pair import Pair
 
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 
@@ -72,9 +72,8 @@ def serve(pair: Pair, sock: socket.socket, *, api_key: str | None = None, cors_o
           ready: Callable[[], None] | None = None) -> None:
     """Serve `pair` on `sock` until Ctrl-C (or SIGTERM); closes the socket, not the pair."""
     import uvicorn
-
-    from serve.app import create_app
-    from serve.worker import Worker
+    from edge.serve.app import create_app
+    from edge.serve.worker import Worker
 
     worker = Worker(pair, speculate, budget)
 

@@ -22,7 +22,7 @@ from edge.generate import Step
 from edge.sampling import SamplingConfig
 
 if TYPE_CHECKING:
-    from models.pair import Pair
+    from edge.models.pair import Pair
 
 log = logging.getLogger("edge.serve")
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from edge.cli.main import app
 from typer.testing import CliRunner
-
-from cli.main import app
 
 runner = CliRunner()
 

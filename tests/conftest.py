@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from edge.models.pair import Pair
 
 import edge
-from models.pair import Pair
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT_PROMPTS = (REPO / "benchmarks" / "chat-prompts.txt").read_text().splitlines()
@@ -45,8 +45,8 @@ def qwen() -> Pair:
 @pytest.fixture(scope="module")
 def files(smollm2: Pair, gemma3: Pair) -> dict[str, Path]:
     """The two offline pairs' target files, fetched."""
-    from models.registry import load_registry
-    from models.sources import model_path
+    from edge.models.registry import load_registry
+    from edge.models.sources import model_path
 
     registry = load_registry()
     return {"smol": model_path(registry.pair("smollm2-135m").target),

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from edge.runtimes import ModelOptions, Report, Traits
+from edge.runtimes.gguf_file import check_gguf
 
 from edge.protocols import SpecialTokens
-from runtimes import ModelOptions, Report, Traits
-from runtimes.gguf_file import check_gguf
 from tests.tiny import TinyModel
 
 TRAITS = Traits(streams=False, splits_layers=False, trims_head=False, shared_cache=False, max_tree=None,

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from edge.runtimes.gguf_file import open_reader
 from gguf import GGMLQuantizationType, quants
-
-from runtimes.gguf_file import open_reader
 
 
 def cut_layers(source: Path, out: Path, layers: int, drop: tuple[str, ...] = ()) -> Path:

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from edge.cli.main import app
+from edge.models.pair import Pair
 from typer.testing import CliRunner
 
 import edge
-from cli.main import app
 from edge.errors import UserError
-from models.pair import Pair
 from tests.conftest import REPO
 
 
@@ -112,7 +112,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_passes_are_timed(default_pai
 
 
 def test_pass_times_keep_the_newest_entries() -> None:
-    from models.pair import PASS_TIMES_KEPT, _newest
+    from edge.models.pair import PASS_TIMES_KEPT, _newest
 
     entries = {f"file {i}": {"target_ms": {}, "measured": float(i)} for i in range(PASS_TIMES_KEPT + 6)}
     entries["undated"] = {"target_ms": {}}

@@ -98,11 +98,12 @@ def test_draft_agreement_runs(one_prompt: Path) -> None:
 def cache_with_vocabularies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The environment of a cache that is the real one (linked) plus two made-up vocabularies of the pair: K = 1
     keeps only token 0, K = 2 every token. Returns the environment for a script run."""
+    from edge.models.cache import cache_dir
+    from edge.models.loading import resolve_spec
+    from edge.models.sources import vocab_path
+    from edge.quant.vocab import RankedVocab
+
     import edge
-    from models.cache import cache_dir
-    from models.loading import resolve_spec
-    from models.sources import vocab_path
-    from quant.vocab import RankedVocab
 
     real, cache = cache_dir(), tmp_path / "cache"
     (cache / "prepared").mkdir(parents=True)
@@ -170,8 +171,8 @@ def test_readahead_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """In this process, once per way (the command line runs each twice)."""
     import importlib.util
 
-    from models.registry import load_registry
-    from models.sources import model_path
+    from edge.models.registry import load_registry
+    from edge.models.sources import model_path
 
     path = model_path(load_registry().pair(PAIR).target)
     if path is None or not path.is_file():

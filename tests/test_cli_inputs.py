@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from edge.cli.main import app
+from edge.models.pair import Pair
 
-from cli.main import app
-from models.pair import Pair
 from tests.cli_helpers import assert_one_line_error, run, runner
 
 

@@ -15,12 +15,12 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
+from edge.models.registry import Registry, load_registry
+from edge.runtimes.gguf_file import GGUFInfo, check_gguf, gguf_header, gguf_shape
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edge.errors import UserError
-from models.registry import Registry, load_registry
-from runtimes.gguf_file import GGUFInfo, check_gguf, gguf_header, gguf_shape
 from tests.ggufs import write_gguf
 
 EXAMPLES = int(os.environ.get("EDGE_SPEC_FUZZ_EXAMPLES", "150"))

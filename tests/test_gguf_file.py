@@ -6,9 +6,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from edge.runtimes.gguf_file import GGUFInfo, check_gguf, check_same_vocab, vocab_tokens
 
 from edge.errors import UserError
-from runtimes.gguf_file import GGUFInfo, check_gguf, check_same_vocab, vocab_tokens
 from tests.ggufs import TEMPLATE, TOKENS, write_gguf
 
 
@@ -107,7 +107,7 @@ def test_directory(tmp_path: Path) -> None:
 
 
 def test_lossless_guarantee(monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtimes.llama_cpp.kernels import FORCE_TILED, TILED, lossless_guarantee
+    from edge.runtimes.llama_cpp.kernels import FORCE_TILED, TILED, lossless_guarantee
 
     fix = "--target-dtype q8_0"
     assert lossless_guarantee(frozenset({"Q4_0", "Q4_1", "Q8_0"}), "bf16", fix) is None
@@ -129,14 +129,14 @@ def test_lossless_guarantee(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_repacked_buffers_are_kept_where_they_are_batch_invariant() -> None:
-    from runtimes.llama_cpp.kernels import keeps_repacking
+    from edge.runtimes.llama_cpp.kernels import keeps_repacking
 
     assert keeps_repacking(frozenset({"Q4_0", "Q8_0"}))
     assert not keeps_repacking(frozenset({"Q4_K", "Q6_K"}))
 
 
 def test_lossless_guarantee_of_a_real_tiny_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtimes.llama_cpp.kernels import FORCE_TILED, TILED, lossless_guarantee
+    from edge.runtimes.llama_cpp.kernels import FORCE_TILED, TILED, lossless_guarantee
 
     q4, q6 = (check_gguf(write_gguf(tmp_path / name, q6k=name == "q6.gguf")).weight_types
               for name in ("q4.gguf", "q6.gguf"))
@@ -172,8 +172,9 @@ def test_a_misaligned_tensor_is_refused_as_invalid_not_truncated(tiny: Path, tmp
 def test_recommended_sampling_is_read_from_the_header(tmp_path: Path) -> None:
     """general.sampling.* (llama.cpp's keys) over llama.cpp's defaults; a value edge-spec cannot use is said once
     and the defaults stay."""
+    from edge.models.loading import chat_sampling
+
     from edge.sampling import CHAT_DEFAULTS
-    from models.loading import chat_sampling
 
     def written(name: str, **values: float) -> Path:
         path = tmp_path / name

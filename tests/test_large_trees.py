@@ -7,19 +7,19 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import edge.offload.tuning as tuning
 import numpy as np
 import pytest
+from edge.models.pair import Pair
+from edge.offload.tuning import measure_costs
 
 import edge.grow as grow_module
-import offload.tuning as tuning
 from edge.acceptance import Acceptance
 from edge.budget import AutoBudget, Costs, budget_limit, is_flat
 from edge.errors import UserError
 from edge.grow import MAX_BUDGET, MAX_LEAVES, GrowConfig, grow
 from edge.options import LoadOptions
 from edge.sampling import SamplingConfig
-from models.pair import Pair
-from offload.tuning import measure_costs
 from tests.tiny import TinyModel
 
 
@@ -194,7 +194,8 @@ def test_measure_costs_times_large_trees_only_where_flat(flat: bool, monkeypatch
 
 
 def test_budgets_past_2048_are_one_line_on_the_command_line() -> None:
-    from cli.benchmark import parse_budgets
+    from edge.cli.benchmark import parse_budgets
+
     from tests.cli_helpers import assert_one_line_error, run
 
     assert parse_budgets("16,64,255,1024,2048") == [16, 64, 255, 1024, 2048]

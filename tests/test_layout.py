@@ -13,6 +13,7 @@ from pathlib import Path
 from tests.conftest import REPO
 
 PACKAGES = ("edge", "models", "runtimes", "quant", "offload", "cli", "serve")
+SUBPACKAGES = PACKAGES[1:]  # shipped inside edge (edge.models, ...): each is a folder of the repository, a concern here
 
 
 def _modules() -> dict[str, Path]:
@@ -24,8 +25,14 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _concern(name: str) -> str:
+    """A module's name as the repository's folders give it: edge.models.pair -> models.pair."""
+    parts = name.split(".")
+    return ".".join(parts[1:]) if len(parts) > 1 and parts[0] == "edge" and parts[1] in SUBPACKAGES else name
+
+
 def _imports(path: Path) -> set[str]:
-    """Every module `path` imports, at the top, under TYPE_CHECKING or inside a function."""
+    """Every module `path` imports, at the top, under TYPE_CHECKING or inside a function (by concern: _concern)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -33,7 +40,7 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+    return {_concern(name) for name in names}
 
 
 def _project_graph() -> dict[str, set[str]]:
@@ -90,7 +97,7 @@ def test_import_edge_and_help_load_nothing_heavy() -> None:
     loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                            check=True).stdout))
     assert not [m for m in loaded if m.split(".")[0] in heavy]
-    code = ("import sys\nfrom cli.main import main\nsys.argv = ['edge-spec', '--help']\ntry:\n    main()\n"
+    code = ("import sys\nfrom edge.cli.main import main\nsys.argv = ['edge-spec', '--help']\ntry:\n    main()\n"
             "except SystemExit:\n    pass\nprint(__import__('json').dumps(sorted(sys.modules)), file=sys.stderr)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = set(json.loads(run.stderr.strip().splitlines()[-1]))
@@ -127,7 +134,7 @@ def test_the_library_asks_models_nothing_outside_the_protocols() -> None:
 
 def test_no_runtime_is_named_outside_the_runtimes() -> None:
     """Code above runtimes/ asks a runtime's traits; only the runtimes and the registry's parser spell their names."""
-    from runtimes import RUNTIMES
+    from edge.runtimes import RUNTIMES
 
     found = []
     for name, path in _modules().items():
@@ -143,14 +150,14 @@ def test_a_runtime_made_from_the_protocols_alone_runs_in_the_engine_the_bench_an
     """tests/fake_runtime.py knows edge/protocols.py and runtimes' Traits and Runtime functions, nothing else: once
     registered, a models.toml pair of its models loads, decodes speculatively (the same text as plain decoding),
     runs in `bench` and answers the server's chat completions."""
+    from edge.models.bench import run_bench
+    from edge.runtimes import register
+    from edge.serve.app import create_app
+    from edge.serve.worker import Worker
     from fastapi.testclient import TestClient
 
     import edge
     from edge.sampling import SamplingConfig
-    from models.bench import run_bench
-    from runtimes import register
-    from serve.app import create_app
-    from serve.worker import Worker
     from tests.fake_runtime import TRAITS
     from tests.ggufs import write_gguf
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from edge.models.pair import Pair
+from edge.runtimes.llama_cpp._native import MAX_SEQ
 
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.invariance import check_batch_invariance, compare, large_tree_shapes, sequential_logits
 from edge.sampling import SamplingConfig, distribution
-from models.pair import Pair
-from runtimes.llama_cpp._native import MAX_SEQ
 from tests.conftest import CHAT_PROMPTS, REPO, _load, prompt_tokens, prompts_for
 
 MAX_TOKENS = 128
@@ -42,8 +42,8 @@ def test_tree_logits_equal_sequential_decoding(pair: Pair) -> None:
 def test_a_streamed_q4_0_target_is_bit_exact(smollm2: Pair) -> None:
     """A target larger than RAM loads without llama.cpp's repacked buffers (models.loading.load_pair): its Q4_0 weights
     then run on the plain kernels, which must be batch-invariant too for greedy speculation to stay lossless."""
-    from models.opening import materialize
-    from runtimes.llama_cpp import RunOptions, load_target
+    from edge.models.opening import materialize
+    from edge.runtimes.llama_cpp import RunOptions, load_target
 
     q4_0 = materialize(replace(smollm2.spec.target, quantize="q4_0"))
     target = load_target(q4_0, RunOptions(n_ctx=1024, kv_type="bf16", repack=False))
@@ -150,9 +150,8 @@ def test_plain_decoding_equals_llama_cpp_python(pair: Pair, plain_outputs: dict,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """An independent greedy decoder: llama-cpp-python's own Llama class, same file and KV settings."""
     import llama_cpp.llama_cpp as native
+    from edge.runtimes.llama_cpp._native import USE_EXTRA_BUFFERS
     from llama_cpp import Llama, llama_get_logits_ith
-
-    from runtimes.llama_cpp._native import USE_EXTRA_BUFFERS
 
     defaults = native.llama_model_default_params
 
@@ -252,7 +251,7 @@ CODE_PROMPTS = ("Write a Python function that reverses a string.", CHAT_PROMPTS[
 def test_the_real_pairs_k_quant_target_is_guaranteed_lossless(qwen: Pair) -> None:
     """Q4_K and Q6_K weights as shipped: every K-quant batch takes one kernel (runtimes/llama_cpp/kernels.py), so the
     pair loads with no lossless warning."""
-    from runtimes.gguf_file import check_gguf
+    from edge.runtimes.gguf_file import check_gguf
 
     assert {"Q4_K", "Q6_K"} <= check_gguf(qwen.target.model.path).weight_types
     assert qwen.lossless_warning is None
@@ -274,8 +273,9 @@ def test_greedy_speculation_on_the_real_pair_equals_plain_decoding(qwen: Pair) -
 def cut_qwen_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real pair's target cut to its first 2 layers: its Q4_K and Q6_K blocks (the head's too) as shipped, in a
     file whose passes take milliseconds."""
-    from models.opening import materialize
-    from models.registry import load_registry
+    from edge.models.opening import materialize
+    from edge.models.registry import load_registry
+
     from tests.ggufs import cut_layers
 
     source = materialize(load_registry().pair("qwen2.5-coder-1.5b").target)
@@ -285,8 +285,8 @@ def cut_qwen_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_k_quant_tree_logits_equal_sequential_decoding(cut_qwen_target: Path) -> None:
     """Chain, 255 leaves and a grown 255-node tree over Q4_K/Q6_K weights, loaded as a pair loads its target (no
     repacked buffers): every checked node bit-identical to plain decoding."""
-    from runtimes.gguf_file import check_gguf
-    from runtimes.llama_cpp import RunOptions, keeps_repacking, load_drafter, load_target
+    from edge.runtimes.gguf_file import check_gguf
+    from edge.runtimes.llama_cpp import RunOptions, keeps_repacking, load_drafter, load_target
 
     repack = keeps_repacking(check_gguf(cut_qwen_target).weight_types)
     assert not repack
@@ -307,8 +307,8 @@ import sys
 import numpy as np
 from pathlib import Path
 from edge.invariance import sequential_logits
-from offload.tuning import timing_chain
-from runtimes.llama_cpp import RunOptions, load_target
+from edge.offload.tuning import timing_chain
+from edge.runtimes.llama_cpp import RunOptions, load_target
 target = load_target(Path(sys.argv[1]), RunOptions(n_ctx=512, kv_type="bf16", repack=sys.argv[2] == "1"))
 tokens = target.tokenizer.tokenize(sys.argv[3], add_special=False, parse_special=False)[:48]
 prefix, rest = tokens[:32], tokens[32:]

@@ -1,6 +1,6 @@
-"""offload/memcap.py: a child under a cgroup v1 memory cap below the size of SmolLM2's F16 file decodes the same greedy
-tokens as without the cap, reading the file from the disk on every pass (the kernel streams it); the cgroup is gone
-afterwards, also when the child fails or is killed for memory. Skipped where cgroups cannot be made (not root, no v1
+"""benchmarks/memcap.py: a child under a cgroup v1 memory cap below the size of SmolLM2's F16 file decodes the same
+greedy tokens as without the cap, reading the file from the disk on every pass (the kernel streams it); the cgroup is
+gone afterwards, also when the child fails or is killed for memory. Skipped where cgroups cannot be made (not root, no v1
 memory controller)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from offload import memcap
+from benchmarks import memcap
 
 MIB = 1 << 20
 CAP = 200 * MIB  # the file is 258 MiB; the child allocates ~45 MiB of its own (killed at 80 MiB here)
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(reason is not None, reason=f"no memory cgroups h
 
 @pytest.fixture(scope="module")
 def f16_file() -> Path:
-    from models.opening import materialize
-    from models.registry import load_registry
+    from edge.models.opening import materialize
+    from edge.models.registry import load_registry
 
     spec = load_registry().pair("smollm2-135m")
     return materialize(replace(spec.target, quantize="f16"), lambda message: None)
@@ -34,9 +34,10 @@ def f16_file() -> Path:
 
 def greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
     """n greedy tokens of the target alone, and the bytes read from storage by each pass."""
+    from edge.offload.ssd import read_bytes
+    from edge.runtimes.llama_cpp import RunOptions, load_target
+
     from edge.tree import TokenTree
-    from offload.ssd import read_bytes
-    from runtimes.llama_cpp import RunOptions, load_target
 
     target = load_target(path, RunOptions(n_ctx=64, kv_type="bf16"))
     tokens, reads = [], []
@@ -103,9 +104,10 @@ def test_a_command_runs_inside_its_cgroup() -> None:
 def streams(path: Path) -> str:
     """--placement ssd's check (models.loading.on_ssd) on a target loaded as a streamed one: its type, or its
     refusal."""
+    from edge.models.loading import on_ssd
+    from edge.runtimes.llama_cpp import RunOptions, load_target
+
     from edge.errors import UserError
-    from models.loading import on_ssd
-    from runtimes.llama_cpp import RunOptions, load_target
 
     target = load_target(path, RunOptions(n_ctx=64, kv_type="bf16", repack=False))
     try:

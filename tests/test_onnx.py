@@ -8,20 +8,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from edge.models.opening import materialize
+from edge.models.pair import Pair
+from edge.models.registry import load_registry
+from edge.quant.vocab import count_tokens, select
+from edge.runtimes.llama_cpp._native import Batch, Context, Model, quantize
+from edge.runtimes.onnx import OnnxOptions, load_drafter, load_quantspec
+from edge.runtimes.onnx.arch import GGUFWeights
+from edge.runtimes.onnx.graph import GraphOptions, build_graph
+from edge.runtimes.onnx.session import DecoderSession
 
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.invariance import compare
 from edge.tree import TokenTree
-from models.opening import materialize
-from models.pair import Pair
-from models.registry import load_registry
-from quant.vocab import count_tokens, select
-from runtimes.llama_cpp._native import Batch, Context, Model, quantize
-from runtimes.onnx import OnnxOptions, load_drafter, load_quantspec
-from runtimes.onnx.arch import GGUFWeights
-from runtimes.onnx.graph import GraphOptions, build_graph
-from runtimes.onnx.session import DecoderSession
 from tests.conftest import REPO, prompt_tokens, prompts_for
 
 TEXT = (REPO / "docs" / "lossless.md").read_text()
@@ -194,7 +194,7 @@ def test_trimmed_head_drafts_the_contexts_tokens_it_lacks(smollm2: Pair,
     ids, _ = drafter.expand(TokenTree.root(tokens[-1]), np.array([0]), 8)
     assert top not in ids[0]
     # Only the newest MAX_EXTRA are kept.
-    from runtimes.onnx import models
+    from edge.runtimes.onnx import models
 
     monkeypatch.setattr(models, "MAX_EXTRA", 2)
     drafter.truncate(0)

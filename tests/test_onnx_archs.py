@@ -13,18 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from edge.models.opening import materialize
+from edge.models.registry import load_registry
+from edge.quant.vocab import count_tokens, select
+from edge.runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model, quantize
+from edge.runtimes.onnx import OnnxDrafter, OnnxOptions, load_drafter
+from edge.runtimes.onnx.arch import GGUFWeights, file_arch
+from edge.runtimes.onnx.graph import GraphOptions, build_graph
+from edge.runtimes.onnx.session import DecoderSession
 from gguf import GGUFWriter
 
 from edge.errors import UserError
 from edge.tree import TokenTree
-from models.opening import materialize
-from models.registry import load_registry
-from quant.vocab import count_tokens, select
-from runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model, quantize
-from runtimes.onnx import OnnxDrafter, OnnxOptions, load_drafter
-from runtimes.onnx.arch import GGUFWeights, file_arch
-from runtimes.onnx.graph import GraphOptions, build_graph
-from runtimes.onnx.session import DecoderSession
 from tests.conftest import REPO
 from tests.ggufs import cut_layers
 

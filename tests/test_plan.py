@@ -11,17 +11,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import edge.offload.probe as probe
 import numpy as np
 import pytest
-from typer.testing import CliRunner
-
-import offload.probe as probe
-from cli.main import app
-from edge.errors import UserError
-from models.cache import JsonFile
-from models.registry import ModelFacts, load_registry
-from models.sources import model_path
-from offload.plan import (
+from edge.cli.main import app
+from edge.models.cache import JsonFile
+from edge.models.registry import ModelFacts, load_registry
+from edge.models.sources import model_path
+from edge.offload.plan import (
     GIB,
     GPU_RESERVE,
     PLACEMENT_KEYS,
@@ -30,6 +27,9 @@ from offload.plan import (
     parse_machine,
     plan_pair,
 )
+from typer.testing import CliRunner
+
+from edge.errors import UserError
 
 LLAMA_70B = load_registry().pair("llama3.1-70b")  # target and drafter sized from models.toml facts
 DESCRIBED = "ram=32G,vram=24G,disk=3GB/s"
@@ -364,7 +364,7 @@ def bench_json(path: Path, tokens: dict[int, float], draft_s: float = 0.5) -> Pa
 
 
 def test_acceptance_is_read_from_the_tree_rows_of_a_bench(tmp_path: Path) -> None:
-    from offload.expected import read_acceptance
+    from edge.offload.expected import read_acceptance
 
     measured = read_acceptance(bench_json(tmp_path / "b.json", {16: 4.0, 64: 6.0}))
     assert measured.tokens_per_pass == {16: 4.0, 64: 6.0}  # the better of two rules at 16; auto and plain left out
@@ -388,7 +388,7 @@ def test_a_bad_acceptance_file_is_one_line(tmp_path: Path, content: str | None, 
 
 
 def test_expected_rates_pick_the_fastest_budget(tmp_path: Path) -> None:
-    from offload.expected import expected_rates, pick, read_acceptance
+    from edge.offload.expected import expected_rates, pick, read_acceptance
 
     plan = plan_on("ram=16G,disk=3GB/s")  # one token: 13.5 s from the drive, each more 0.13 s of arithmetic
     rates = expected_rates(plan, read_acceptance(bench_json(tmp_path / "b.json", {16: 4.0, 255: 8.0})))

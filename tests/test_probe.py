@@ -4,8 +4,7 @@ from importlib import metadata
 from pathlib import Path
 
 import psutil
-
-from offload.probe import probe_machine
+from edge.offload.probe import probe_machine
 
 
 def test_probe_reports_the_machine() -> None:

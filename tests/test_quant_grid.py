@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from quant.grid import BlockGrid, block_grid
-from quant.int4 import pack_exact
+from edge.quant.grid import BlockGrid, block_grid
+from edge.quant.int4 import pack_exact
 
 gguf = pytest.importorskip("gguf")
 ort = pytest.importorskip("onnxruntime")
@@ -106,9 +105,8 @@ class _OneTable:
 def test_gathered_rows_are_the_file_rows(type_name: str) -> None:
     """The int4 graph's embedding (GatherBlockQuantized, plus the offsets its zero points cannot hold) returns a
     table's rows as the file stores them."""
+    from edge.runtimes.onnx.graph import DecoderBuilder, GraphOptions
     from onnx import TensorProto
-
-    from runtimes.onnx.graph import DecoderBuilder, GraphOptions
 
     raw = raw_blocks(type_name, rows=40, k=512, seed=3)
     w = dequantized(raw, type_name)

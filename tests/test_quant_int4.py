@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from quant.int4 import PackedWeight, quantize_weight
+from edge.quant.int4 import PackedWeight, quantize_weight
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")

@@ -6,8 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-
-from quant.kv import (
+from edge.quant.kv import (
     QuantSpecKV,
     dequantize_keys,
     dequantize_values,

@@ -4,9 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
+from edge.models.registry import PairSpec, Registry, default_models_path, load_registry
 
 from edge.errors import UserError
-from models.registry import PairSpec, Registry, default_models_path, load_registry
 
 GOOD_PAIR = """
 [pairs.x]

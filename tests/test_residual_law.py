@@ -12,13 +12,13 @@ import itertools
 
 import numpy as np
 import pytest
+from edge.models.pair import Pair
 
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.replay import PathTarget
 from edge.residual import Proposal, residual_draw
 from edge.sampling import SamplingConfig
-from models.pair import Pair
 from tests.conftest import prompt_tokens
 from tests.oracles import chi_square, residual_law, residual_probability
 

@@ -15,10 +15,10 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+from edge.cli.main import app
 from typer.testing import CliRunner
 
-from cli.main import app
-from serve.process import ServerProcess
+from benchmarks.serve_process import ServerProcess
 from tests.conftest import CHAT_PROMPTS, REPO
 
 KEY = "test-key-1234"

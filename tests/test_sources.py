@@ -11,12 +11,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from edge.models import sources
+from edge.models.cache import atomic_path, cache_dir, sha256_file
+from edge.models.registry import ModelSpec, Source
+from edge.models.sources import fetch, prepared_path, quant_files, source_path
 
 from edge.errors import UserError
-from models import sources
-from models.cache import atomic_path, cache_dir, sha256_file
-from models.registry import ModelSpec, Source
-from models.sources import fetch, prepared_path, quant_files, source_path
 
 PART0, PART1 = b"first part, " * 1000, b"second part" * 700
 WHOLE = PART0 + PART1
@@ -296,7 +296,7 @@ def test_sha256_file(tmp_path: Path) -> None:
 
 
 def test_what_killed_runs_left_is_cleaned(tmp_path: Path) -> None:
-    from models.cache import STALE_AFTER_S, clean_stale
+    from edge.models.cache import STALE_AFTER_S, clean_stale
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(gone.stdout)  # a process that has exited
@@ -346,7 +346,7 @@ def test_a_full_drive_is_one_line_naming_the_path(tmp_path: Path, monkeypatch: p
     import errno
     from collections import namedtuple
 
-    from models import cache as cache_module
+    from edge.models import cache as cache_module
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**6, 10**6))
@@ -367,7 +367,7 @@ def test_an_unreachable_hub_is_one_line_in_seconds(cache: Path, tmp_path: Path,
     at once, and the message says what to do instead of running the same command again."""
     import socket
 
-    from models import sources as sources_module
+    from edge.models import sources as sources_module
 
     with socket.socket() as probe:  # a free loopback port, closed again: connecting to it is refused
         probe.bind(("127.0.0.1", 0))
@@ -390,9 +390,9 @@ def test_a_download_too_big_for_the_drive_is_refused_before_it_starts(cache: Pat
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from collections import namedtuple
 
-    from models import cache as cache_module
-    from models.opening import materialize
-    from models.registry import ModelFacts
+    from edge.models import cache as cache_module
+    from edge.models.opening import materialize
+    from edge.models.registry import ModelFacts
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**9, 10**9))

@@ -10,14 +10,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from edge.models.loading import on_ssd
+from edge.models.opening import materialize
+from edge.models.registry import load_registry
+from edge.offload.ssd import SsdStreamer, SsdTarget, TensorRange, read_bytes, readahead_order, resident_fraction
+from edge.runtimes.llama_cpp import RunOptions, load_target
 
 from edge.errors import UserError
 from edge.tree import TokenTree
-from models.loading import on_ssd
-from models.opening import materialize
-from models.registry import load_registry
-from offload.ssd import SsdStreamer, SsdTarget, TensorRange, read_bytes, readahead_order, resident_fraction
-from runtimes.llama_cpp import RunOptions, load_target
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +83,10 @@ def test_a_q4_0_target_streams_unless_repacked(f16_file) -> None:
 def test_a_target_the_plan_streams_is_used_from_its_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
     """A target larger than RAM (the plan's placement "ssd"), without --placement ssd: loaded with repacking off, so
     a pass reads its weights from the file (a repacked Q4_0 copy would read nothing and could not fit)."""
+    import edge.models.loading as loading_module
+    from edge.models.loading import PlannedTarget
+
     import edge
-    import models.loading as loading_module
-    from models.loading import PlannedTarget
 
     spec = load_registry().pair("smollm2-135m")
     q4_0 = materialize(replace(spec.drafter, quantize="q4_0"), lambda message: None)
@@ -117,8 +118,10 @@ def test_fetch_rows_reads_just_the_rows_of_the_tokens(f16_file) -> None:
     try:
         streamer.evict()
         streamer.fetch_rows([5, 40000, 40000, 10**9])  # duplicates and ids past the table are skipped
-        time.sleep(0.2)  # the reads were only queued
-        resident = resident_fraction(f16_file)
+        resident, deadline = 0.0, time.perf_counter() + 10
+        while resident == 0 and time.perf_counter() < deadline:  # the reads were only queued: wait for them
+            time.sleep(0.05)
+            resident = resident_fraction(f16_file)
         assert 0 < resident < 0.01  # a page or two per row (and a read-around at most), not the table
     finally:
         streamer.close()
@@ -128,9 +131,10 @@ def test_fetch_rows_reads_just_the_rows_of_the_tokens(f16_file) -> None:
 def test_auto_measures_passes_started_with_the_reading(f16_file) -> None:
     """--budget auto's costs from the SSD with readahead: passes as placed, over read-ahead weights, and started
     together with the reading (the tail a pass adds after the last byte: edge.budget.Costs.verify_s)."""
+    from edge.offload.tuning import measure_costs
+    from edge.runtimes.llama_cpp import load_drafter
+
     from edge.budget import Costs
-    from offload.tuning import measure_costs
-    from runtimes.llama_cpp import load_drafter
 
     spec = load_registry().pair("smollm2-135m")
     target = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16"))

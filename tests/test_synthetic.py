@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from edge.offload.plan import Shape
+from edge.runtimes.gguf_file import check_gguf, gguf_header
 from gguf import GGMLQuantizationType
 
 from edge.tree import TokenTree
-from offload.plan import Shape
-from runtimes.gguf_file import check_gguf, gguf_header
 
 REPO = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("synthetic_gguf", REPO / "benchmarks" / "synthetic_gguf.py")
@@ -32,7 +32,7 @@ def tokenizer_file() -> Path:
 
 
 def test_tiny_70b_loads_decodes_and_plans(tmp_path: Path, tokenizer_file: Path) -> None:
-    from runtimes.llama_cpp import RunOptions, load_target
+    from edge.runtimes.llama_cpp import RunOptions, load_target
 
     out = tmp_path / "tiny-70b.q4_0.gguf"
     shape = synthetic.resolve_shape("tiny-70b", None, 1)
@@ -83,8 +83,8 @@ def test_full_shapes_have_the_published_parameter_counts() -> None:
 def test_the_plan_streams_a_70b_shaped_file_from_the_ssd_on_24_gb(tmp_path: Path, tokenizer_file: Path) -> None:
     """The full 70B layout as a sparse file (its header and a hole: 2 MB on disk) is what `edge-spec plan` sizes:
     on a 24 GB machine every pass reads its 38.7 GB of layers and head from the drive; with 64 GB it fits in RAM."""
-    from models.registry import load_registry
-    from offload.plan import parse_machine, plan_pair
+    from edge.models.registry import load_registry
+    from edge.offload.plan import parse_machine, plan_pair
 
     out = tmp_path / "llama3.1-70b.sparse.gguf"
     size, _ = synthetic.write_synthetic("llama3.1-70b", synthetic.SHAPES["llama3.1-70b"], "q4_0", out,

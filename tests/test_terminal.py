@@ -14,9 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from edge.cli.main import app
 from typer.testing import CliRunner
-
-from cli.main import app
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 STATS = "tokens/pass"
@@ -70,7 +69,7 @@ def terminal(tmp_path: Path) -> Iterator[Callable[[], Terminal]]:
     history = tmp_path / "history"
 
     def open_chat() -> Terminal:
-        command = [sys.executable, "-c", "'from cli.main import main; main()'", "chat", "--max-tokens", "24"]
+        command = [sys.executable, "-c", "'from edge.cli.main import main; main()'", "chat", "--max-tokens", "24"]
         term = Terminal(command, {"EDGE_SPEC_CHAT_HISTORY": str(history), "TERM": "xterm-256color"})
         opened.append(term)
         term.wait(lambda s: s.rstrip().endswith(">>>"), "the first prompt")

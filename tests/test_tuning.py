@@ -139,11 +139,13 @@ def test_auto_is_lossless_and_uses_trees_when_the_target_is_slow(seed: int) -> N
     assert target.cache == [*prompt, *expected][:-1]
 
 
-class SleepyTarget:
-    """A target whose pass sleeps `base + per_token x n` seconds (pass_ms times real passes)."""
+class SlowTarget:
+    """A target whose pass takes `base + per_token x n` seconds of a virtual clock: pass_ms reads that clock (no
+    real sleeping, so no margin of real time decides the test)."""
 
     def __init__(self, base: float, per_token: float):
-        self.base, self.per_token, self.passes = base, per_token, []
+        self.base, self.per_token, self.passes, self.now = base, per_token, [], 0.0
+        self.n_vocab = 1000
 
     def truncate(self, n: int) -> None:
         pass
@@ -152,23 +154,25 @@ class SleepyTarget:
         pass
 
     def verify(self, tree: TokenTree) -> None:
-        import time
-
         self.passes.append(len(tree))
-        time.sleep(self.base + self.per_token * len(tree))
+        self.now += self.base + self.per_token * len(tree)
 
 
-def test_slow_passes_are_timed_once_and_long_ones_end_the_sizes() -> None:
+def test_slow_passes_are_timed_once_and_long_ones_end_the_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A 70B target from the drive takes ~20 s a token: pass_ms times each slow size once and extrapolates past a
     long pass once two sizes are measured, instead of 5 x (1 + 16 + 64 + 256) tokens' passes."""
-    from offload.tuning import pass_ms
+    from types import SimpleNamespace
 
-    fast = SleepyTarget(0.0, 0.0)
-    assert set(pass_ms(fast, [1, 2], (1, 16, 64), repeats=3, slow_s=0.05, long_s=0.1)) == {1, 16, 64}
+    import edge.offload.tuning as tuning
+
+    fast = SlowTarget(0.0, 0.0)
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(perf_counter=lambda: fast.now))
+    assert set(tuning.pass_ms(fast, [1, 2], (1, 16, 64), repeats=3, slow_s=0.05, long_s=0.1)) == {1, 16, 64}
     assert fast.passes == [1] * 3 + [16] * 3 + [64] * 3
-    slow = SleepyTarget(0.06, 0.001)  # every pass is slow (> 0.05 s); 16 tokens are long (> 0.07 s)
-    measured = pass_ms(slow, [1, 2], (1, 16, 64, 256), repeats=3, slow_s=0.05, long_s=0.07)
-    assert slow.passes == [1, 16] and set(measured) == {1, 16}
+    slow = SlowTarget(0.06, 0.001)  # every pass is slow (> 0.05 s); 16 tokens are long (> 0.07 s)
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(perf_counter=lambda: slow.now))
+    measured = tuning.pass_ms(slow, [1, 2], (1, 16, 64, 256), repeats=3, slow_s=0.05, long_s=0.07)
+    assert slow.passes == [1, 16] and measured == {1: 61.0, 16: 76.0}
     costs = Costs(measured, {1: 1.0})
     assert costs.target_s(64) > costs.target_s(16)  # the larger sizes extrapolated along the two measured
 
@@ -176,8 +180,8 @@ def test_slow_passes_are_timed_once_and_long_ones_end_the_sizes() -> None:
 def test_fitted_constants_recover_the_model_they_come_from() -> None:
     from dataclasses import replace
 
-    from models.registry import ModelFacts, load_registry
-    from offload.plan import Shape, fit_constants, parse_machine, pass_cost, plan_pair
+    from edge.models.registry import ModelFacts, load_registry
+    from edge.offload.plan import Shape, fit_constants, parse_machine, pass_cost, plan_pair
 
     pair = load_registry().pair("llama3.1-70b")
     target, drafter = (Shape.from_facts(m.facts) for m in (pair.target, pair.drafter))

@@ -6,19 +6,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from edge.cli.main import app
+from edge.models.bench import benchmark_file
+from edge.models.cache import cache_dir
+from edge.models.pair import Pair
+from edge.models.registry import ModelSpec, Source, load_registry
+from edge.models.sources import prepared_path, vocab_path
+from edge.models.vocabulary import ScoringTarget
+from edge.quant.vocab import RankedVocab, count_tokens, coverage, expected_counts, select
 from typer.testing import CliRunner
 
-from cli.main import app
 from edge.errors import UserError
 from edge.generate import Decoder
 from edge.tree import TokenTree
-from models.bench import benchmark_file
-from models.cache import cache_dir
-from models.pair import Pair
-from models.registry import ModelSpec, Source, load_registry
-from models.sources import prepared_path, vocab_path
-from models.vocabulary import ScoringTarget
-from quant.vocab import RankedVocab, count_tokens, coverage, expected_counts, select
 
 runner = CliRunner()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from runtimes import ModelOptions, Report
-from runtimes.gguf_file import check_gguf
-from runtimes.llama_cpp._native import (
+from edge.runtimes import ModelOptions, Report
+from edge.runtimes.gguf_file import check_gguf
+from edge.runtimes.llama_cpp._native import (
     KV_TYPES,
     MAX_SEQ,
     Context,
@@ -16,8 +16,8 @@ from runtimes.llama_cpp._native import (
     quantize,
     supports_gpu_offload,
 )
-from runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee, prefer_tiled
-from runtimes.llama_cpp.models import PENDING_ROOM, LlamaDrafter, LlamaTarget
+from edge.runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee, prefer_tiled
+from edge.runtimes.llama_cpp.models import PENDING_ROOM, LlamaDrafter, LlamaTarget
 
 __all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "default_threads", "keeps_repacking",
            "load_drafter", "load_target", "lossless_guarantee", "open_drafter", "open_shared", "open_target",

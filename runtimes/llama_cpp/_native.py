@@ -14,11 +14,11 @@ from pathlib import Path
 
 import llama_cpp.llama_cpp as ll
 import numpy as np
+from edge.runtimes import default_threads
+from edge.runtimes.llama_cpp.kernels import mark_ran, prefer_invariant_kernels
 
 from edge.errors import UserError
 from edge.protocols import SpecialTokens
-from runtimes import default_threads
-from runtimes.llama_cpp.kernels import mark_ran, prefer_invariant_kernels
 
 prefer_invariant_kernels()  # before any model runs: ggml reads the switches at its first matmul
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from edge.runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model
 
 from edge.protocols import ModelDefaults
 from edge.tree import TokenTree
-from runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model
 
 PENDING_ROOM = 64  # a target's batch also carries the previous round's accepted tokens (see LlamaTarget)
 
@@ -165,7 +165,7 @@ class LlamaDrafter(_Runner):
 
     def kv_bytes_per_token(self) -> float:
         """Bytes one committed token takes in the KV cache (keys + values, all layers)."""
-        from runtimes.gguf_file import gguf_shape
+        from edge.runtimes.gguf_file import gguf_shape
 
         shape = gguf_shape(self.model.path)
         bits = {"q4_0": 4.5, "q8_0": 8.5, "f16": 16, "bf16": 16, "f32": 32}[self.kv_type]

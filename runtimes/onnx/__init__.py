@@ -14,13 +14,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-
-from quant.kv import QuantSpecKV, value_group
-from runtimes import ModelOptions, Report
-from runtimes.onnx.arch import GGUFWeights, file_arch
-from runtimes.onnx.graph import GraphOptions, build_graph
-from runtimes.onnx.models import MAX_TREE, OnnxDrafter, OnnxTarget
-from runtimes.onnx.session import PROVIDERS, DecoderSession, provider_name
+from edge.quant.kv import QuantSpecKV, value_group
+from edge.runtimes import ModelOptions, Report
+from edge.runtimes.onnx.arch import GGUFWeights, file_arch
+from edge.runtimes.onnx.graph import GraphOptions, build_graph
+from edge.runtimes.onnx.models import MAX_TREE, OnnxDrafter, OnnxTarget
+from edge.runtimes.onnx.session import PROVIDERS, DecoderSession, provider_name
 
 __all__ = ["PROVIDERS", "OnnxDrafter", "OnnxOptions", "OnnxTarget", "graph_path", "load_drafter",
            "load_quantspec", "lossless_guarantee", "open_drafter", "open_shared", "open_target", "prepare_graph",
@@ -153,7 +152,7 @@ def open_drafter(path: Path, options: ModelOptions, max_tree: int, head_ids: np.
 def open_shared(target: Path, drafter: Path, options: ModelOptions, head_ids: np.ndarray | None = None,
                 report: Report | None = None) -> tuple[OnnxTarget, OnnxDrafter]:
     """QuantSpec: the target and its drafter on one hierarchical KV cache."""
-    from runtimes import tools
+    from edge.runtimes import tools
 
     return load_quantspec(target, drafter, _onnx_options(options), tools().tokenizer(target), head_ids, report)
 

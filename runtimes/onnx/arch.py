@@ -14,10 +14,10 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+from edge.quant.grid import BlockGrid, block_grid
+from edge.runtimes import TRAITS
 
 from edge.errors import UserError
-from quant.grid import BlockGrid, block_grid
-from runtimes import TRAITS
 
 ARCHITECTURES = tuple(sorted(TRAITS["onnx"].architectures))  # what runtimes' traits say the builder covers
 # llama.cpp's llama_model_rope_type: these rotate the pairs (i, i + d/2) of a head (LLAMA_ROPE_TYPE_NEOX), llama
@@ -61,7 +61,7 @@ class GGUFWeights:
     """Lazily dequantized float32 tensors of one GGUF file, in [out_features, in_features] layout."""
 
     def __init__(self, path: Path):
-        from runtimes.gguf_file import open_reader
+        from edge.runtimes.gguf_file import open_reader
 
         self.path = path
         self.reader = open_reader(path)  # skips the vocabulary's strings: nothing here reads them
@@ -96,7 +96,7 @@ class _HeaderOnly:
     """What read_arch reads of a file (its path, header keys, the embedding's shape), from the cached header."""
 
     def __init__(self, path: Path):
-        from runtimes.gguf_file import gguf_header
+        from edge.runtimes.gguf_file import gguf_header
 
         self.path = path
         self.header = gguf_header(path)

@@ -28,11 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from edge.quant.grid import BlockGrid
+from edge.quant.int4 import pack_exact
+from edge.runtimes.onnx.arch import GGUFWeights
 from onnx import TensorProto, helper, numpy_helper
-
-from quant.grid import BlockGrid
-from quant.int4 import pack_exact
-from runtimes.onnx.arch import GGUFWeights
 
 IR_VERSION = 10  # onnxruntime 1.31 reads ir_version <= 13; the onnx package writes newer by default
 OPSET = 21
@@ -172,7 +171,7 @@ class DecoderBuilder:
         Tensors stored at 8 bits or more (embeddings, the head) stay 8-bit in the int4 graph, as llama.cpp
         keeps them; everything else gets the graph's bits, asymmetric.
         """
-        from quant.int4 import quantize_weight
+        from edge.quant.int4 import quantize_weight
 
         kind = self.w.tensors[source].tensor_type.name
         bits = 4 if self.opt.weights == "int4" else 8

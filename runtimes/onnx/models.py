@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from edge.quant.kv import QuantSpecKV
+from edge.runtimes.onnx.arch import Arch
+from edge.runtimes.onnx.session import DecoderSession
 
 from edge.grow import MAX_BUDGET
 from edge.protocols import ModelDefaults
 from edge.tree import TokenTree
-from quant.kv import QuantSpecKV
-from runtimes.onnx.arch import Arch
-from runtimes.onnx.session import DecoderSession
 
 CATCH_UP = 64  # more pending tokens than this run as a prefill before the root pass
 

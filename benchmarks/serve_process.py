@@ -20,7 +20,7 @@ READY = re.compile(r"serving .* at (http://\S+)/v1")
 class ServerProcess:
     def __init__(self, args: Sequence[str], timeout: float = 300.0, cwd: Path | None = None):
         """Start `edge-spec serve ARGS --port 0` and wait (up to `timeout` s) until it serves."""
-        command = [sys.executable, "-c", "from cli.main import main; main()", "serve", *args, "--port", "0"]
+        command = [sys.executable, "-c", "from edge.cli.main import main; main()", "serve", *args, "--port", "0"]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                         cwd=cwd)
         self.lines: list[str] = []
