@@ -1,7 +1,7 @@
 """benchmarks/memcap.py: a child under a cgroup v1 memory cap below the size of SmolLM2's F16 file decodes the same
 greedy tokens as without the cap, reading the file from the disk on every pass (the kernel streams it); the cgroup is
-gone afterwards, also when the child fails or is killed for memory. Skipped where cgroups cannot be made (not root, no v1
-memory controller)."""
+gone afterwards, also when the child fails or is killed for memory. Skipped where cgroups cannot be made (not root, no
+v1 memory controller)."""
 
 from __future__ import annotations
 
