@@ -182,3 +182,32 @@ def test_a_runtime_made_from_the_protocols_alone_runs_in_the_engine_the_bench_an
             worker.close()
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == tree.text
+
+
+def test_an_app_with_its_own_models_and_serve_modules_loads_a_pair(tmp_path: Path, smollm2: object) -> None:
+    """edge-spec's code imports itself under one name, edge: an application whose folder holds its own models.py and
+    serve.py (every Django or FastAPI project has one) loads and runs a pair, its modules untouched."""
+    import os
+
+    for own in ("models", "serve", "cli"):
+        (tmp_path / f"{own}.py").write_text(f"raise ImportError('the application\\'s own {own}.py was imported')\n")
+    code = ("import edge\nwith edge.load(threads=1, gpu_layers=0) as pair:\n"
+            "    print(len(edge.generate(pair, 'Hi', max_tokens=4).tokens))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's edge, as an installed one would be found
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "4", run.stderr
+
+
+def test_the_wheel_installs_one_top_level_package_and_no_benchmark_tooling(tmp_path: Path) -> None:
+    """`pip install .` installs what the wheel holds: edge alone at the top (models, runtimes, ... inside it), the
+    prompt files bench reads, and none of the benchmark scripts or the test tooling."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
+                   check=True, capture_output=True)
+    names = zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist()
+    assert {name.split("/")[0] for name in names} == {"edge", "edge_spec-0.1.0.dist-info"}
+    assert {package for package in SUBPACKAGES if any(name.startswith(f"edge/{package}/") for name in names)} \
+        == set(SUBPACKAGES)
+    assert "edge/models/models.toml" in names and "edge/models/benchmarks/chat-prompts.txt" in names
+    assert not [name for name in names if name.endswith(("memcap.py", "serve_process.py", "_bench.py"))]
