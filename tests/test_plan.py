@@ -327,10 +327,10 @@ def test_plan_errors_are_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.output
 
 
-def test_plan_reads_local_gguf_headers() -> None:
+def test_plan_reads_local_gguf_headers(smollm2: object) -> None:
+    """The pair's files are here (the smollm2 fixture fetches them): plan reads their headers, not the facts."""
     pair = load_registry().pair("smollm2-135m")
-    if not all((path := model_path(m)) is not None and path.is_file() for m in (pair.target, pair.drafter)):
-        pytest.skip("smollm2-135m is not fetched yet (the session fixtures of the other tests fetch it)")
+    assert all((path := model_path(m)) is not None and path.is_file() for m in (pair.target, pair.drafter))
     result = runner.invoke(app, ["plan", "smollm2-135m", "--machine", "ram=8G", "--json"])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
