@@ -17,9 +17,10 @@ import sys
 from dataclasses import replace
 
 from edge.models.pair import CALIBRATION_TEXT
-from edge.offload.tuning import CANDIDATES, AutoBudget, measure_costs
+from edge.offload.tuning import measure_costs
 
 import edge
+from edge.budget import CANDIDATES, AutoBudget
 
 
 def main() -> None:

@@ -22,8 +22,9 @@ import numpy as np
 from edge.models.bench import read_prompts
 
 import edge
-from edge.generate import GREEDY_DRAFT_TEMPERATURE, Decoder
+from edge.generate import Decoder
 from edge.grow import GrowConfig, grow
+from edge.policy import GREEDY_DRAFT_TEMPERATURE
 from edge.protocols import Drafter
 from edge.replay import ReplayTarget, plain_replies, replay
 from edge.sampling import SamplingConfig

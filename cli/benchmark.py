@@ -35,7 +35,7 @@ def parse_methods(text: str) -> list[str]:
 
 
 def parse_accepts(text: str) -> tuple[str, ...]:
-    from edge.generate import ACCEPT_RULES
+    from edge.options import ACCEPT_RULES
 
     accepts = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     if not accepts or any(a not in ACCEPT_RULES for a in accepts):

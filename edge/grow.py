@@ -19,6 +19,7 @@ import numpy as np
 
 from edge.acceptance import Acceptance
 from edge.errors import UserError
+from edge.lookup import LookupTree
 from edge.protocols import Drafter
 from edge.tree import TokenTree
 
@@ -97,16 +98,25 @@ class GrowConfig:
         return cls(budget=budget, beams=1, width=4, max_depth=budget, max_steps=steps, extend_prob=EXTEND_PROB)
 
 
-def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance | None = None,
-         stop_tokens: frozenset[int] = frozenset(), expand: Expand | None = None) -> tuple[TokenTree, int]:
+def grow(drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acceptance | None = None,
+         stop_tokens: frozenset[int] = frozenset(), expand: Expand | None = None, lookup: LookupTree | None = None,
+         lookup_acceptance: Acceptance | None = None) -> tuple[TokenTree, int]:
     """Grow a tree under `root`; returns the kept tree and the number of drafter passes it took. Nodes carrying a
     stop token are never expanded: the reply ends there, so the budget goes to other branches. `expand` (default:
-    the drafter's top-k) gives each expanded node's children; a child it gives log-prob -inf is never kept."""
+    the drafter's top-k) gives each expanded node's children; a child it gives log-prob -inf is never kept.
+
+    `lookup`'s branches (edge/lookup.py) join the tree first, scored by their own measured acceptance
+    (`lookup_acceptance`), and compete for the budget with the drafter's nodes; where the drafter proposes a token a
+    branch already holds, the two share the node. Without a drafter the tree is the lookup branches alone."""
     # Trees of up to MAX_LEAVES nodes run at most that many nodes through the drafter, as they always have; larger
     # ones may run as many as it has room for, and keep every node they ran (_leaf_bound_order).
-    room = drafter.expand_capacity if config.budget > MAX_LEAVES else min(drafter.expand_capacity, MAX_LEAVES)
-    expansions = config.max_steps * config.beams + config.max_passes - config.max_steps
-    capacity = 1 + min(expansions, room) * config.width
+    branches = [] if lookup is None else lookup.branches
+    if drafter is None:
+        room, expansions = 0, 0
+    else:
+        room = drafter.expand_capacity if config.budget > MAX_LEAVES else min(drafter.expand_capacity, MAX_LEAVES)
+        expansions = config.max_steps * config.beams + config.max_passes - config.max_steps
+    capacity = 1 + len(branches) + min(expansions, room) * config.width
     extend_from = float(np.log(config.extend_prob)) if config.extend_prob else 0.0
     tokens = np.zeros(capacity, np.int32)
     parents = np.full(capacity, -1, np.int32)
@@ -114,15 +124,22 @@ def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance
     score = np.full(capacity, -np.inf, np.float32)
     draft = np.zeros(capacity, np.float32)
     rank = np.zeros(capacity, np.int32)
+    looked_up = np.zeros(capacity, bool)  # a lookup branch proposed it (perhaps the drafter too)
     kept = np.zeros(capacity, bool)
     expanded = np.zeros(capacity, bool)  # also set for stop tokens, which are never expanded
     stops = np.fromiter(stop_tokens, np.int32, len(stop_tokens))
     tokens[0], score[0], kept[0] = root, 0.0, True
-    n = 1
+    n = 1 + _add_branches(branches, tokens, parents, depth, score, draft, rank, looked_up, lookup_acceptance)
+    kept[1:n] = True
+    expanded[1:n] = np.isin(tokens[1:n], stops)
+    children = {(int(parents[i]), int(tokens[i])): i for i in range(1, n)}  # where a drafter's child may join
+    _keep_best(kept[:n], score[:n], depth[:n], parents[:n], config.budget)
     expand_room = room
     steps = 0
-    while steps < config.max_passes:
-        candidates = np.flatnonzero(kept[:n] & ~expanded[:n] & (depth[:n] < config.max_depth))
+    while drafter is not None and steps < config.max_passes:
+        # a lookup branch runs through the drafter only below a node that did (its keys must be there)
+        candidates = np.flatnonzero(kept[:n] & ~expanded[:n] & (depth[:n] < config.max_depth)
+                                    & ((parents[:n] < 0) | expanded[np.maximum(parents[:n], 0)]))
         if int(kept[:n].sum()) - 1 >= config.budget:
             worst = score[:n][kept[:n]].min()
             candidates = candidates[score[candidates] > worst]  # tight stop: children score below parents
@@ -140,21 +157,44 @@ def grow(drafter: Drafter, root: int, config: GrowConfig, acceptance: Acceptance
         expanded[nodes] = True
         expand_room -= len(nodes)
         steps += 1
+        gain = log_probs if acceptance is None else acceptance.log_accept_children(log_probs, depth[nodes] + 1)
+        offered = np.isfinite(log_probs)  # [len(nodes), width]: False where a row had fewer children to give
+        new_scores = score[nodes, None] + np.where(offered, gain, -np.inf)  # [len(nodes), width]
+        if children:  # a token a lookup branch holds already: the node is shared, scored by the likelier source
+            for row, column in zip(*np.nonzero(offered), strict=True):
+                joined = children.get((int(nodes[row]), int(ids[row, column])))
+                if joined is not None:
+                    score[joined] = max(score[joined], new_scores[row, column])
+                    draft[joined], rank[joined] = log_probs[row, column], column
+                    kept[joined] = True
+                    offered[row, column] = False
         new = slice(n, n + ids.size)
         tokens[new] = ids.ravel()
         parents[new] = np.repeat(nodes, config.width)
         depth[new] = np.repeat(depth[nodes] + 1, config.width)
         draft[new] = log_probs.ravel()
         rank[new] = np.tile(np.arange(ids.shape[1], dtype=np.int32), len(nodes))  # expand gives each row best first
-        gain = log_probs if acceptance is None else acceptance.log_accept_children(log_probs, depth[nodes] + 1)
-        offered = np.isfinite(log_probs)  # [len(nodes), width]: False where a row had fewer children to give
-        score[new] = (score[nodes, None] + np.where(offered, gain, -np.inf)).ravel()
+        score[new] = np.where(offered, new_scores, -np.inf).ravel()
         kept[new] = offered.ravel()
         expanded[new] = np.isin(tokens[new], stops)
         n += ids.size
         _keep_best(kept[:n], score[:n], depth[:n], parents[:n], config.budget)
-    tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n], draft[:n], rank[:n]).subset(kept[:n])
-    return tree, steps
+    tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n], draft[:n], rank[:n], looked_up[:n])
+    return tree.subset(kept[:n]), steps
+
+
+def _add_branches(branches: list, tokens: np.ndarray, parents: np.ndarray, depth: np.ndarray, score: np.ndarray,
+                  draft: np.ndarray, rank: np.ndarray, looked_up: np.ndarray, acceptance: Acceptance | None) -> int:
+    """Lookup branches as nodes 1..len(branches) (their parents come first, -1: the root); returns how many."""
+    for i, branch in enumerate(branches, 1):
+        parent = 0 if branch.parent < 0 else branch.parent + 1
+        tokens[i], parents[i], depth[i] = branch.token, parent, depth[parent] + 1
+        draft[i] = np.log(branch.probability)
+        rank[i] = int(any(b.parent == branch.parent and b.probability > branch.probability for b in branches))
+        looked_up[i] = True
+        gain = draft[i] if acceptance is None else acceptance.log_accept(np.array([draft[i]]), depth[i], rank[i])[0]
+        score[i] = score[parent] + gain
+    return len(branches)
 
 
 def _sharpen(log_probs: np.ndarray, temperature: float) -> np.ndarray:

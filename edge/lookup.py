@@ -1,0 +1,234 @@
+"""Drafting by lookup: continuations of the text's current suffix, found where that suffix occurred before (in the
+prompt, the conversation, earlier replies), proposed as tree branches with no drafter pass (SuffixDecoding, REST,
+prompt lookup).
+
+The index is a suffix automaton (Blumer et al.): each state stands for a set of substrings that end at the same
+positions, `link` goes to the state of their longest suffix that also ends elsewhere, and `next` holds the tokens that
+followed them. Appending a token costs amortized O(1); `count` (how often a state's strings occur) is kept on the
+way. The longest suffix of the text that occurred before is the state `link(last)`, found in O(1), and its
+continuations are its transitions, each weighted by how often it followed: a tree of them is read off in as many
+steps as it has nodes, whatever the text's length.
+
+A second automaton over earlier replies (several texts, each ended by its own separator so that no match crosses
+two) follows the current text with the classic matching walk, again O(1) a token amortized, and is bounded: past
+MAX_CORPUS tokens it is rebuilt from the newest replies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+COUNT_STEPS = 64  # a new position counts in at most this many states up its suffix links (lower bounds past)
+MAX_CORPUS = 1 << 17  # tokens of earlier replies an index keeps (about 20 MB): the newest replies are kept
+
+
+class SuffixAutomaton:
+    """A suffix automaton over token sequences, built online (states as parallel lists: a token stream of n tokens
+    makes at most 2n states)."""
+
+    def __init__(self) -> None:
+        self.next: list[dict[int, int]] = [{}]  # state -> {token: state}
+        self.link: list[int] = [-1]
+        self.length: list[int] = [0]  # the longest string of the state
+        self.count: list[int] = [0]  # how many positions its strings end at (capped walks: a lower bound)
+        self.last = 0  # the state of the whole text so far
+        self.size = 0  # tokens appended
+
+    def append(self, token: int) -> None:
+        """One more token at the end of the text."""
+        nxt, link, length, count = self.next, self.link, self.length, self.count
+        current = len(nxt)
+        nxt.append({})
+        link.append(0)
+        length.append(length[self.last] + 1)
+        count.append(0)
+        state = self.last
+        while state != -1 and token not in nxt[state]:
+            nxt[state][token] = current
+            state = link[state]
+        if state != -1:
+            target = nxt[state][token]
+            if length[state] + 1 == length[target]:
+                link[current] = target
+            else:  # split: a clone holds the shorter strings, which now also end at this position
+                clone = len(nxt)
+                nxt.append(dict(nxt[target]))
+                link.append(link[target])
+                length.append(length[state] + 1)
+                count.append(count[target])
+                while state != -1 and nxt[state].get(token) == target:
+                    nxt[state][token] = clone
+                    state = link[state]
+                link[target] = link[current] = clone
+        self.last = current
+        self.size += 1
+        state = current  # the new position is one more occurrence of every suffix of the text
+        for _ in range(COUNT_STEPS):
+            if state <= 0:
+                break
+            count[state] += 1
+            state = link[state]
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self.append(int(token))
+
+    def walk(self, state: int, matched: int, token: int) -> tuple[int, int]:
+        """The matching walk: from (state, matched length), the longest suffix that still occurs after `token`."""
+        nxt, link, length = self.next, self.link, self.length
+        while state > 0 and token not in nxt[state]:
+            state = link[state]
+            matched = length[state]
+        if token in nxt[state]:
+            return nxt[state][token], matched + 1
+        return 0, 0
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A continuation: its token, the chance (by counts) that it follows its parent's path, and its parent's index
+    in the branches (-1: the current text's end)."""
+
+    token: int
+    parent: int
+    probability: float
+    match: int  # the matched length its path continues (longer: surer)
+
+
+@dataclass
+class LookupTree:
+    """Continuations proposed for the text's end, parents before children: what growth merges into its tree."""
+
+    branches: list[Branch] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.branches)
+
+
+def continuations(automaton: SuffixAutomaton, state: int, matched: int, budget: int,
+                  min_probability: float = 0.02) -> LookupTree:
+    """Up to `budget` continuations of a match (its state and length), the likeliest first (best-first on the product
+    of the counts' ratios, as growth is on draft probabilities)."""
+    tree = LookupTree()
+    if state <= 0 or matched == 0:
+        return tree
+    frontier: list[tuple[float, int, int, int]] = [(1.0, state, -1, matched)]  # (path chance, state, branch, match)
+    nxt, count = automaton.next, automaton.count
+    while frontier and len(tree) < budget:
+        frontier.sort(key=lambda item: -item[0])
+        chance, node, parent, depth = frontier.pop(0)
+        total = sum(count[child] for child in nxt[node].values())
+        if total <= 0:
+            continue
+        for token, child in sorted(nxt[node].items(), key=lambda item: -count[item[1]]):
+            probability = count[child] / total
+            if chance * probability < min_probability or len(tree) >= budget:
+                break
+            tree.branches.append(Branch(token, parent, probability, depth))
+            frontier.append((chance * probability, child, len(tree) - 1, depth + 1))
+    return tree
+
+
+class Lookup:
+    """The lookup proposer of one conversation: an automaton over its text (the prompt and the reply so far, extended
+    token by token) and, shared, one over earlier replies (a Corpus)."""
+
+    def __init__(self, corpus: Corpus | None = None):
+        self.corpus = corpus
+        self.text: list[int] = []
+        self._own = SuffixAutomaton()
+        self._corpus_state = (0, 0)  # the matching walk's (state, matched length) over the corpus
+
+    def set_text(self, tokens: Sequence[int]) -> None:
+        """The text is now `tokens`: extended where it extends the last one, indexed again otherwise."""
+        tokens = list(tokens)
+        if tokens[: len(self.text)] != self.text:
+            self.text, self._own, self._corpus_state = [], SuffixAutomaton(), (0, 0)
+        self.append(tokens[len(self.text):])
+
+    def append(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            token = int(token)
+            self.text.append(token)
+            self._own.append(token)
+            if self.corpus is not None:
+                self._corpus_state = self.corpus.automaton.walk(*self._corpus_state, token)
+
+    def propose(self, budget: int) -> LookupTree:
+        """Continuations of the text's end: from its own earlier occurrences first, then from earlier replies."""
+        own = self._own
+        match = own.link[own.last]
+        tree = continuations(own, match, own.length[match] if match > 0 else 0, budget)
+        if self.corpus is not None and len(tree) < budget:
+            state, matched = self._corpus_state
+            if self.corpus.automaton.size and matched:
+                more = continuations(self.corpus.automaton, state, matched, budget - len(tree))
+                tree = merge(tree, more)
+        return tree
+
+
+def merge(first: LookupTree, second: LookupTree) -> LookupTree:
+    """Both trees' branches in one, a branch that both propose kept once (the first's, the surer: the text's own)."""
+    merged = LookupTree(list(first.branches))
+    index: dict[tuple[int, int], int] = {(b.parent, b.token): i for i, b in enumerate(first.branches)}
+    remap: dict[int, int] = {-1: -1}
+    for i, branch in enumerate(second.branches):
+        parent = remap[branch.parent]
+        key = (parent, branch.token)
+        if key not in index:
+            merged.branches.append(Branch(branch.token, parent, branch.probability, branch.match))
+            index[key] = len(merged.branches) - 1
+        remap[i] = index[key]
+    return merged
+
+
+class Corpus:
+    """Earlier replies, indexed for lookup, bounded by MAX_CORPUS tokens (the newest replies are kept). Each reply
+    ends with its own separator (a negative id no model emits), so no match spans two replies."""
+
+    def __init__(self, max_tokens: int = MAX_CORPUS):
+        self.max_tokens = max_tokens
+        self.replies: list[list[int]] = []
+        self.automaton = SuffixAutomaton()
+
+    def add(self, reply: Sequence[int]) -> None:
+        if not reply:
+            return
+        self.replies.append([int(token) for token in reply])
+        if sum(len(r) + 1 for r in self.replies) > self.max_tokens:
+            while len(self.replies) > 1 and sum(len(r) + 1 for r in self.replies) > self.max_tokens // 2:
+                self.replies.pop(0)
+            self._rebuild()
+        else:
+            self._index(self.replies[-1], len(self.replies))
+
+    def _index(self, reply: list[int], number: int) -> None:
+        self.automaton.extend(reply)
+        self.automaton.append(-number)  # the separator
+
+    def _rebuild(self) -> None:
+        self.automaton = SuffixAutomaton()
+        for number, reply in enumerate(self.replies, 1):
+            self._index(reply, number)
+
+    def to_array(self) -> np.ndarray:
+        """The replies as one int32 array, each ended by -1 (what Corpus.from_array reads back)."""
+        return np.array([token for reply in self.replies for token in (*reply, -1)], np.int32)
+
+    @classmethod
+    def from_array(cls, tokens: np.ndarray, max_tokens: int = MAX_CORPUS) -> Corpus:
+        corpus = cls(max_tokens)
+        reply: list[int] = []
+        for token in tokens.tolist():
+            if token < 0:
+                corpus.replies.append(reply)
+                reply = []
+            else:
+                reply.append(token)
+        while len(corpus.replies) > 1 and sum(len(r) + 1 for r in corpus.replies) > max_tokens:
+            corpus.replies.pop(0)
+        corpus._rebuild()
+        return corpus
