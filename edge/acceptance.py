@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge.tree import TokenTree
+from edge.tree import DRAFTED, TokenTree
 
 # Finer near 1, where a good drafter's top tokens sit and where the difference between 0.9 and 0.99 decides
 # how deep a chain is worth growing.
@@ -72,14 +72,21 @@ class Acceptance:
     def rate(self, p: float, depth: int = 1, rank: int = 0) -> float:
         return float(np.exp(self.log_accept(np.array([np.log(max(p, 1e-30))]), depth, rank)[0]))
 
-    def observe(self, tree: TokenTree, path: list[int], token: int) -> None:
-        """One verified round: `path` the accepted node ids (root first), `token` the target's draw at its end."""
+    def observe(self, tree: TokenTree, path: list[int], token: int, source: int | None = None) -> None:
+        """One verified round: `path` the accepted node ids (root first), `token` the target's draw at its end.
+        `source` (edge.tree.DRAFTED or LOOKED_UP): learn only from the children that source proposed."""
         if tree.draft is None or len(tree) < 2:
             return
         taken = np.full(len(tree), -1, np.int64)  # the target's token at each node of the path
         taken[path] = [*tree.tokens[path[1:]], token]
         children = np.flatnonzero(taken[np.maximum(tree.parents, 0)] >= 0)
         children = children[children > 0]
+        if source is not None and tree.source is not None:
+            children = children[tree.source[children] & source != 0]
+            if source != DRAFTED:  # a node both proposed carries the drafter's probability: the drafter's to learn
+                children = children[tree.source[children] & DRAFTED == 0]
+        if len(children) == 0:
+            return
         hit = tree.tokens[children] == taken[tree.parents[children]]
         rank = np.zeros(len(children), np.int64) if tree.rank is None else np.minimum(tree.rank[children], 1)
         cells = (_depth_bucket(tree.depth[children]), rank, _bin(np.exp(tree.draft[children])))

@@ -251,6 +251,10 @@ class AutoBudget:
         slope = PRIOR_SLOPE * max(self.tokens[base] - 1, 0.1) / (prior_tokens(base) - 1)
         return min(budget + 1.0, self.tokens[base] + slope * math.log2((1 + budget) / (1 + base)))
 
+    def pass_s(self, tokens: int) -> float:
+        """A target pass over `tokens` tokens, as plain passes have lately run against the measured costs."""
+        return self.plain_scale() * self.costs.target_s(tokens)
+
     def round_s(self, budget: int) -> float:
         """Predicted seconds of one round: growth plus the target pass (plain: the pass alone)."""
         if budget == 0:

@@ -13,6 +13,7 @@ import numpy as np
 from edge.acceptance import Acceptance
 from edge.errors import ContextFull, Interrupted, UserError
 from edge.grow import GrowConfig
+from edge.lookup import Lookup
 from edge.policy import BudgetPolicy, FixedBudget, RoundPlan, RoundPolicy
 from edge.protocols import Drafter, Target
 from edge.residual import AutoRule
@@ -20,6 +21,7 @@ from edge.sampling import SamplingConfig
 from edge.speculative import RoundResult, speculative_round
 
 PLAIN = RoundPlan(None)
+LOOKUP_BRANCHES = 32  # continuations lookup proposes a round, at most (the round's budget takes the likeliest)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Stats:
     verify_s: float = 0.0
     decode_s: float = 0.0  # wall time of the rounds, prefill excluded
     plain_rounds: int = 0  # rounds a budget policy ran without a tree (speculation did not pay)
+    lookup_rounds: int = 0  # rounds whose tree was lookup branches alone (no drafter pass)
     residual_rounds: int = 0  # tree rounds verified by the residual rule (the rest: sample-and-match)
     budget_sum: int = 0  # draft nodes asked for, summed over rounds (mean budget = budget_sum / rounds)
 
@@ -52,6 +55,7 @@ class Stats:
         """One round: its plan, what it did, the target passes it ran and its wall time."""
         self.rounds += 1
         self.plain_rounds += plan.grow is None
+        self.lookup_rounds += plan.grow is not None and not plan.drafting
         self.residual_rounds += plan.grow is not None and plan.rule == "residual"
         self.budget_sum += 0 if plan.grow is None else plan.grow.budget
         self.target_passes += passes
@@ -87,6 +91,7 @@ class Stats:
             "verify_s_per_round": round(self.verify_s / rounds, 5),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "plain_rounds": self.plain_rounds,
+            "lookup_rounds": self.lookup_rounds,
             "residual_rounds": self.residual_rounds,
             "mean_budget": round(self.budget_sum / rounds, 1),
         }
@@ -122,11 +127,14 @@ class Decoder:
 
     def __init__(self, target: Target, drafter: Drafter | None = None, grow_config: GrowConfig | None = None,
                  sampling: SamplingConfig | None = None, policy: BudgetPolicy | None = None, accept: str = "match",
-                 *, rounds: RoundPolicy | None = None, caches: SharedCaches | None = None):
+                 *, rounds: RoundPolicy | None = None, caches: SharedCaches | None = None,
+                 lookup: Lookup | None = None):
         self.target = target
         speculates = rounds is not None or policy is not None or grow_config is not None
         self.drafter = drafter if speculates else None  # not run at all when every round is plain
-        self.rounds = rounds or RoundPolicy(policy or FixedBudget(grow_config), accept)
+        self.lookup = lookup if speculates else None  # continuations from the text so far (edge/lookup.py)
+        self.rounds = rounds or RoundPolicy(policy or FixedBudget(grow_config), accept, drafts=self.drafter is not None,
+                                            lookup=self.lookup is not None)
         self.caches = caches or SharedCaches()
         self.context: list[int] = []
         self.cached_tokens = 0  # of the last prompt loaded, how many the caches already held
@@ -175,6 +183,8 @@ class Decoder:
             for model in self._models():
                 model.prefill(tokens[done : min(done + PREFILL_CHUNK, len(tokens) - 1)])
         self.context = list(tokens)
+        if self.lookup is not None:
+            self.lookup.set_text(self.context)
         return time.perf_counter() - start
 
     def reset(self) -> None:
@@ -195,6 +205,8 @@ class Decoder:
         for step in self.generate(max_tokens, should_stop=should_stop):
             if step.finish_reason is not None:
                 step.stats.prefill_s, step.stats.cached_tokens = prefill_s, self.cached_tokens
+                if self.lookup is not None:
+                    self.lookup.remember(self.context[len(tokens):])  # later replies may repeat this one
             yield step
 
     def generate(self, max_tokens: int, stop_tokens: frozenset[int] | None = None,
@@ -214,9 +226,16 @@ class Decoder:
                 finish = "context"
                 break
             started, passes = time.perf_counter(), self.target.passes
-            plan = self.rounds.plan(room, max_tokens - stats.new_tokens) if self.drafter is not None else PLAIN
-            result = speculative_round(self.target, self.drafter, self.context, plan.grow, self.sampling, self.rng,
-                                       self.rounds.acceptances[plan.rule], stop_tokens, plan.rule, self.draft_rng)
+            plan = PLAIN
+            if self.drafter is not None or self.lookup is not None:
+                proposed = None if self.lookup is None else self.lookup.propose(min(LOOKUP_BRANCHES, room - 1))
+                plan = self.rounds.plan(room, max_tokens - stats.new_tokens, proposed)
+            result = speculative_round(self.target, self.drafter if plan.drafting else None, self.context, plan.grow,
+                                       self.sampling, self.rng, self.rounds.acceptances[plan.rule], stop_tokens,
+                                       plan.rule, self.draft_rng, plan.lookup,
+                                       self.rounds.lookup_acceptance if plan.lookup else None)
+            if self.drafter is not None and not plan.drafting:  # it catches up on the tokens at its next tree
+                self.drafter.commit(result.tree, result.path)
             self.rounds.observe(plan, result)
             stats.count(plan, result, self.target.passes - passes, time.perf_counter() - started)
             for token in result.tokens:
@@ -234,6 +253,8 @@ class Decoder:
                 if should_stop is not None and should_stop():  # heard after each token, not only between rounds:
                     finish = "interrupted"  # a stop string ends the reply on the token that completed it
                     break
+            if self.lookup is not None:
+                self.lookup.set_text(self.context)
         self._sync()
         yield Step(None, text.decode(b"", final=True), finish, stats)
 

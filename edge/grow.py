@@ -21,7 +21,7 @@ from edge.acceptance import Acceptance
 from edge.errors import UserError
 from edge.lookup import LookupTree
 from edge.protocols import Drafter
-from edge.tree import TokenTree
+from edge.tree import DRAFTED, LOOKED_UP, TokenTree
 
 # (tree, nodes, width) -> (token ids [len(nodes), width], log-probs [len(nodes), width]): Drafter.expand's top-k best
 # first, or edge/residual.py's draws from q in draw order
@@ -124,13 +124,13 @@ def grow(drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acc
     score = np.full(capacity, -np.inf, np.float32)
     draft = np.zeros(capacity, np.float32)
     rank = np.zeros(capacity, np.int32)
-    looked_up = np.zeros(capacity, bool)  # a lookup branch proposed it (perhaps the drafter too)
+    source = np.zeros(capacity, np.uint8)  # DRAFTED | LOOKED_UP
     kept = np.zeros(capacity, bool)
     expanded = np.zeros(capacity, bool)  # also set for stop tokens, which are never expanded
     stops = np.fromiter(stop_tokens, np.int32, len(stop_tokens))
     tokens[0], score[0], kept[0] = root, 0.0, True
-    n = 1 + _add_branches(branches, tokens, parents, depth, score, draft, rank, looked_up, lookup_acceptance)
-    kept[1:n] = True
+    n = 1 + _add_branches(branches, tokens, parents, depth, score, draft, rank, source, lookup_acceptance)
+    kept[1:n] = depth[1:n] <= config.max_depth  # no deeper than the reply can use
     expanded[1:n] = np.isin(tokens[1:n], stops)
     children = {(int(parents[i]), int(tokens[i])): i for i in range(1, n)}  # where a drafter's child may join
     _keep_best(kept[:n], score[:n], depth[:n], parents[:n], config.budget)
@@ -166,6 +166,7 @@ def grow(drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acc
                 if joined is not None:
                     score[joined] = max(score[joined], new_scores[row, column])
                     draft[joined], rank[joined] = log_probs[row, column], column
+                    source[joined] |= DRAFTED
                     kept[joined] = True
                     offered[row, column] = False
         new = slice(n, n + ids.size)
@@ -175,23 +176,24 @@ def grow(drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acc
         draft[new] = log_probs.ravel()
         rank[new] = np.tile(np.arange(ids.shape[1], dtype=np.int32), len(nodes))  # expand gives each row best first
         score[new] = np.where(offered, new_scores, -np.inf).ravel()
+        source[new] = DRAFTED
         kept[new] = offered.ravel()
         expanded[new] = np.isin(tokens[new], stops)
         n += ids.size
         _keep_best(kept[:n], score[:n], depth[:n], parents[:n], config.budget)
-    tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n], draft[:n], rank[:n], looked_up[:n])
+    tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n], draft[:n], rank[:n], source[:n])
     return tree.subset(kept[:n]), steps
 
 
 def _add_branches(branches: list, tokens: np.ndarray, parents: np.ndarray, depth: np.ndarray, score: np.ndarray,
-                  draft: np.ndarray, rank: np.ndarray, looked_up: np.ndarray, acceptance: Acceptance | None) -> int:
+                  draft: np.ndarray, rank: np.ndarray, source: np.ndarray, acceptance: Acceptance | None) -> int:
     """Lookup branches as nodes 1..len(branches) (their parents come first, -1: the root); returns how many."""
     for i, branch in enumerate(branches, 1):
         parent = 0 if branch.parent < 0 else branch.parent + 1
         tokens[i], parents[i], depth[i] = branch.token, parent, depth[parent] + 1
         draft[i] = np.log(branch.probability)
         rank[i] = int(any(b.parent == branch.parent and b.probability > branch.probability for b in branches))
-        looked_up[i] = True
+        source[i] = LOOKED_UP
         gain = draft[i] if acceptance is None else acceptance.log_accept(np.array([draft[i]]), depth[i], rank[i])[0]
         score[i] = score[parent] + gain
     return len(branches)

@@ -143,11 +143,21 @@ class Lookup:
         self._corpus_state = (0, 0)  # the matching walk's (state, matched length) over the corpus
 
     def set_text(self, tokens: Sequence[int]) -> None:
-        """The text is now `tokens`: extended where it extends the last one, indexed again otherwise."""
-        tokens = list(tokens)
-        if tokens[: len(self.text)] != self.text:
+        """The text is now `tokens`: extended where it extends the last one (a decode, a chat's next turn), indexed
+        again otherwise. Called every round, so the check is cheap: the first tokens and the last one known. A text
+        that passed it wrongly would only propose worse continuations: the output is the target's whatever they are."""
+        known = len(self.text)
+        head = min(known, 8)
+        if known and not (len(tokens) >= known and tokens[known - 1] == self.text[-1]
+                          and list(tokens[:head]) == self.text[:head]):
             self.text, self._own, self._corpus_state = [], SuffixAutomaton(), (0, 0)
-        self.append(tokens[len(self.text):])
+            known = 0
+        self.append(tokens[known:])
+
+    def remember(self, reply: Sequence[int]) -> None:
+        """A finished reply joins the earlier replies later texts are looked up in."""
+        if self.corpus is not None:
+            self.corpus.add(reply)
 
     def append(self, tokens: Sequence[int]) -> None:
         for token in tokens:

@@ -14,9 +14,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from edge.acceptance import Acceptance
 from edge.errors import UserError
 from edge.grow import GrowConfig
+from edge.lookup import LookupTree
 from edge.options import ACCEPT_RULES
 from edge.residual import AutoRule
 from edge.sampling import SamplingConfig
@@ -30,6 +33,7 @@ class BudgetPolicy(Protocol):
 
     def choose(self, max_nodes: int) -> GrowConfig | None: ...  # a tree of at most max_nodes nodes, root included
     def observe(self, config: GrowConfig | None, result: RoundResult) -> None: ...
+    def pass_s(self, tokens: int) -> float | None: ...  # a target pass over so many tokens, where measured
 
 
 @dataclass(frozen=True)
@@ -44,26 +48,32 @@ class FixedBudget:
     def observe(self, config: GrowConfig | None, result: RoundResult) -> None:
         pass
 
+    def pass_s(self, tokens: int) -> float | None:
+        return None  # not measured: a fixed tree takes every lookup branch it has room for
+
 
 @dataclass(frozen=True)
 class RoundPlan:
     grow: GrowConfig | None  # None: plain decoding
     rule: str = "match"  # "match" (sample-and-match) or "residual"
+    lookup: LookupTree | None = None  # lookup branches to merge into the tree (edge/lookup.py)
+    drafting: bool = False  # the drafter grows the tree (else its nodes are the lookup branches alone)
 
 
 class RoundPolicy:
     """The Decoder's one source of each round's plan. `budget` chooses trees; `accept` is the rule when sampling:
     "match", "residual" or "auto" (the one measured to yield more)."""
 
-    def __init__(self, budget: BudgetPolicy, accept: str = "match") -> None:
+    def __init__(self, budget: BudgetPolicy, accept: str = "match", drafts: bool = True, lookup: bool = True) -> None:
         if accept not in ACCEPT_RULES:
-            raise UserError(f"accept must be one of {', '.join(ACCEPT_RULES)} (got {accept!r})")
-        self.budget, self.accept = budget, accept
+            raise UserError(f"accept must be one of {', '.join(ACCEPT_RULES)} (got {accept!r})", "accept")
+        self.budget, self.accept, self.drafts, self.uses_lookup = budget, accept, drafts, lookup
         self.sampling = SamplingConfig()
         self._reset_rates()
 
     def _reset_rates(self) -> None:
         self.acceptances = {rule: Acceptance(greedy=self.sampling.greedy) for rule in RULES}
+        self.lookup_acceptance = Acceptance(greedy=self.sampling.greedy)
         self.auto_rule = AutoRule()
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
@@ -88,12 +98,19 @@ class RoundPolicy:
         """The measured rates of the rule that runs now."""
         return self.acceptances[self.rule(choose=False)]
 
-    def plan(self, room: int, wanted: int) -> RoundPlan:
+    def plan(self, room: int, wanted: int, lookup: LookupTree | None = None) -> RoundPlan:
         """The next round's plan: a tree of at most `room` nodes (root included: the context and the target's pass
-        bound it) and no deeper than the `wanted` tokens left of the reply can use."""
-        config = self.budget.choose(room)
+        bound it) and no deeper than the `wanted` tokens left of the reply can use. `lookup`: the continuations lookup
+        proposes now; they join the drafter's tree, and where the budget policy decodes plainly they may make a tree
+        of their own, where their expected tokens pay for the larger pass."""
+        lookup = lookup if self.uses_lookup and lookup else None
+        config = self.budget.choose(room) if self.drafts else None
         if config is None:
-            return RoundPlan(None)
+            size = 0 if lookup is None or room <= 1 else self._lookup_size(lookup, room - 1)
+            if not size:
+                return RoundPlan(None)
+            config = GrowConfig(budget=size, beams=1, width=1, max_depth=max(wanted - 1, 1), max_steps=0)
+            return RoundPlan(config, "match", lookup, drafting=False)
         rule = self.rule()
         # top-k scores sharpened to the target's temperature (sharper still when greedy); residual q already is at it
         draft_temperature = 1.0 if rule == "residual" else (
@@ -103,9 +120,32 @@ class RoundPolicy:
             if room <= 1:
                 return RoundPlan(None)
             config = dataclasses.replace(config, budget=room - 1)
-        return RoundPlan(config, rule)
+        return RoundPlan(config, rule, lookup, drafting=True)
+
+    def _lookup_size(self, lookup: LookupTree, most: int) -> int:
+        """How many of the lookup branches (the likeliest, by their measured acceptance) a tree of their own should
+        take: the count whose expected tokens per second of target pass is best, 0 where none beats a plain pass. A
+        budget policy that has not measured passes (a fixed tree) takes all it has room for."""
+        reach = np.ones(len(lookup))  # the chance that the target accepts each branch's whole path
+        depth = np.ones(len(lookup), np.int64)
+        best_sibling: dict[int, float] = {}
+        for branch in lookup.branches:
+            best_sibling[branch.parent] = max(best_sibling.get(branch.parent, 0.0), branch.probability)
+        for i, branch in enumerate(lookup.branches):  # parents come first
+            above = 1.0 if branch.parent < 0 else reach[branch.parent]
+            depth[i] = 1 if branch.parent < 0 else depth[branch.parent] + 1
+            rank = int(branch.probability < best_sibling[branch.parent])
+            reach[i] = above * self.lookup_acceptance.rate(branch.probability, int(depth[i]), rank)
+        taken = np.sort(reach)[::-1][:most]  # a child's reach is below its parent's: the best k are a tree
+        if self.budget.pass_s(1) is None:
+            return len(taken)
+        expected = 1.0 + np.cumsum(taken)
+        rates = [expected[k] / self.budget.pass_s(k + 2) for k in range(len(taken))]
+        best = int(np.argmax(rates))
+        return best + 1 if rates[best] > 1.0 / self.budget.pass_s(1) else 0
 
     def observe(self, plan: RoundPlan, result: RoundResult) -> None:
-        self.budget.observe(plan.grow, result)
-        if plan.grow is not None and self.accept == "auto" and not self.sampling.greedy:
+        if plan.drafting or plan.grow is None:  # a tree of lookup branches alone says nothing of the drafter's
+            self.budget.observe(plan.grow, result)
+        if plan.drafting and self.accept == "auto" and not self.sampling.greedy:
             self.auto_rule.observe(plan.rule, result.tree, result.path)

@@ -29,10 +29,11 @@ import numpy as np
 
 from edge.acceptance import Acceptance
 from edge.grow import GrowConfig, grow
+from edge.lookup import LookupTree
 from edge.protocols import Drafter, Target
 from edge.residual import Proposer, residual_draw
 from edge.sampling import SamplingConfig, distribution, draw
-from edge.tree import TokenTree
+from edge.tree import DRAFTED, LOOKED_UP, TokenTree
 
 RULES = ("match", "residual")
 
@@ -102,25 +103,30 @@ class RoundResult:
 def speculative_round(target: Target, drafter: Drafter | None, context: Sequence[int], grow_config: GrowConfig | None,
                       sampling: SamplingConfig, rng: np.random.Generator,
                       acceptance: Acceptance | None = None, stop_tokens: frozenset[int] = frozenset(),
-                      rule: str = "match", draft_rng: np.random.Generator | None = None) -> RoundResult:
-    """context: every committed token; its last one is the root. Without a drafter or a grow config this is plain
-    decoding. `acceptance` (optional) ranks the tree's nodes by measured acceptance and learns from this round; the
-    tree grows nothing past `stop_tokens`. `rule`: "match" or "residual" (whose children are drawn with `draft_rng`:
-    the target's draws must not depend on them)."""
+                      rule: str = "match", draft_rng: np.random.Generator | None = None,
+                      lookup: LookupTree | None = None, lookup_acceptance: Acceptance | None = None) -> RoundResult:
+    """context: every committed token; its last one is the root. Without a grow config, or with neither a drafter nor
+    lookup branches, this is plain decoding. `acceptance` (optional) ranks the drafter's nodes by measured acceptance
+    and learns from this round, `lookup_acceptance` the lookup branches'; the tree grows nothing past `stop_tokens`.
+    `rule`: "match" or "residual" (whose children are drawn with `draft_rng`: the target's draws must not depend on
+    them). A lookup branch is accepted whenever the target's own draw lands on it, under either rule."""
     clock, proposer, passes = Stopwatch(), None, 0
     with clock("grow"):
         tree = TokenTree.root(context[-1])
-        if drafter is not None and grow_config is not None:
-            target.prefetch()  # a streamed target reads its weights while we draft
-            if rule == "residual":
-                proposer = Proposer(drafter, sampling, context[:-1], draft_rng or np.random.default_rng())
+        if grow_config is not None and (drafter is not None or lookup):
+            if drafter is not None:
+                target.prefetch()  # a streamed target reads its weights while we draft
+                if rule == "residual":
+                    proposer = Proposer(drafter, sampling, context[:-1], draft_rng or np.random.default_rng())
             tree, passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens,
-                                None if proposer is None else proposer.expand)
+                                None if proposer is None else proposer.expand, lookup, lookup_acceptance)
     with clock("verify"):
         logits = target.verify(tree)
         path, token = accept(tree, logits, sampling, context[:-1], rng, proposer)
         if acceptance is not None:
-            acceptance.observe(tree, path, token)
+            acceptance.observe(tree, path, token, DRAFTED)
+        if lookup_acceptance is not None:
+            lookup_acceptance.observe(tree, path, token, LOOKED_UP)
     with clock("commit"):
         target.commit(tree, path)
     with clock("drafter commit"):

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+DRAFTED = 1  # a node's source bits: the drafter proposed it
+LOOKED_UP = 2  # lookup proposed it
+
 
 @dataclass
 class TokenTree:
@@ -21,7 +24,7 @@ class TokenTree:
     score: np.ndarray  # [n] float32, growth's ranking: cumulative log chance of acceptance, 0 for the root
     draft: np.ndarray | None = None  # [n] float32, the drafter's own log-prob of each node given its parent
     rank: np.ndarray | None = None  # [n] int32, each node's place in its parent's top-k (0: the drafter's top token)
-    looked_up: np.ndarray | None = None  # [n] bool, proposed by lookup (edge/lookup.py), perhaps by the drafter too
+    source: np.ndarray | None = None  # [n] uint8: who proposed each node, DRAFTED | LOOKED_UP (edge/lookup.py)
 
     @classmethod
     def root(cls, token: int) -> TokenTree:
@@ -60,5 +63,5 @@ class TokenTree:
         parents = np.where(parents >= 0, new_index[np.maximum(parents, 0)], -1).astype(np.int32)
         draft = None if self.draft is None else self.draft[keep]
         rank = None if self.rank is None else self.rank[keep]
-        looked_up = None if self.looked_up is None else self.looked_up[keep]
-        return TokenTree(self.tokens[keep], parents, self.depth[keep], self.score[keep], draft, rank, looked_up)
+        source = None if self.source is None else self.source[keep]
+        return TokenTree(self.tokens[keep], parents, self.depth[keep], self.score[keep], draft, rank, source)
