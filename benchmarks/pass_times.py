@@ -78,6 +78,13 @@ def _gib(n: float) -> float:
     return round(n / 2**30, 3)
 
 
+def kernel_switches() -> dict[str, str]:
+    """llama.cpp's K-quant kernel switches as this run had them (runtimes/llama_cpp/kernels.py)."""
+    import os
+
+    return {name: value for name, value in os.environ.items() if name.startswith("GGML_CPU_TILED")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a pair of models.toml or a GGUF file")
@@ -86,6 +93,8 @@ def main() -> None:
                         help="tokens per pass, comma-separated, each with xR to time R passes (default 1 pass)")
     parser.add_argument("--max-pass-s", type=float, default=240.0, help="skip sizes predicted to take longer")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--placement", choices=("ram", "ssd"), default="ram",
+                        help="ssd: the target's pages evicted after every pass, as generate --placement ssd runs it")
     args = parser.parse_args()
     try:
         sizes = [(int(n), int(r or 1)) for n, _, r in (p.strip().partition("x") for p in args.sizes.split(",") if p)]
@@ -94,7 +103,7 @@ def main() -> None:
     largest = max(n for n, _ in sizes)
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
 
-    options = LoadOptions(pair=args.model, drafter=args.drafter, threads=args.threads,
+    options = LoadOptions(pair=args.model, drafter=args.drafter, threads=args.threads, placement=args.placement,
                           budget=largest - 1 if largest > 256 else None)
     spec, models_file = resolve_spec(options)
     plan = make_plan(spec, None, models_file or Path("models.toml"))  # before loading: RAM free as the load sees it
@@ -102,7 +111,7 @@ def main() -> None:
     started = time.perf_counter()
     with edge.load(options, report=say) as pair:
         load_s = time.perf_counter() - started
-        target = pair.target
+        target, placement = pair.target, pair.placement
         prefix = [max(target.model.bos, 0)]
         rows = []
         for n, repeats in sizes:
@@ -117,6 +126,8 @@ def main() -> None:
                 target.verify(timing_chain(prefix[-1], n))
                 times.append(time.perf_counter() - start)
                 reads.append((read_bytes() or 0) - before)
+                if pair.placement == "ssd":
+                    target.streamer.wait_evicted()  # the eviction after the pass runs in a thread: not timed
             measured = float(np.median(times))
             rows.append({"n": n, "measured_s": round(measured, 3), "passes_s": [round(t, 3) for t in times],
                          "read_gib_per_pass": _gib(float(np.median(reads))), "predicted_s": round(predicted.seconds, 3),
@@ -134,8 +145,9 @@ def main() -> None:
             row["fitted_error"] = round(cost.seconds / row["measured_s"] - 1, 3)
     here = probe_machine()
     print(json.dumps({
-        "model": args.model, "target": plan.target.shape.source, "file_gib": _gib(plan.target.shape.file_bytes),
-        "placement": plan.target.placement, "repack": plan.target.repack, "machine": plan.machine.describe(),
+        "model": args.model, "target": plan.target.shape.source, "kernels": kernel_switches(),
+        "file_gib": _gib(plan.target.shape.file_bytes),
+        "placement": placement, "repack": plan.target.repack and placement == "ram", "machine": plan.machine.describe(),
         "ram_total_gib": here["ram_total_gb"], "cpu": here["cpu"],
         "load_s": round(load_s, 2), **memory, "rows": rows, "fit": fit,
     }, indent=2))
