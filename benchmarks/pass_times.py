@@ -112,7 +112,7 @@ def main() -> None:
     with edge.load(options, report=say) as pair:
         load_s = time.perf_counter() - started
         target, placement = pair.target, pair.placement
-        prefix = [max(target.model.bos, 0)]
+        prefix = [max(target.special.bos, 0)]
         rows = []
         for n, repeats in sizes:
             predicted = pass_cost(plan.target, plan.machine, n)
