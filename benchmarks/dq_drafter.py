@@ -57,7 +57,7 @@ def _grow_with_each(pair: Pair, texts: list[str], n: int) -> dict[str, list]:
     passes, tokens]."""
     spec = pair.spec
     int4 = pair.swap_drafter("onnx", 0, report=print)  # the pair's file as the int4 graph with its full head
-    llama = open_drafter(spec, replace(spec.drafter, runtime="llama_cpp", vocab=None), pair.target.model.path,
+    llama = open_drafter(spec, replace(spec.drafter, runtime="llama_cpp", vocab=None), pair.target.path,
                          pair.drafter_threads, 0, print)
     graph.DecoderBuilder.linear = _dynamic_quantize_linear
     variant = onnx_runtime._variant

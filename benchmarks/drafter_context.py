@@ -28,7 +28,7 @@ def main() -> None:
 
     with edge.load(args.pair, report=lambda message: print(message, file=sys.stderr), placement="ram") as pair:
         spec = pair.spec
-        llama = open_drafter(spec, replace(spec.drafter, runtime="llama_cpp", vocab=None), pair.target.model.path,
+        llama = open_drafter(spec, replace(spec.drafter, runtime="llama_cpp", vocab=None), pair.target.path,
                              pair.drafter_threads, 0, print)
         try:
             text = pair.target.tokenizer.tokenize(CALIBRATION_TEXT * 20, add_special=True, parse_special=False)

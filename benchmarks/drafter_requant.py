@@ -63,7 +63,7 @@ def open_drafters(pair: Pair, kv_types: list[str], vocabs: list[int], types: set
     drafters = {f"llama_cpp kv {pair.spec.drafter.kv_type}": pair.drafter}
     for kv_type in kv_types:
         model = replace(pair.spec.drafter, runtime="llama_cpp", kv_type=kv_type)
-        drafters[f"llama_cpp kv {kv_type}"] = open_drafter(pair.spec, model, pair.target.model.path,
+        drafters[f"llama_cpp kv {kv_type}"] = open_drafter(pair.spec, model, pair.target.path,
                                                           pair.drafter_threads, 0, print)
     variants = [("kept", set())] + ([(f"{','.join(sorted(types))} /{block}", types)] if types else [])
     for label, requantized in variants:
@@ -72,7 +72,7 @@ def open_drafters(pair: Pair, kv_types: list[str], vocabs: list[int], types: set
         for vocab in [0, *vocabs]:
             model = replace(pair.spec.drafter, runtime="onnx", vocab=vocab or None)
             drafters[f"onnx{f':{vocab}' if vocab else ''} {label}"] = open_drafter(
-                pair.spec, model, pair.target.model.path, pair.drafter_threads, 0, print)
+                pair.spec, model, pair.target.path, pair.drafter_threads, 0, print)
     return drafters
 
 
