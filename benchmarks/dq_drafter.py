@@ -61,7 +61,7 @@ def _grow_with_each(pair: Pair, texts: list[str], n: int) -> dict[str, list]:
                          pair.drafter_threads, 0, print)
     graph.DecoderBuilder.linear = _dynamic_quantize_linear
     variant = onnx_runtime._variant
-    onnx_runtime._variant = lambda role, head: variant(role, head) + ".dq7"
+    onnx_runtime._variant = lambda *args: variant(*args) + ".dq7"
     options = onnx_runtime.OnnxOptions(threads=pair.drafter_threads, n_ctx=spec.ctx + 256)
     dq = onnx_runtime.load_drafter(materialize(spec.drafter, print), options, None, print)
     drafters = {"llama_cpp": llama, "onnx int4": int4, "onnx dq7": dq}

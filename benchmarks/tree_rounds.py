@@ -48,7 +48,7 @@ class ChainBeside:
     def choose(self, max_nodes: int) -> GrowConfig:
         self._wanted = self.target.tokens_left
         config = self.chain_config.within_reply(self._wanted)
-        chain, _ = grow(self.drafter, self.target.root, config, None, self.target.stop_tokens)
+        chain, _ = grow(self.drafter, self.target.root, config, None, self.target.special.stop)
         self._chain_accepted = len(self.target.accepted_path(chain)) - 1
         self.drafter.truncate(self.target.n_past)  # forget the chain's slots; the tree grows from the root again
         return self.tree_config

@@ -83,7 +83,7 @@ def _trimmed_head(pair: Pair, size: int) -> np.ndarray:
         sequences.append([s.token for s in decoder.generate(32) if s.token is not None])
     decoder.reset()
     counts = count_tokens(sequences, pair.target.n_vocab)
-    return select(counts, size, pair.target.model.special_tokens())
+    return select(counts, size, pair.target.model.special().ids)
 
 
 def _onnx_drafter(pair: Pair, vocab: int | None, head: np.ndarray | None = None):
@@ -172,7 +172,7 @@ def test_trimmed_head_drafts_the_contexts_tokens_it_lacks(smollm2: Pair,
     ids, _ = full.expand(TokenTree.root(tokens[-1]), np.array([0]), 4)
     top = int(ids[0, 0])
     assert model.token_bytes(top) == b" cat"
-    head = np.array(sorted((set(range(4096)) | model.special_tokens()) - {top}), np.int32)
+    head = np.array(sorted((set(range(4096)) | model.special().ids) - {top}), np.int32)
     drafter = _onnx_drafter(smollm2, None, head)
     drafter.prefill(tokens[:-1])
     outside = [t for t in tokens[:-1] if t not in set(head.tolist())]
@@ -208,7 +208,7 @@ def quantspec(smollm2: Pair):
     source = materialize(spec.target, print)
     drafter_file = materialize(spec.drafter, print)
     model = smollm2.target.model
-    return load_quantspec(source, drafter_file, OnnxOptions(threads=2, n_ctx=1024), model, model.eog_tokens())
+    return load_quantspec(source, drafter_file, OnnxOptions(threads=2, n_ctx=1024), model)
 
 
 def test_quantspec_cache_is_shared_and_at_most_8_5_bits(quantspec) -> None:

@@ -166,7 +166,7 @@ def test_qwen2_trimmed_head_maps_back_to_full_vocabulary_ids(qwen2_files: dict[s
     source = qwen2_files["untied"]
     model = Model(source)
     counts = count_tokens([model.tokenize(CALIBRATION, False, False)], model.n_vocab)
-    head = select(counts, 16384, model.special_tokens(), broad=model.tokenizer_order())
+    head = select(counts, 16384, model.special().ids, broad=model.ranked_tokens())
     trimmed = load_drafter(source, OnnxOptions(threads=2, n_ctx=512, graph_dir=tmp_path), head)
     ids, log_probs = chain_top(trimmed, chat_tokens(source), START, 8)
     assert set(ids.ravel().tolist()) <= set(head.tolist()) | set(trimmed.extra)

@@ -71,7 +71,8 @@ def test_int4_block_is_a_matmulnbits_block(tmp_path: Path) -> None:
     onnx_drafter = GOOD_PAIR.replace('drafter.from = "target"', 'drafter.from = "target"\ndrafter.runtime = "onnx"')
     assert "int4_block must be one of 16, 32, 64, 128, 256 (got 100)" in load_error(
         tmp_path, onnx_drafter + "drafter.int4_block = 100\n")
-    assert "need runtime" in load_error(tmp_path, GOOD_PAIR + "drafter.int4_block = 128\n")
+    assert "needs a runtime that builds its own weights" in load_error(tmp_path,
+                                                                      GOOD_PAIR + "drafter.int4_block = 128\n")
 
 
 def test_shipped_gemma_pair() -> None:

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from edge.errors import UserError
 from edge.generate import Decoder
 from edge.tree import TokenTree
+from tests.tiny import TinyModel
 
 runner = CliRunner()
 
@@ -93,13 +94,13 @@ def test_expected_counts() -> None:
 
 
 def test_scoring_target_sums_what_it_verifies() -> None:
-    class Fixed:
-        n_vocab, passes = 3, 7
-
+    class Fixed(TinyModel):
         def verify(self, tree: TokenTree) -> np.ndarray:
             return np.array([[0.0, 0.0, np.log(2)]] * len(tree), np.float32)
 
-    scoring = ScoringTarget(Fixed())
+    fixed = Fixed(n_vocab=3)
+    fixed.passes = 7
+    scoring = ScoringTarget(fixed)
     for _ in range(2):
         assert scoring.verify(TokenTree.root(1)).shape == (1, 3)
     assert scoring.positions == 2 and scoring.expected.tolist() == pytest.approx([0.5, 0.5, 1.0])
@@ -199,7 +200,7 @@ def test_prepare_vocab(smollm2: Pair, model_cache: Path, tmp_path: Path) -> None
     assert f"vocab 512: {path} (coverage 100.00% of " in result.stdout
     vocab = RankedVocab.load(path)
     model = smollm2.target.model
-    specials = model.special_tokens()
+    specials = model.special().ids
     assert len(vocab.ids) == 512 and vocab.n_vocab == model.n_vocab == 49152
     assert len(specials) == 17 and {model.eos, model.bos, 0} <= specials  # <|endoftext|>, <|im_start|>, <|im_end|>
     assert specials <= set(vocab.ids.tolist())
@@ -226,7 +227,7 @@ def test_prepare_vocab(smollm2: Pair, model_cache: Path, tmp_path: Path) -> None
             expected += expected_counts(target.verify(tree))
             target.commit(tree, [0])
     # In turn with them, the tokenizer's own order: ordinary tokens only, its merges in order (a BPE vocabulary).
-    broad = model.tokenizer_order()
+    broad = model.ranked_tokens()
     assert len(broad) == model.n_vocab - len(specials) and not set(broad.tolist()) & specials
     assert model.token_bytes(int(broad[0])) == b"!" and np.all(np.diff(broad) > 0)  # SmolLM2: scores all equal
     assert vocab.ids.tolist() == select(vocab.counts, 512, specials, expected, broad).tolist()
