@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from edge.models.bench import METHODS, DrafterChoice
+from edge.models.bench import LOOKUP, METHODS, DrafterChoice
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -53,8 +53,8 @@ def method_label(row: dict[str, Any], result: dict[str, Any]) -> str:
 
 
 def parse_drafters(text: str | None) -> list[DrafterChoice] | None:
-    """'llama_cpp,onnx:32768,llama_cpp@q4_0' -> drafters to compare: a runtime, a trimmed head (onnx:K) and a
-    requantization of the pair's drafter file (@QUANT)."""
+    """'llama_cpp,onnx:32768,llama_cpp@q4_0,lookup,onnx+lookup' -> drafters to compare: a runtime, a trimmed head
+    (onnx:K), a requantization of the pair's drafter file (@QUANT), lookup alone, and any of them with lookup."""
     from edge.models.registry import FTYPES, names, traits
 
     if text is None:
@@ -63,14 +63,21 @@ def parse_drafters(text: str | None) -> list[DrafterChoice] | None:
     trimming = [name for name in runtimes if traits(name).trims_head]
     choices = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        head, _, quantize = part.partition("@")
+        if part == LOOKUP:
+            choices.append(DrafterChoice(None, lookup=True))
+            continue
+        model, plus, looked = part.partition("+")
+        if plus and looked != LOOKUP:
+            raise UserError(f"--drafters: a drafter joins lookup as NAME+lookup (got {part!r})")
+        head, _, quantize = model.partition("@")
         runtime, _, vocab = head.partition(":")
         if (runtime not in runtimes or (vocab and (runtime not in trimming or not vocab.isdigit()))
                 or ("@" in part and quantize not in FTYPES)):
             raise UserError(f"--drafters takes {', '.join(runtimes)}, or {' or '.join(trimming)}:K (a vocabulary "
-                            f"size), each optionally with @QUANT (the drafter requantized: {', '.join(FTYPES)}), "
-                            f"comma-separated (got {part!r})")
-        choices.append(DrafterChoice(runtime, int(vocab) if vocab else None, quantize or None))
+                            f"size), each optionally with @QUANT (the drafter requantized: {', '.join(FTYPES)}) and "
+                            f"+lookup (lookup's branches in its trees too), or lookup (alone), comma-separated (got "
+                            f"{part!r})")
+        choices.append(DrafterChoice(runtime, int(vocab) if vocab else None, quantize or None, lookup=bool(plus)))
     if not choices:
         raise UserError("--drafters is empty")
     return choices

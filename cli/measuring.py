@@ -34,11 +34,12 @@ from edge.options import LoadOptions
 
 @app.command()
 @user_errors
-@load_flags("pair", "drafter", "ctx", *PLACING, "target_dtype")
+@load_flags("pair", "drafter", "lookup", "ctx", *PLACING, "target_dtype")
 def bench(
     ctx: typer.Context,
-    prompts: Annotated[Path | None, typer.Option(help="one prompt per line (default: the repo's chat prompts)",
-                                                 show_default=False)] = None,
+    prompts: Annotated[Path | None, typer.Option(
+        help="one prompt per line: text, or a JSON line (one string, or one list of chat messages) (default: the "
+             "repo's chat prompts)", show_default=False)] = None,
     budgets: Annotated[str, typer.Option(
         help="comma-separated tree budgets; auto picks one per round")] = "auto,1,16,64,255",
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 128,
@@ -53,7 +54,8 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     drafters: Annotated[str | None, typer.Option(
         help="drafters to compare, comma-separated: llama_cpp, onnx, onnx:K (K-token head), each with an optional "
-             "@QUANT (its file requantized, e.g. llama_cpp@q4_0); default: the pair's",
+             "@QUANT (its file requantized, e.g. llama_cpp@q4_0) and +lookup (lookup's branches too), or lookup "
+             "alone; default: the pair's drafter, with lookup unless --lookup off",
         show_default=False)] = None,
     methods: Annotated[str, typer.Option(help="plain, chain (one draft token per drafter pass), tree")] = "plain,tree",
     plot: Annotated[Path | None, typer.Option(help="write a PNG: tokens/s and tokens per pass against the budget",

@@ -44,7 +44,11 @@ TargetOpt = Annotated[Path | None, typer.Option(help="target GGUF file (the same
                                                 show_default=False)]
 DrafterOpt = Annotated[str | None, typer.Option(
     help="the drafter, for a model that is not a pair: a GGUF file or Hugging Face user/repo:QUANT (default: the "
-         "model drafts for itself, on ONNX Runtime where it can)", show_default=False)]
+         "model drafts for itself, on ONNX Runtime where it can); with any model, lookup: no drafter model, drafting "
+         "by lookup alone (none: the same, or plain decoding with --lookup off)", show_default=False)]
+LookupOpt = Annotated[str, typer.Option(
+    help="drafting by lookup: continuations of the text found earlier in the prompt, the conversation and past "
+         "replies, merged into the drafter's tree; on, off, or keep (past replies kept across runs, in the cache)")]
 BudgetOpt = Annotated[str | None, typer.Option(
     help="draft tree size in nodes, or auto: the fastest for this machine, chosen as the text goes (default: the "
          "pair's, auto unless models.toml says)", show_default=False)]
@@ -91,9 +95,10 @@ LOAD_FLAGS: dict[str, Any] = {
     "pair": PairOpt, "target": TargetOpt, "drafter": DrafterOpt, "ctx": CtxOpt, "budget": BudgetOpt,
     "accept": AcceptOpt, "threads": ThreadsOpt, "provider": ProviderOpt, "gpu_layers": GpuOpt,
     "placement": PlacementOpt, "readahead": ReadaheadOpt, "mlock": MlockOpt, "target_dtype": TargetDtypeOpt,
+    "lookup": LookupOpt,
 }
 PLACING = ("threads", "provider", "gpu_layers", "placement", "readahead", "mlock")  # where and how models run
-DECODING = ("drafter", "budget", "accept", "ctx", *PLACING)  # what the decoding commands share
+DECODING = ("drafter", "lookup", "budget", "accept", "ctx", *PLACING)  # what the decoding commands share
 PARAMETERS = {"ctx": "ctx_size"}  # a field whose name the command's typer.Context already takes
 
 

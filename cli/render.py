@@ -51,4 +51,5 @@ def reply_stats(step: Step) -> None:
 def stats_line(stats: Stats) -> str:
     """One reply's (or a session's) figures: the one way edge-spec renders Stats as text."""
     return (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tok/s · {stats.tokens_per_pass:.2f} tokens/pass · "
-            f"draft {stats.draft_s:.2f}s · verify {stats.verify_s:.2f}s · {stats.target_passes} target passes")
+            f"draft {stats.draft_s:.2f}s · verify {stats.verify_s:.2f}s · {stats.target_passes} target passes"
+            + (f" · {stats.lookup_rounds} by lookup" if stats.lookup_rounds else ""))

@@ -134,7 +134,8 @@ class Decoder:
         self.drafter = drafter if speculates else None  # not run at all when every round is plain
         self.lookup = lookup if speculates else None  # continuations from the text so far (edge/lookup.py)
         self.rounds = rounds or RoundPolicy(policy or FixedBudget(grow_config), accept, drafts=self.drafter is not None,
-                                            lookup=self.lookup is not None)
+                                            lookup=self.lookup is not None,
+                                            max_lookup=None if grow_config is None else grow_config.budget)
         self.caches = caches or SharedCaches()
         self.context: list[int] = []
         self.cached_tokens = 0  # of the last prompt loaded, how many the caches already held

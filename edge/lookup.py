@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 COUNT_STEPS = 64  # a new position counts in at most this many states up its suffix links (lower bounds past)
+REWALK = 256  # tokens of the text's end matched again against a rebuilt corpus (longer matches are rare)
 MAX_CORPUS = 1 << 17  # tokens of earlier replies an index keeps (about 20 MB): the newest replies are kept
 
 
@@ -124,6 +125,8 @@ def continuations(automaton: SuffixAutomaton, state: int, matched: int, budget: 
         if total <= 0:
             continue
         for token, child in sorted(nxt[node].items(), key=lambda item: -count[item[1]]):
+            if token < 0:  # a reply's end (Corpus's separator): nothing follows there
+                continue
             probability = count[child] / total
             if chance * probability < min_probability or len(tree) >= budget:
                 break
@@ -141,6 +144,7 @@ class Lookup:
         self.text: list[int] = []
         self._own = SuffixAutomaton()
         self._corpus_state = (0, 0)  # the matching walk's (state, matched length) over the corpus
+        self._walked: SuffixAutomaton | None = None  # the corpus automaton that state belongs to
 
     def set_text(self, tokens: Sequence[int]) -> None:
         """The text is now `tokens`: extended where it extends the last one (a decode, a chat's next turn), indexed
@@ -164,7 +168,7 @@ class Lookup:
             token = int(token)
             self.text.append(token)
             self._own.append(token)
-            if self.corpus is not None:
+            if self.corpus is not None and self._walked is self.corpus.automaton:
                 self._corpus_state = self.corpus.automaton.walk(*self._corpus_state, token)
 
     def propose(self, budget: int) -> LookupTree:
@@ -173,6 +177,10 @@ class Lookup:
         match = own.link[own.last]
         tree = continuations(own, match, own.length[match] if match > 0 else 0, budget)
         if self.corpus is not None and len(tree) < budget:
+            if self._walked is not self.corpus.automaton:  # rebuilt (bounded) since: walk the text's end again
+                self._corpus_state, self._walked = (0, 0), self.corpus.automaton
+                for token in self.text[-REWALK:]:
+                    self._corpus_state = self.corpus.automaton.walk(*self._corpus_state, token)
             state, matched = self._corpus_state
             if self.corpus.automaton.size and matched:
                 more = continuations(self.corpus.automaton, state, matched, budget - len(tree))

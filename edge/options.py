@@ -14,6 +14,8 @@ ACCEPT_RULES = ("match", "residual", "auto")  # sample-and-match, multi-candidat
 PLACEMENTS = ("ram", "ssd")
 TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
 PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
+LOOKUP_MODES = ("on", "off", "keep")  # keep: earlier runs' replies too, kept in the cache (edge/lookup.py)
+NO_DRAFTER = ("lookup", "none")  # drafter values that load no drafter model: lookup drafting alone (or plain decoding)
 MIN_CTX = 256  # llama.cpp sizes a context in steps of 256 tokens: a smaller one would silently hold 256
 
 
@@ -21,7 +23,9 @@ MIN_CTX = 256  # llama.cpp sizes a context in steps of 256 tokens: a smaller one
 class LoadOptions:
     pair: str | None = None  # a pair of models.toml, a GGUF file or a Hugging Face user/repo:QUANT; None: the default
     target: Path | str | None = None  # a target GGUF file (or Hugging Face reference) instead of a pair
-    drafter: Path | str | None = None  # with a model that is not a pair: its drafter (default: itself)
+    drafter: Path | str | None = None  # with a model that is not a pair: its drafter (default: itself); "lookup" or
+    # "none" (NO_DRAFTER), with any model: no drafter model, lookup drafting alone
+    lookup: str = "on"  # drafting by lookup beside the drafter: on, off, or keep (earlier runs' replies too)
     models_file: Path | None = None  # models.toml to read pairs from (default: the packaged one)
     ctx: int | None = None  # context size in tokens (default: the pair's)
     budget: int | str | None = None  # draft nodes per tree, or "auto" (default: the pair's, auto unless it says)
@@ -40,6 +44,11 @@ class LoadOptions:
     def __post_init__(self) -> None:
         if self.models_file is not None and not isinstance(self.models_file, Path):
             object.__setattr__(self, "models_file", Path(self.models_file))
+        if self.lookup not in LOOKUP_MODES:
+            raise UserError(f"lookup must be one of {', '.join(LOOKUP_MODES)} (got {self.lookup!r})", "lookup")
+        if self.drafter == "lookup" and self.lookup == "off":
+            raise UserError("drafter lookup drafts by lookup alone: not with lookup off (use drafter none to decode "
+                            "with the target alone)", "drafter")
         if self.pair is not None and self.target is not None:
             raise UserError("name one model: a pair or model file, or a target file, not both", "target")
         if self.ctx is not None and self.ctx < MIN_CTX:
@@ -65,6 +74,16 @@ class LoadOptions:
                             "target_dtype")
         if self.drafter_vocab is not None and self.drafter_vocab < 0:
             raise UserError(f"the drafter's vocabulary must be 0 (the full head) or more (got {self.drafter_vocab})")
+
+
+    @property
+    def drafter_model(self) -> bool:
+        """Whether a drafter model loads (not with drafter lookup or none)."""
+        return str(self.drafter) not in NO_DRAFTER
+
+    @property
+    def lookup_drafts(self) -> bool:
+        return self.lookup != "off"
 
 
 def check_max_tokens(value: int) -> int:

@@ -64,10 +64,15 @@ class RoundPolicy:
     """The Decoder's one source of each round's plan. `budget` chooses trees; `accept` is the rule when sampling:
     "match", "residual" or "auto" (the one measured to yield more)."""
 
-    def __init__(self, budget: BudgetPolicy, accept: str = "match", drafts: bool = True, lookup: bool = True) -> None:
+    def __init__(self, budget: BudgetPolicy, accept: str = "match", drafts: bool = True, lookup: bool = True,
+                 max_lookup: int | None = None) -> None:
+        """`drafts`: a drafter grows the trees; `lookup`: lookup's branches join them, and make trees of their own
+        where the budget policy decodes plainly, of at most `max_lookup` nodes (a fixed budget's; None: as many as
+        pay)."""
         if accept not in ACCEPT_RULES:
             raise UserError(f"accept must be one of {', '.join(ACCEPT_RULES)} (got {accept!r})", "accept")
         self.budget, self.accept, self.drafts, self.uses_lookup = budget, accept, drafts, lookup
+        self.max_lookup = max_lookup
         self.sampling = SamplingConfig()
         self._reset_rates()
 
@@ -106,7 +111,8 @@ class RoundPolicy:
         lookup = lookup if self.uses_lookup and lookup else None
         config = self.budget.choose(room) if self.drafts else None
         if config is None:
-            size = 0 if lookup is None or room <= 1 else self._lookup_size(lookup, room - 1)
+            most = room - 1 if self.max_lookup is None else min(room - 1, self.max_lookup)
+            size = 0 if lookup is None or most < 1 else self._lookup_size(lookup, most)
             if not size:
                 return RoundPlan(None)
             config = GrowConfig(budget=size, beams=1, width=1, max_depth=max(wanted - 1, 1), max_steps=0)

@@ -3,6 +3,7 @@ checked against plain decoding token for token; the result is one JSON-ready dic
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -12,9 +13,11 @@ from edge.models.sources import model_path
 from edge.offload.tuning import expand_ms, pass_ms
 
 from edge.budget import json_table
+from edge.chat import Prompt
 from edge.errors import UserError
 from edge.generate import Decoder, Stats
 from edge.grow import GrowConfig
+from edge.lookup import Corpus, Lookup
 from edge.options import check_max_tokens
 from edge.protocols import Drafter
 from edge.sampling import SamplingConfig
@@ -40,29 +43,58 @@ DEFAULT_PROMPTS = benchmark_file("chat-prompts.txt")
 METHODS = ("plain", "chain", "tree")
 
 
-def read_prompts(path: Path | None) -> list[str]:
+def read_prompts(path: Path | None) -> list[Prompt]:
+    """One prompt per line: plain text, or a JSON line (a prompt spanning lines): one JSON string, or one list of
+    chat messages ({"role": ..., "content": ...}, a multi-turn conversation)."""
     path = path or DEFAULT_PROMPTS
     try:
-        prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except OSError as error:
         raise UserError(f"cannot read prompts file {path}: {error.strerror}") from None
-    if not prompts:
+    except UnicodeDecodeError as problem:
+        raise UserError(f"prompts file {path} is not UTF-8 text (byte {problem.start})") from None
+    if not lines:
         raise UserError(f"prompts file {path} has no prompts (one per line)")
-    return prompts
+    return [_prompt(line, path, number) for number, line in enumerate(lines, 1)]
+
+
+def _prompt(line: str, path: Path, number: int) -> Prompt:
+    """A line as a prompt: text, or (starting with a quote or a bracket) JSON: a string or a list of messages."""
+    if not line.startswith(('"', "[")):
+        return line
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as problem:
+        raise UserError(f"{path}, prompt {number}: not valid JSON ({problem.msg} at column {problem.colno}); a "
+                        "line starting with \" or [ is one JSON string or one list of chat messages") from None
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise UserError(f"{path}, prompt {number}: a JSON line is one non-empty string or one list of "
+                    "{\"role\": ..., \"content\": ...} messages")
+
+
+LOOKUP = "lookup"  # the drafter choice of lookup drafting (alone, or NAME+lookup)
 
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    runtime: str  # a runtime's name (runtimes.names())
+    runtime: str | None  # a runtime's name (runtimes.names()); None: no drafter model (lookup alone)
     vocab: int | None = None  # a trimmed head's size (onnx), None: the full head
     quantize: str | None = None  # prepare it from the target's source requantized (llama.cpp ftype), None: the pair's
+    lookup: bool = False  # lookup's branches join the trees
 
     @property
     def label(self) -> str:
-        return self.runtime + (f":{self.vocab}" if self.vocab else "") + (f"@{self.quantize}" if self.quantize else "")
+        if self.runtime is None:
+            return LOOKUP
+        return (self.runtime + (f":{self.vocab}" if self.vocab else "") + (f"@{self.quantize}" if self.quantize else "")
+                + (f"+{LOOKUP}" if self.lookup else ""))
 
 
-def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_tokens: int, sampling: SamplingConfig,
+def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_tokens: int, sampling: SamplingConfig,
               raw: bool = False, report: Report = _quiet, drafters: list[DrafterChoice] | None = None,
               methods: tuple[str, ...] = ("plain", "tree"),
               progress: Callable[[int, int], None] | None = None, accepts: tuple[str, ...] = ("match",),
@@ -70,7 +102,8 @@ def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_toke
     """Plain decoding (the reference every row is checked against) and each method x budget x acceptance rule,
     prompt by prompt: each prompt runs through every row in turn, so a slow spell of a shared machine falls on all
     rows alike. With `drafters`, the rows run once per drafter (the pair's drafter file on another runtime, head or
-    quantization). `progress(done, total)` hears of each prompt decoded by each row. A sampled row whose rule is not
+    quantization; lookup drafting alone, or beside a drafter: each row with its own index of its earlier replies).
+    `progress(done, total)` hears of each prompt decoded by each row. A sampled row whose rule is not
     sample-and-match is not checked against plain decoding's text (it keeps the distribution, not the seed's text):
     its matches_plain is None."""
     from edge.offload.probe import probe_machine
@@ -93,20 +126,25 @@ def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_toke
         if progress is not None:
             progress(done, total)
 
-    for drafter, label in _drafters(pair, drafters, report):
-        expand = json_table(expand_ms(drafter, prompt_tokens[0]))
-        drafter_info.append({"drafter": label, "vocab": drafter.vocab, "expand_ms": expand,
-                             "kv_bytes_per_token": round(drafter.kv_bytes_per_token(), 1)})
+    for drafter, label, looks in _drafters(pair, drafters, report):
+        if drafter is not None:
+            expand = json_table(expand_ms(drafter, prompt_tokens[0]))
+            drafter_info.append({"drafter": label, "vocab": drafter.vocab, "expand_ms": expand,
+                                 "kv_bytes_per_token": round(drafter.kv_bytes_per_token(), 1)})
         runs = [] if reference is not None else [("plain", None, "match", Decoder(pair.target, None, None, sampling))]
         costs = None
         for method, budget, accept in shapes:
+            if drafter is None and method == "chain":
+                continue  # lookup alone proposes its own tree
             policy, grow = None, None
             if budget == "auto":
                 costs = costs or measure_costs(pair.target, drafter, prompt_tokens[0], pair.target.max_tree)
                 policy = AutoBudget(costs)
             else:
                 grow = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
-            runs.append((method, budget, accept, Decoder(pair.target, drafter, grow, sampling, policy, accept)))
+            lookup = Lookup(Corpus()) if looks else None
+            runs.append((method, budget, accept, Decoder(pair.target, drafter, grow, sampling, policy, accept,
+                                                         lookup=lookup)))
         report(f"{label}: {', '.join(_label(m, b, a, accepts) for m, b, a, _ in runs)}; "
                f"{len(prompts)} prompts, each through every row in turn")
         results = _decode_interleaved([decoder for *_, decoder in runs], prompt_tokens, max_tokens, sampling, tick)
@@ -117,7 +155,8 @@ def run_bench(pair: Pair, prompts: list[str], budgets: list[int | str], max_toke
             else:
                 checked = accept == "match" or sampling.greedy
                 row = _row(method, budget, stats, outputs == reference if checked else None, read)
-                rows.append({"drafter": label, "vocab": drafter.vocab, "accept": accept, **row})
+                rows.append({"drafter": label, "vocab": None if drafter is None else drafter.vocab, "lookup": looks,
+                             "accept": accept, **row})
     plain = rows[0]
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0
@@ -145,8 +184,7 @@ def _decode_interleaved(decoders: list[Decoder], prompt_tokens: list[list[int]],
         for i, decoder in enumerate(decoders):
             decoder.set_sampling(sampling)  # the same seed for every method: sampled runs are comparable
             before = read_bytes()
-            decoder.load(tokens)
-            steps = list(decoder.generate(max_tokens))
+            steps = list(decoder.reply(tokens, max_tokens))  # a reply: lookup keeps it for the prompts after
             after = read_bytes()
             decoder.reset()  # the next row starts from an empty cache (they share the target and drafter)
             outputs[i].append([s.token for s in steps if s.token is not None and s.finish_reason is None])
@@ -156,19 +194,32 @@ def _decode_interleaved(decoders: list[Decoder], prompt_tokens: list[list[int]],
     return list(zip(outputs, totals, reads, strict=True))
 
 
-def _drafters(pair: Pair, choices: list[DrafterChoice] | None, report: Report) -> Iterator[tuple[Drafter, str]]:
-    """(drafter, label) for each choice, one open at a time; the pair's own drafter when none are given."""
+def _drafters(pair: Pair, choices: list[DrafterChoice] | None,
+              report: Report) -> Iterator[tuple[Drafter | None, str, bool]]:
+    """(drafter or None, label, lookup on) for each choice, one drafter open at a time; the pair's own drafter and
+    lookup setting when none are given."""
     if choices is None:
+        looks = pair.corpus is not None
         if pair.drafter is None:
-            raise UserError(f"{pair.name} has no drafter to compare")
-        yield pair.drafter, pair.drafter.runtime + (f":{pair.drafter.vocab}" if pair.spec.drafter.vocab else "")
+            if not looks:
+                raise UserError(f"{pair.name} has no drafter to compare, and lookup is off")
+            yield None, LOOKUP, True
+            return
+        label = pair.drafter.runtime + (f":{pair.drafter.vocab}" if pair.spec.drafter.vocab else "")
+        yield pair.drafter, label + (f"+{LOOKUP}" if looks else ""), looks
         return
     from edge.models.opening import head_ids
 
     for choice in choices:  # a missing vocabulary fails now, not after the drafters before it have run
-        head_ids(pair.spec, replace(pair.spec.drafter, runtime=choice.runtime, vocab=choice.vocab))
+        if choice.runtime is not None:
+            head_ids(pair.spec, replace(pair.spec.drafter, runtime=choice.runtime, vocab=choice.vocab))
     for choice in choices:
-        yield pair.swap_drafter(choice.runtime, choice.vocab or 0, choice.quantize, report), choice.label
+        if choice.runtime is None:
+            pair.drop_drafter()
+            yield None, choice.label, True
+        else:
+            yield pair.swap_drafter(choice.runtime, choice.vocab or 0, choice.quantize, report), choice.label, \
+                choice.lookup
 
 
 def target_pass_times(pair: Pair, prefix: list[int], report: Report = _quiet) -> dict[str, dict[str, float]]:
@@ -211,6 +262,7 @@ def _row(method: str, budget: int | str | None, stats: Stats, matches_plain: boo
         "tree_nodes_per_round": figures["tree_nodes_per_round"],
         "mean_budget": figures["mean_budget"],
         "plain_rounds": stats.plain_rounds if budget == "auto" else 0,
+        "lookup_rounds": stats.lookup_rounds,
         "residual_rounds": stats.residual_rounds,
         "matches_plain": matches_plain,
     }

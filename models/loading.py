@@ -15,7 +15,7 @@ from pathlib import Path
 
 from edge.models.cache import ensure_space
 from edge.models.opening import drafter_model, graph_folder, head_ids, materialize, open_drafter, phase
-from edge.models.pair import NESTED, Pair, budget_refused, tree_nodes
+from edge.models.pair import NESTED, Pair, budget_refused, open_corpus, tree_nodes
 from edge.models.registry import ModelSpec, PairSpec, Registry, Source, load_registry
 from edge.models.sources import model_path
 from edge.runtimes import DRAFTERS, ModelOptions, check_name, default_threads, drafts_from, runtime, traits
@@ -38,7 +38,7 @@ def open_pair(options: LoadOptions, report: Report = _quiet) -> Pair:
     times: dict[str, float] = {}
     with phase(times, "models.toml and plan"):
         spec, models_file = resolve_spec(options)
-        planned = planned_target(spec, models_file, report)  # None until a model file is here (fetched first)
+        planned = planned_target(spec, models_file, report, options.drafter_model)  # None until the files are here
     return load_pair(spec, options, report, models_file, times, planned)
 
 
@@ -56,18 +56,20 @@ def resolve_spec(options: LoadOptions) -> tuple[PairSpec, Path | None]:
     """The pair `options` names, with the options that rewrite it applied; and the models.toml it came from. A
     model is a pair of models.toml, a GGUF file or a Hugging Face reference (`pair`, or `target`), with `drafter`
     (a file or reference) or drafting for itself."""
+    drafter = options.drafter if options.drafter_model else None  # lookup or none: the target alone
     if options.target is not None:
-        spec, models_file = spec_for_models(options.target, options.drafter, options.ctx or 4096), None
+        spec, models_file = spec_for_models(options.target, drafter, options.ctx or 4096), None
     else:
         registry = load_registry(options.models_file)
         if options.pair is None or options.pair in registry.pairs:
-            if options.drafter is not None:
+            if drafter is not None:
                 raise UserError(f"drafter goes with a model file or a Hugging Face reference: the pair "
                                 f"{registry.pair(options.pair).name} has its own drafter (models.toml)", "drafter")
             spec, models_file = registry.pair(options.pair), registry.path
         else:
-            spec, models_file = spec_for_models(options.pair, options.drafter, options.ctx or 4096, registry), None
-    if spec.drafter.runtime == BY_ARCHITECTURE and (here := model_path(spec.drafter)) is not None and here.is_file():
+            spec, models_file = spec_for_models(options.pair, drafter, options.ctx or 4096, registry), None
+    if options.drafter_model and spec.drafter.runtime == BY_ARCHITECTURE and (here := model_path(spec.drafter)) \
+            is not None and here.is_file():
         spec = replace(spec, drafter=replace(spec.drafter, runtime=drafter_runtime_for(here)))
     if options.ctx:
         spec = replace(spec, ctx=options.ctx)
@@ -77,7 +79,8 @@ def resolve_spec(options: LoadOptions) -> tuple[PairSpec, Path | None]:
     if options.target_dtype is not None:
         quantize = None if options.target_dtype == "as-is" else options.target_dtype
         spec = replace(spec, target=replace(spec.target, quantize=quantize))
-    if options.drafter_runtime or options.drafter_vocab is not None or options.drafter_quantize:
+    if options.drafter_model and (options.drafter_runtime or options.drafter_vocab is not None
+                                  or options.drafter_quantize):
         runtime_name = options.drafter_runtime and check_name(options.drafter_runtime)
         spec = replace(spec, drafter=drafter_model(spec.drafter, runtime_name, options.drafter_vocab,
                                                     options.drafter_quantize))
@@ -136,17 +139,19 @@ class PlannedTarget:
     streamed: bool  # its weights do not fit in RAM: used from the file's mapping (never repacked), read every pass
 
 
-def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _quiet) -> PlannedTarget | None:
+def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _quiet,
+                   drafts: bool = True) -> PlannedTarget | None:
     """Apply `edge-spec plan`: refuse a pair that cannot run here (with the numbers), give the target's GPU layers
     when a GPU is visible, and say whether the target streams from the drive. The rest of the plan is what loading
     does anyway (mmap'd weights, the kernel streams what RAM cannot hold). None while a model file is not here yet
-    (load_pair plans once it is fetched)."""
-    if any(path is None or not path.is_file() for path in (model_path(spec.target), model_path(spec.drafter))):
+    (load_pair plans once it is fetched). `drafts`: a drafter model loads too (not with lookup drafting alone)."""
+    models = (spec.target, spec.drafter) if drafts else (spec.target,)
+    if any(path is None or not path.is_file() for path in map(model_path, models)):
         return None
     from edge.models.planning import make_plan
     from edge.offload.probe import probe_gpus
 
-    plan = make_plan(spec, None, models_file)
+    plan = make_plan(spec, None, models_file, drafts=drafts)
     streamed = plan.target.placement == "ssd"
     if streamed:
         report(f"plan: the target does not fit in RAM ({plan.machine.ram_free / 2**30:.1f} GiB free): "
@@ -170,13 +175,15 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     with phase(times, "model files"):
         target_file = materialize(spec.target, report)
         info = check_gguf(target_file)
-        drafter_file = materialize(spec.drafter, report)  # here, not beside the target's load: one download at a time
+        drafts = options.drafter_model
+        # here, not beside the target's load: one download at a time
+        drafter_file = materialize(spec.drafter, report) if drafts else None
     if planned is None:
         with phase(times, "plan"):
-            planned = planned_target(spec, models_file, report) or PlannedTarget(0, False)
+            planned = planned_target(spec, models_file, report, drafts) or PlannedTarget(0, False)
     if options.gpu_layers is None:
         options = replace(options, gpu_layers=planned.gpu_layers)
-    if spec.drafter.runtime == BY_ARCHITECTURE:
+    if drafter_file is not None and spec.drafter.runtime == BY_ARCHITECTURE:
         spec = replace(spec, drafter=replace(spec.drafter, runtime=drafter_runtime_for(drafter_file)))
     draft_threads = drafter_threads(options.threads, options.placement, options.readahead)
     budget = spec.budget if options.budget is None else options.budget
@@ -185,18 +192,19 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     if kind.max_tree is not None and nodes > kind.max_tree:  # refused before anything loads
         raise UserError(budget_refused(spec.name, int(budget), kind.max_tree))
     streamed = planned.streamed and kind.streams
-    if kind.shared_cache:
+    if kind.shared_cache and drafter_file is not None:
         with phase(times, "target and drafter (one shared KV cache)"):
             target, drafter = _load_shared(spec, target_file, drafter_file, options.threads, report)
     else:
         target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes,
-                                             streamed or options.placement == "ssd")
+                                             streamed or options.placement == "ssd", drafts)
         if options.placement == "ssd":
             try:
                 with phase(times, "ssd placement check"):
                     target = on_ssd(target, target_file, options.readahead)
             except BaseException:
-                drafter.close()
+                if drafter is not None:
+                    drafter.close()
                 raise
         if target.n_ctx != spec.ctx:
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
@@ -206,7 +214,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         special = target.special
         template = ChatTemplate(info.chat_template, special.bos_text, special.eos_text) if info.chat_template else None
     return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
-                sampling=chat_sampling(target_file, report), load_seconds=times, report=report, streamed=streamed)
+                sampling=chat_sampling(target_file, report), load_seconds=times, report=report, streamed=streamed,
+                corpus=open_corpus(target_file, options.lookup, report))
 
 
 def _dtype_fix(spec: PairSpec, models_file: Path | None) -> str:
@@ -229,15 +238,19 @@ def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:
 
 
 def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, draft_threads: int | None,
-                       report: Report, times: dict[str, float], max_tree: int,
-                       streams: bool = False) -> tuple[Target, Drafter]:
+                       report: Report, times: dict[str, float], max_tree: int, streams: bool = False,
+                       drafts: bool = True) -> tuple[Target, Drafter | None]:
     """The target and the drafter, the drafter loading on a thread while the target loads: both spend their time in
     native code (mapping weights and allocating a KV cache, reading and packing a drafter's), so on a machine with
     two cores or more the slower of the two is what start-up waits. Both take trees of up to `max_tree` nodes;
-    `streams`: the target is read from the drive every pass (its weights stay in its file's mapping)."""
+    `streams`: the target is read from the drive every pass (its weights stay in its file's mapping). Without
+    `drafts`, the target alone (lookup drafting)."""
     model = ModelOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, threads=options.threads,
                          gpu_layers=options.gpu_layers or 0, mlock=options.mlock, streamed=streams,
                          provider=spec.target.provider)
+    if not drafts:
+        with phase(times, "target"):
+            return runtime(spec.target.runtime).open_target(target_file, model, max_tree), None
     beside: dict[str, float] = {}  # the two sides' own times, shown under the block's wall time
     with phase(times, "target and drafter, side by side"), \
             ThreadPoolExecutor(1, thread_name_prefix="edge-spec-drafter") as pool:

@@ -23,6 +23,7 @@ from edge.chat_template import ChatTemplate
 from edge.errors import UserError
 from edge.generate import Decoder
 from edge.grow import MAX_LEAVES, GrowConfig
+from edge.lookup import Corpus, Lookup
 from edge.options import LoadOptions
 from edge.protocols import Drafter, Target
 from edge.sampling import CHAT_DEFAULTS, SamplingConfig
@@ -61,6 +62,7 @@ class Pair:
     load_seconds: dict[str, float] = field(default_factory=dict)  # where loading took its time, by phase
     report: Report = field(default=_quiet, repr=False)
     streamed: bool = False  # the plan put the target on the drive (larger than RAM): the kernel streams it
+    corpus: Corpus | None = None  # earlier replies lookup drafts from (None: lookup off); every decoder shares it
     _decoder: Decoder | None = field(default=None, repr=False)
     _decoder_key: tuple | None = field(default=None, repr=False)
 
@@ -77,7 +79,10 @@ class Pair:
         self.close()
 
     def close(self) -> None:
-        """Free the models' native memory (llama.cpp contexts and weights, onnxruntime sessions)."""
+        """Free the models' native memory (llama.cpp contexts and weights, onnxruntime sessions); with lookup keep,
+        save the replies lookup drafts from for the next run."""
+        if self.corpus is not None and self.options.lookup == "keep":
+            save_corpus(self.corpus, self.target.path, self.report)
         for model in (self.drafter, self.target):
             if model is not None:
                 model.close()
@@ -104,21 +109,24 @@ class Pair:
         return prompt_tokens(tokenizer, self.template.render(_messages(messages)), self.template.bos_token)
 
     def decoder(self, sampling: SamplingConfig, speculate: bool = True, budget: int | str | None = None) -> Decoder:
-        """A new Decoder for this pair: plain without `speculate`, a fixed budget, or --budget auto's policy."""
+        """A new Decoder for this pair: plain without `speculate`, a fixed budget, or --budget auto's policy; its trees
+        take lookup's branches too (over the pair's earlier replies), unless lookup is off."""
         budget = self.budget if budget is None else budget
-        if not speculate or self.drafter is None:
+        proposer = None if self.corpus is None else Lookup(self.corpus)
+        if not speculate or (self.drafter is None and proposer is None):
             return Decoder(self.target, None, None, sampling)
         if budget != "auto":
             self.fit_budget(int(budget))
             return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling,
-                           accept=self.options.accept)
-        return Decoder(self.target, self.drafter, None, sampling, policy=self.auto_budget(), accept=self.options.accept)
+                           accept=self.options.accept, lookup=proposer)
+        return Decoder(self.target, self.drafter, None, sampling, policy=self.auto_budget(), accept=self.options.accept,
+                       lookup=proposer)
 
     def reused_decoder(self, sampling: SamplingConfig, speculate: bool = True,
                        budget: int | str | None = None) -> Decoder:
         """The pair's decoder, kept from call to call while the tree policy stays the same: the KV caches still hold
         the last prompt and reply, so a prompt that extends them (a chat's next turn) runs only its new tokens."""
-        key = (speculate, self.budget if budget is None else budget)
+        key = (speculate, self.budget if budget is None else budget, self.drafter is not None)
         if self._decoder is None or key != self._decoder_key:
             self._decoder, self._decoder_key = self.decoder(sampling, speculate, budget), key
         else:
@@ -173,23 +181,27 @@ class Pair:
                             "target shares one with its drafter)")
         model = drafter_model(self.spec.drafter, runtime_name, vocab, quantize)
         head_ids(self.spec, model)  # a missing vocabulary fails before the pair's drafter is closed
+        self.drop_drafter()
+        self.drafter = open_drafter(self.spec, model, self.target.path, self.drafter_threads, 0, report,
+                                    max_tree=self.target.max_tree)
+        return self.drafter
+
+    def drop_drafter(self) -> None:
+        """Close the drafter: the target decodes alone, or drafts by lookup (benchmarks compare the two)."""
         if self.drafter is not None:
             self.drafter.close()
             self.drafter = None
         self._decoder = self._decoder_key = None
         self.costs = None
-        self.drafter = open_drafter(self.spec, model, self.target.path, self.drafter_threads, 0, report,
-                                    max_tree=self.target.max_tree)
-        return self.drafter
 
     def _costs_key(self) -> str | None:
         from edge.offload.probe import machine_key
 
         path = model_path(self.spec.target)
-        if path is None or not path.is_file() or self.drafter is None:
+        if path is None or not path.is_file():
             return None
         stat = path.stat()
-        drafter = f"{type(self.drafter).__name__}:{self.drafter.vocab}"
+        drafter = "lookup" if self.drafter is None else f"{type(self.drafter).__name__}:{self.drafter.vocab}"
         streamer = self.target.streamer
         readahead = None if streamer is None else streamer.readahead
         return (f"{machine_key(path)}|{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{self.placement}|"
@@ -197,6 +209,47 @@ class Pair:
 
 
 PASS_TIMES_KEPT = 64  # pass-times.json keeps the newest entries: one is made per machine, placement and file
+
+
+def corpus_path(target: Path) -> Path:
+    """Where lookup keep saves the replies drafted from: in the cache, one file per target file (token ids are its
+    vocabulary's)."""
+    size = target.stat().st_size if target.is_file() else 0
+    return cache_dir() / "lookup" / f"{target.name}-{size}.npy"
+
+
+def open_corpus(target: Path, mode: str, report: Report = _quiet) -> Corpus | None:
+    """The replies lookup drafts from: None with lookup off; empty with on; with keep, those an earlier run saved (a
+    damaged file is said and started over)."""
+    if mode == "off":
+        return None
+    path = corpus_path(target)
+    if mode != "keep" or not path.is_file():
+        return Corpus()
+    try:
+        import numpy as np
+
+        tokens = np.load(path, allow_pickle=False)
+        if tokens.dtype != np.int32 or tokens.ndim != 1:
+            raise ValueError(f"{tokens.dtype} array of {tokens.ndim} dimensions, not int32 tokens")
+        return Corpus.from_array(tokens)
+    except (OSError, ValueError) as problem:
+        report(f"lookup keep: {path} cannot be read ({problem}); starting a new one")
+        return Corpus()
+
+
+def save_corpus(corpus: Corpus, target: Path, report: Report = _quiet) -> None:
+    """Save the replies for the next run's lookup (written whole, then renamed: a crash leaves the old file)."""
+    import numpy as np
+
+    path = corpus_path(target)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial.npy")
+        np.save(partial, corpus.to_array(), allow_pickle=False)
+        partial.replace(path)
+    except OSError as problem:
+        report(f"lookup keep: cannot save {path} ({problem.strerror}); this run's replies are not kept")
 
 
 def tree_nodes(budget: int | str) -> int:

@@ -13,10 +13,12 @@ from edge.offload.plan import Machine, Plan, Shape, parse_machine, plan_pair, pr
 from edge.errors import UserError
 
 
-def make_plan(pair: PairSpec, machine: str | None, models_file: Path, stream: bool = False) -> Plan:
+def make_plan(pair: PairSpec, machine: str | None, models_file: Path, stream: bool = False,
+              drafts: bool = True) -> Plan:
+    """`drafts`: a drafter model loads too (without, the target drafts by lookup alone: nothing to place)."""
     target_file = _local_file(pair.target)
     target = model_shape(pair, "target", pair.target, models_file)
-    drafter = model_shape(pair, "drafter", pair.drafter, models_file)
+    drafter = model_shape(pair, "drafter", pair.drafter, models_file) if drafts else None
     if machine is not None:
         here: Machine = parse_machine(machine)
     else:

@@ -236,15 +236,17 @@ def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
                    disk_gbps=round(disk, 2) if disk else DISK_GBPS, cores=probed["cores"], name=name, assumed=assumed)
 
 
-def plan_pair(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine, stream: bool = False) -> Plan:
+def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Machine, stream: bool = False) -> Plan:
     """Place the drafter (memory only: it runs many small passes), then the target's KV cache and layers:
     as many layers on the GPU as fit, the rest in RAM when they fit, else mmap'd from the SSD (`stream`: from the
-    SSD even where they would fit, as `--placement ssd` runs them)."""
+    SSD even where they would fit, as `--placement ssd` runs them). Without a `drafter` (lookup drafting alone) the
+    drafter's plan takes no memory: placement "none"."""
     n_tree = largest_tree(pair)
     gpu = machine.vram_free > 0
     vram_left = max(0, machine.vram_free - GPU_RESERVE) if gpu else 0
     ram_left = machine.ram_free - RAM_HEADROOM
-    draft = _place_drafter(pair, drafter, gpu, vram_left, ram_left, n_tree)
+    draft = _place_drafter(pair, drafter, gpu, vram_left, ram_left, n_tree) if drafter is not None else \
+        _no_drafter(pair, target)
     vram_left -= draft.vram_bytes
     ram_left -= draft.ram_bytes
     main = _place_target(pair, target, gpu, vram_left, ram_left, n_tree)
@@ -264,7 +266,7 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine, s
             # Streaming the target through the page cache would evict an mmap'd drafter's pages every pass.
             draft = replace(draft, use_mmap=False)
             notes.append("the drafter loads without mmap, so the target's stream does not evict it")
-    if target.source == "models.toml facts" or drafter.source == "models.toml facts":
+    if target.source == "models.toml facts" or (drafter is not None and drafter.source == "models.toml facts"):
         notes.append(f"sized from models.toml facts (not downloaded; `edge-spec pull {pair.name}` fetches it)")
     plan = Plan(pair=pair.name, ctx=pair.ctx, budget=pair.budget, machine=machine, target=main, drafter=draft,
                 one_token=pass_cost(main, machine, 1), tree=pass_cost(main, machine, n_tree), notes=())
@@ -334,6 +336,13 @@ def kv_bytes(shape: Shape, n_cells: int, kv_type: str) -> int:
     """K and V for every layer: 2 x layers x kv_heads x head_dim x cells (gemma's sliding-window layers keep their
     full history too: swa_full, so rejected branches can be removed)."""
     return math.ceil(2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * n_cells * KV_BYTES[kv_type])
+
+
+def _no_drafter(pair: PairSpec, shape: Shape) -> ModelPlan:
+    """The drafter's plan where none loads: nothing placed."""
+    return ModelPlan(role="drafter", shape=shape, runtime=pair.drafter.runtime, kv_type="none", kv_bytes=0,
+                     placement="none", n_gpu_layers=0, op_offload=False, n_ubatch=0, use_mmap=False, use_mlock=False,
+                     repack=False, ram_bytes=0, vram_bytes=0)
 
 
 def _place_drafter(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_left: int, n_tree: int) -> ModelPlan:

@@ -18,12 +18,13 @@ SLOW_PASS_S = 1.0  # pass_ms: a pass this long is timed once (its noise is small
 LONG_PASS_S = 10.0  # pass_ms: after a pass this long, larger sizes are extrapolated from the two measured
 
 
-def measure_costs(target: Target, drafter: Drafter, prefix: list[int], max_tree: int) -> Costs:
-    """Time the target (chains of 1..max_tree tokens) and the drafter (1, 8, 32 nodes) after `prefix`; where the
-    target's passes are flat (is_flat), also chains of LARGE tokens, after enlarging both (fit_trees)."""
+def measure_costs(target: Target, drafter: Drafter | None, prefix: list[int], max_tree: int) -> Costs:
+    """Time the target (chains of 1..max_tree tokens) and the drafter (1, 8, 32 nodes; none: lookup drafting alone)
+    after `prefix`; where the target's passes are flat (is_flat), also chains of LARGE tokens, after enlarging both
+    (fit_trees)."""
     sizes = tuple(n for n in (1, 16, 64, 256) if n <= max_tree) or (1,)
     cold = pass_ms(target, prefix, sizes, repeats=3)
-    drafter_ms = expand_ms(drafter, prefix, repeats=3)
+    drafter_ms = {} if drafter is None else expand_ms(drafter, prefix, repeats=3)
     streamer = target.streamer
     if streamer is None or not streamer.readahead:
         costs = Costs(cold, drafter_ms)
@@ -35,7 +36,8 @@ def measure_costs(target: Target, drafter: Drafter, prefix: list[int], max_tree:
     if not is_flat(costs) or not fit_trees(target, drafter, LARGE[-1] + 1):
         return costs
     cold.update(pass_ms(target, prefix, LARGE, repeats=3))
-    drafter_ms.update(expand_ms(drafter, prefix, (64, 128), repeats=3))  # for_budget's beams at 1024 and 2048
+    if drafter is not None:
+        drafter_ms.update(expand_ms(drafter, prefix, (64, 128), repeats=3))  # for_budget's beams at 1024 and 2048
     if streamer is not None and costs.warm_ms is not None and costs.overlap_ms is not None:
         costs.warm_ms.update(pass_ms(target, prefix, LARGE, repeats=3, before=streamer.read_ahead_now))
         costs.overlap_ms.update(pass_ms(target, prefix, LARGE, repeats=3, before=streamer.prefetch))

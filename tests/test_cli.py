@@ -297,6 +297,34 @@ def test_a_model_named_by_its_file(files: dict[str, Path]) -> None:
     assert "my-model.gguf" in run("plan", str(copy)).stdout
 
 
+def test_a_gguf_alone_drafts_by_lookup_in_chat_generate_and_serve(files: dict[str, Path]) -> None:
+    """`--drafter lookup`: a model file with no drafter model, lookup drafting alone, in chat, generate and serve; the
+    greedy text is the target's. A second chat turn that asks again runs rounds by lookup."""
+    from benchmarks.serve_process import ServerProcess
+
+    model = str(files["smol"])
+    plain = greedy_text()
+    assert greedy_text("-m", model, "--drafter", "lookup", "--budget", "8") == plain
+    chat = run("chat", model, "--drafter", "lookup", "--temperature", "0", "-n", "24",
+               input="Name three colors.\nSay that again, word for word.\n")
+    assert chat.exit_code == 0, chat.output
+    assert plain.strip() in chat.stdout
+    lookups = re.findall(r"(\d+) by lookup", chat.stderr)
+    assert lookups and int(lookups[-1]) > 0, chat.stderr
+    with ServerProcess([model, "--drafter", "lookup", "--ctx", "1024"]) as server:
+        import urllib.request
+
+        body = json.dumps({"model": files["smol"].name, "messages": [{"role": "user", "content": "Name three colors."}],
+                           "max_tokens": 12, "temperature": 0}).encode()
+        request = urllib.request.Request(server.url + "/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            answer = json.loads(response.read())
+    assert answer["choices"][0]["message"]["content"].strip() == plain.strip()
+    off = run("generate", "hi", "-m", model, "--drafter", "lookup", "--lookup", "off")
+    assert_one_line_error(off, "drafter lookup drafts by lookup alone")
+
+
 def test_a_hugging_face_reference_from_the_cache(files: dict[str, Path], tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """user/repo:QUANT and hf.co/user/repo:QUANT resolve from a Hugging Face cache laid out as huggingface_hub
@@ -394,7 +422,8 @@ def test_stats_lines_do_not_wrap_off_a_terminal(smollm2: Pair, monkeypatch: pyte
     chatted = run("chat", "-n", "8", "--temperature", "0", input="Say hello.\n")
     for result in (generated, chatted):
         lines = [line for line in result.stderr.splitlines() if "tokens/pass" in line]
-        assert len(lines) == 1 and lines[0].rstrip().endswith(("target passes", "/4096", "/1024")), result.stderr
+        assert len(lines) == 1 and lines[0].rstrip().endswith(("target passes", "by lookup", "/4096", "/1024")), \
+            result.stderr
 
 
 def test_every_readme_command_names_real_flags() -> None:

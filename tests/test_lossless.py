@@ -245,6 +245,55 @@ def test_residual_rule_follows_the_targets_distribution(smollm2: Pair) -> None:
     assert_within_five_sigma(counts, exact, runs)
 
 
+def test_greedy_speculation_with_lookup_equals_plain_decoding(pair: Pair, plain_outputs: dict) -> None:
+    """Lookup's branches beside the drafter's in one tree, and lookup alone: the target's greedy text, token for
+    token. The prompt asks the same thing twice (the prompt, its plain reply, the prompt again), so lookup proposes
+    long continuations, and they are accepted."""
+    from edge.lookup import Lookup
+
+    for text in prompts_for(pair)[:3]:
+        first = prompt_tokens(pair, text)
+        reply = plain_outputs.get((pair.name, text)) or generate(pair, first, None)[0]
+        tokens = [*first, *reply, *first[1:]]  # asked again (the BOS once)
+        plain, _ = generate(pair, tokens, None, max_tokens=64)
+        for drafter in (pair.drafter, None):
+            decoder = Decoder(pair.target, drafter, GROW[16], lookup=Lookup())
+            decoder.reset()
+            decoder.load(tokens)
+            steps = list(decoder.generate(64))
+            assert [s.token for s in steps[:-1]] == plain, f"lookup, drafter {drafter is not None}, on {text!r}"
+            stats = steps[-1].stats
+            assert stats.tokens_per_pass > 1.5 and stats.target_passes == stats.rounds, stats
+            assert_caches_hold_exactly(pair, decoder)
+
+
+def test_sampled_speculation_with_lookup_follows_the_targets_distribution(smollm2: Pair) -> None:
+    """Two-token continuations of a conversation whose last question was asked before (so lookup proposes the
+    earlier answer), lookup's branches in every tree: beside the drafter's under the residual rule, and alone
+    (sample-and-match). 400 seeded generations each against the exact probabilities, as above."""
+    from edge.lookup import Lookup
+
+    sampling = SamplingConfig(temperature=1.0, top_k=5, top_p=0.9)
+    tokens = smollm2.prompt_tokens([{"role": "user", "content": "Name a colour."},
+                                    {"role": "assistant", "content": "Blue is a colour."},
+                                    {"role": "user", "content": "Name a colour."}])
+    proposed = Lookup()
+    proposed.set_text(tokens)
+    assert len(proposed.propose(8)) >= 2  # the earlier answer
+    exact = two_token_probabilities(smollm2, tokens, sampling)
+    for drafter, accept in ((smollm2.drafter, "residual"), (None, "match")):
+        runs, counts = 400, {}
+        decoder = Decoder(smollm2.target, drafter, GrowConfig.for_budget(4), sampling, accept=accept, lookup=Lookup())
+        decoder.reset()
+        for seed in range(runs):
+            decoder.set_sampling(replace(sampling, seed=seed))
+            decoder.load(tokens)
+            steps = list(decoder.generate(2))
+            key = tuple(s.token for s in steps if s.finish_reason is None)
+            counts[key] = counts.get(key, 0) + 1
+        assert_within_five_sigma(counts, exact, runs)
+
+
 CODE_PROMPTS = ("Write a Python function that reverses a string.", CHAT_PROMPTS[4])
 
 

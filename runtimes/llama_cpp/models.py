@@ -75,15 +75,19 @@ class LlamaTarget(_Runner):
 
     Committed cells must stay in position order: attention sums over cells in cell order, so a cell
     reused out of order changes the rounding and breaks bit-exactness with plain decoding. So a pass
-    never leaves holes: the previous round's accepted tokens (`pending`) run again at the front of the
-    next tree's batch (nearly free when the pass is bound by streaming weights), and after the pass
-    everything past the root is dropped from the tail of the cache.
+    never leaves holes. The tree runs spine first (spine_first: the likeliest path, root to leaf, at the front of
+    the batch, in its own cells in order); accepted nodes that lie on that spine keep their cells, as a plain
+    decoder would have written them; the rest of the accepted path (`pending`) runs again at the front of the next
+    tree's batch (nearly free when the pass is bound by streaming weights, not when it is bound by compute: a
+    target in RAM on a CPU), and after the pass everything past the kept cells is dropped from the tail of the
+    cache.
     """
 
     def __init__(self, model: Model, ctx: Context, max_tree: int):
         super().__init__(model, ctx)
         self.max_tree = min(max_tree, ctx.n_batch)
         self._n_leaves = 0
+        self._place = np.zeros(1, np.int64)  # the last tree's node -> its place in the batch (spine_first)
 
     def resize(self, size: int) -> bool:
         """Verify trees of up to `size` nodes from now on: a new context with a batch and logits that large, over the
@@ -93,6 +97,7 @@ class LlamaTarget(_Runner):
             self.batch = Batch(self.ctx.n_batch)
             self.max_tree = min(size, self.ctx.n_batch)
             self.n_past, self._pending, self._n_leaves = 0, [], 0
+            self._place = np.zeros(1, np.int64)
         return True
 
     def verify(self, tree: TokenTree) -> np.ndarray:
@@ -102,32 +107,61 @@ class LlamaTarget(_Runner):
         if n + n_pending > self.batch.capacity:
             self.prefill([])
             n_pending = 0
+        order = spine_first(tree)  # batch order: the spine's nodes right after the root
+        place = np.empty(n, np.int64)
+        place[order] = np.arange(n)
         leaves = tree.leaves()
         if len(leaves) > MAX_SEQ:
             raise ValueError(f"tree has {len(leaves)} leaves; llama.cpp allows {MAX_SEQ} sequences")
+        leaves = leaves[np.argsort(place[leaves], kind="stable")]  # seq 0: the spine's leaf (the first in order)
         # membership: [n_pending + n, n_leaves]; a token is in seq j when it lies on the path to leaf j.
         membership = np.ones((n_pending + n, len(leaves)), bool)
-        membership[n_pending:] = tree.ancestor_mask()[leaves].T
+        membership[n_pending:] = tree.ancestor_mask()[leaves].T[order]
         for seq in range(1, len(leaves)):
             self.ctx.seq_cp(0, seq)  # the committed prefix is visible to every branch
         positions = np.concatenate([np.arange(self.n_past, self.n_past + n_pending),
-                                    self.n_past + n_pending + tree.depth]).astype(np.int32)
+                                    self.n_past + n_pending + tree.depth[order]]).astype(np.int32)
         outputs = np.arange(n_pending + n) >= n_pending
-        self.batch.fill([*self._pending, *tree.tokens.tolist()], positions, outputs=outputs)
+        self.batch.fill([*self._pending, *tree.tokens[order].tolist()], positions, outputs=outputs)
         self.batch.set_seqs(membership)
         self._decode()
         self.n_past += n_pending
         self._pending = []
         self._n_leaves = len(leaves)
-        return self.ctx.logits(n)
+        self._place = place
+        logits = self.ctx.logits(n)
+        return logits if n == 1 or (order[1:] == np.arange(1, n)).all() else logits[place]
 
     def commit(self, tree: TokenTree, path: list[int]) -> None:
-        """Keep the root (its cell follows the committed ones); the accepted nodes run again next pass."""
+        """Keep the root and the accepted nodes on the spine (their cells follow the committed ones, in order, in seq
+        0); the accepted nodes past them run again next pass."""
+        kept = 0
+        while kept + 1 < len(path) and self._place[path[kept + 1]] == kept + 1:
+            kept += 1
         for seq in range(1, self._n_leaves):
             self.ctx.seq_rm(seq)
-        self.ctx.seq_rm(0, self.n_past + 1, -1)
-        self.n_past += 1
-        self._pending = tree.path_tokens(path[1:])
+        self.ctx.seq_rm(0, self.n_past + 1 + kept, -1)
+        self.n_past += 1 + kept
+        self._pending = tree.path_tokens(path[1 + kept:])
+
+
+def spine_first(tree: TokenTree) -> np.ndarray:
+    """The tree's nodes in depth-first order, each node's children best score first: the root, then the likeliest
+    path down to its leaf (the spine), then the rest; parents always come before their children."""
+    n = len(tree)
+    if n <= 2:
+        return np.arange(n)
+    kids = np.arange(1, n)
+    kids = kids[np.lexsort((kids, -tree.score[1:], tree.parents[1:]))]  # grouped by parent, best first
+    by_parent = tree.parents[kids]
+    starts = np.searchsorted(by_parent, np.arange(n), "left")
+    ends = np.searchsorted(by_parent, np.arange(n), "right")
+    order, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(kids[starts[node]:ends[node]][::-1].tolist())
+    return np.array(order, np.int64)
 
 
 class LlamaDrafter(_Runner):

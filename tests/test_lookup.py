@@ -1,0 +1,196 @@
+"""Drafting by lookup (edge/lookup.py): the suffix automaton against brute force, the proposer, the bounded corpus
+of earlier replies, and lookup branches in the engine's trees: shared with the drafter's, lossless greedy and
+sampled, and lookup alone where no drafter runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge.generate import Decoder
+from edge.grow import GrowConfig, grow
+from edge.lookup import Branch, Corpus, Lookup, LookupTree, SuffixAutomaton, continuations, merge
+from edge.policy import FixedBudget, RoundPolicy
+from edge.sampling import SamplingConfig
+from edge.tree import DRAFTED, LOOKED_UP
+from tests.oracles import chi_square, first_tokens_distribution
+from tests.tiny import TinyModel, generate_tokens
+
+
+def followers(text: list[int], suffix: list[int]) -> dict[int, int]:
+    """Brute force: how often each token followed an occurrence of `suffix` in `text`."""
+    found: dict[int, int] = {}
+    k = len(suffix)
+    for end in range(k, len(text)):
+        if text[end - k:end] == suffix:
+            found[text[end]] = found.get(text[end], 0) + 1
+    return found
+
+
+def longest_earlier_suffix(text: list[int]) -> int:
+    """Brute force: the longest proper suffix of `text` that also ends earlier in it."""
+    for k in range(len(text) - 1, 0, -1):
+        suffix = text[-k:]
+        if any(text[end - k:end] == suffix for end in range(k, len(text))):
+            return k
+    return 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_automaton_finds_the_longest_earlier_suffix_and_its_followers(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    text = rng.integers(0, 3 + seed, 150).tolist()
+    automaton = SuffixAutomaton()
+    for n, token in enumerate(text, 1):
+        automaton.append(token)
+        if n % 7 and n != len(text):
+            continue
+        state = automaton.link[automaton.last]
+        matched = automaton.length[state] if state > 0 else 0
+        assert matched == longest_earlier_suffix(text[:n])
+        if matched:
+            expected = followers(text[:n], text[n - matched:n])
+            tree = continuations(automaton, state, matched, budget=64, min_probability=0.0)
+            first = {b.token: b.probability for b in tree.branches if b.parent < 0}
+            total = sum(expected.values())
+            assert first == pytest.approx({t: c / total for t, c in expected.items()})
+
+
+def test_continuations_are_best_first_and_parents_come_first() -> None:
+    automaton = SuffixAutomaton()
+    automaton.extend([1, 2, 3, 4, 9, 1, 2, 3, 5, 8, 1, 2, 3, 4, 7, 1, 2])
+    state = automaton.link[automaton.last]
+    tree = continuations(automaton, state, automaton.length[state], budget=8, min_probability=0.0)
+    assert [b.token for b in tree.branches[:2]] == [3, 4]  # "1 2" -> 3 (always), then 4 (2 of 3 times)
+    assert all(b.parent < i for i, b in enumerate(tree.branches))
+    assert tree.branches[0].probability == 1.0 and tree.branches[1].probability == pytest.approx(2 / 3)
+    assert len(continuations(automaton, state, automaton.length[state], budget=2)) == 2
+
+
+def test_lookup_follows_a_growing_text_and_starts_over_on_another() -> None:
+    lookup = Lookup()
+    text = [5, 6, 7, 8, 9, 5, 6]
+    lookup.set_text(text)
+    assert [b.token for b in lookup.propose(3).branches] == [7, 8, 9]
+    lookup.set_text([*text, 7])  # extended: indexed incrementally
+    assert lookup.text == [*text, 7] and [b.token for b in lookup.propose(2).branches] == [8, 9]
+    lookup.set_text([1, 2, 3])  # another text: indexed again
+    assert lookup.text == [1, 2, 3] and len(lookup.propose(4)) == 0
+
+
+def test_earlier_replies_are_proposed_after_the_texts_own() -> None:
+    corpus = Corpus()
+    corpus.add([40, 41, 42, 43, 44])
+    lookup = Lookup(corpus)
+    lookup.set_text([1, 2, 40, 41])
+    assert [b.token for b in lookup.propose(3).branches] == [42, 43, 44]
+    lookup.remember([50, 51, 52])
+    assert corpus.replies[-1] == [50, 51, 52]
+    other = Lookup(corpus)  # another conversation of the same server
+    other.set_text([9, 50])
+    assert [b.token for b in other.propose(2).branches] == [51, 52]
+
+
+def test_a_replys_end_is_never_proposed() -> None:
+    """Each reply ends with a separator (a negative id): a match at a reply's end proposes nothing past it."""
+    corpus = Corpus()
+    corpus.add([3, 4, 5])
+    corpus.add([3, 4, 6, 7])
+    lookup = Lookup(corpus)
+    lookup.set_text([9, 4, 5])
+    assert len(lookup.propose(4)) == 0
+    lookup.set_text([9, 3, 4])
+    tokens = [b.token for b in lookup.propose(8).branches]
+    assert tokens and min(tokens) >= 0 and set(tokens) <= {5, 6, 7}
+
+
+def test_the_corpus_is_bounded_and_round_trips() -> None:
+    corpus = Corpus(max_tokens=40)
+    for start in range(0, 100, 10):
+        corpus.add(list(range(start, start + 9)))
+    assert sum(len(r) + 1 for r in corpus.replies) <= 40 and corpus.replies[-1] == list(range(90, 99))
+    again = Corpus.from_array(corpus.to_array(), max_tokens=40)
+    assert again.replies == corpus.replies
+    lookup = Lookup(corpus)
+    lookup.set_text([7, 90, 91])
+    assert lookup.propose(1).branches[0].token == 92
+    for start in range(100, 200, 10):  # rebuilt past its bound while a lookup walks it: the walk starts over
+        corpus.add(list(range(start, start + 9)))
+    lookup.set_text([7, 90, 91, 190, 191])
+    assert lookup.propose(1).branches[0].token == 192
+
+
+def test_merge_keeps_one_node_per_path() -> None:
+    first = LookupTree([Branch(1, -1, 0.9, 3), Branch(2, 0, 0.9, 4)])
+    second = LookupTree([Branch(1, -1, 0.5, 1), Branch(3, 0, 0.5, 2)])
+    merged = merge(first, second)
+    assert [(b.token, b.parent) for b in merged.branches] == [(1, -1), (2, 0), (3, 0)]
+
+
+def test_lookup_and_drafter_branches_share_one_tree() -> None:
+    """A lookup branch whose token the drafter also proposes is one node, marked with both sources; the tree keeps
+    the budget."""
+    target = TinyModel(n_vocab=9, seed=5)
+    drafter = target.noisy(0.3)
+    drafter.prefill([1, 2])
+    top = int(np.argmax(drafter.logits([1, 2, 3])))
+    other = (top + 1) % 9
+    lookup = LookupTree([Branch(top, -1, 0.8, 2), Branch(other, -1, 0.2, 2)])
+    tree, _ = grow(drafter, 3, GrowConfig.for_budget(16), lookup=lookup)
+    assert len(tree) - 1 <= 16
+    first_level = {int(tree.tokens[i]): int(tree.source[i]) for i in np.flatnonzero(tree.parents == 0)}
+    assert first_level[top] == DRAFTED | LOOKED_UP
+    assert list(first_level).count(top) == 1
+    assert other in first_level and first_level[other] & LOOKED_UP
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16, 64])
+def test_greedy_speculation_with_lookup_equals_plain(budget: int) -> None:
+    """Drafter and lookup in one tree, and lookup alone: the target's greedy text, token for token, in fewer passes
+    than plain decoding (a tiny model's greedy text repeats, so lookup finds it)."""
+    prompt = [1, 2, 3, 4, 1, 2]
+    plain = generate_tokens(TinyModel(n_vocab=9, seed=5), None, None, prompt, 80, SamplingConfig())
+    for with_drafter in (True, False):
+        target = TinyModel(n_vocab=9, seed=5)
+        drafter = target.noisy(0.7) if with_drafter else None
+        decoder = Decoder(target, drafter, GrowConfig.for_budget(budget), SamplingConfig(), lookup=Lookup())
+        decoder.load(prompt)
+        steps = list(decoder.generate(80))
+        assert [s.token for s in steps[:-1]] == plain
+        stats = steps[-1].stats
+        assert stats.target_passes < len(plain) * 0.6
+        assert stats.lookup_rounds == (0 if with_drafter else stats.rounds - stats.plain_rounds)
+        assert target.cache == [*prompt, *plain][:-1]
+
+
+def test_lookup_alone_takes_at_most_a_fixed_budget() -> None:
+    policy = RoundPolicy(FixedBudget(GrowConfig.for_budget(4)), drafts=False, max_lookup=4)
+    lookup = Lookup()
+    lookup.set_text([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2])
+    plan = policy.plan(room=100, wanted=50, lookup=lookup.propose(32))
+    assert plan.grow is not None and plan.grow.budget == 4 and not plan.drafting
+
+
+def lookup_counts(sampling: SamplingConfig, accept: str, drafts: bool, runs: int) -> dict[tuple[int, ...], int]:
+    """3-token continuations of a prompt ending in [0, 1] (which occurred before in it, so lookup proposes), with
+    lookup's branches in every tree, beside a noisy drafter's or alone."""
+    target = TinyModel(n_vocab=4, seed=8, scale=1.0)
+    drafter = target.noisy(1.5, seed=4) if drafts else None
+    decoder = Decoder(target, drafter, GrowConfig(budget=6, beams=2, width=2, max_depth=3, max_steps=3), sampling,
+                      accept=accept, lookup=Lookup(Corpus()))
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(runs):  # one RNG for all runs; the corpus of earlier replies grows as they run
+        key = tuple(s.token for s in decoder.reply([0, 1, 2, 3, 0, 1, 3, 0, 1], 3) if s.finish_reason is None)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize(("accept", "drafts"), [("match", True), ("residual", True), ("match", False)])
+def test_sampled_speculation_with_lookup_has_the_targets_distribution(accept: str, drafts: bool) -> None:
+    """Lookup branches are accepted where the target's own draw lands on them, under sample-and-match and under the
+    residual rule (docs/lossless.md): the continuations keep the target's distribution."""
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95)
+    runs = 3000
+    exact = first_tokens_distribution(4, TinyModel(n_vocab=4, seed=8, scale=1.0), 3, sampling)
+    statistic, critical = chi_square(lookup_counts(sampling, accept, drafts, runs), exact, runs)
+    assert statistic < critical
