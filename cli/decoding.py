@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -64,7 +65,8 @@ def generate(
         refuse_base_model(load, "pass --raw to complete the prompt as-is")
     from edge.cli.repl import interruptible
 
-    with load_pair(load) as loaded, interruptible() as stopped:  # Ctrl-C: stop reading or replying, then exit
+    # Ctrl-C: stop reading or replying, then exit
+    with load_pair(alone(load, no_spec)) as loaded, interruptible() as stopped:
         if loaded.lossless_warning and not no_spec:
             warning(loaded.lossless_warning)
         steps = edge.stream_generate(loaded, text, max_tokens=max_tokens, sampling=sampling, speculate=not no_spec,
@@ -111,7 +113,7 @@ def chat(
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
              "min_p": min_p, "repeat_penalty": repeat_penalty, "seed": seed}
     refuse_base_model(load, "use `edge-spec generate --raw`")
-    with load_pair(load) as loaded:
+    with load_pair(alone(load, no_spec)) as loaded:
         if loaded.template is None:
             raise UserError(f"{loaded.name} has no chat template (a base model): use `edge-spec generate --raw`")
         from dataclasses import replace
@@ -156,7 +158,7 @@ def serve(
         if not is_loopback(host):
             warning(f"listening on {host}: other machines can reach this server"
                     + ("" if api_key else "; anyone who can is able to use it (add --api-key KEY)"))
-        with load_pair(load) as loaded:
+        with load_pair(alone(load, no_spec)) as loaded:
             if loaded.lossless_warning and not no_spec:
                 warning(loaded.lossless_warning)
             if not no_spec and loaded.drafter is not None and loaded.budget == "auto":
@@ -172,3 +174,8 @@ def serve(
                   budget=None, log_level=log_level.lower(), ready=ready)
     finally:
         sock.close()
+
+
+def alone(load: LoadOptions, no_spec: bool) -> LoadOptions:
+    """--no-spec: the target alone, no drafter model loaded (nor its ONNX graph built), no lookup."""
+    return replace(load, drafter="none", lookup="off") if no_spec else load

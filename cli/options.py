@@ -140,10 +140,18 @@ def sampling_config(temperature: float, top_k: int, top_p: float, min_p: float, 
 
 
 def read_stdin() -> str:
+    """Standard input as UTF-8 text, decoded strictly (Python's own reading would let bytes that are not UTF-8
+    through as surrogates under the C locale, to fail later in the tokenizer)."""
+    if sys.stdin is None or sys.stdin.closed:
+        raise UserError("standard input is closed: pipe the prompt in, or give it as an argument instead of -")
     try:
-        return sys.stdin.read()
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        return data.decode("utf-8")
     except UnicodeDecodeError as problem:
         raise UserError(f"standard input is not UTF-8 text (byte {problem.start}); convert it (iconv)") from None
+    except (OSError, ValueError) as problem:  # a closed or unreadable descriptor
+        raise UserError(f"cannot read standard input ({problem}): pipe the prompt in, or give it as an argument") \
+            from None
 
 
 def named(command: typer.Context, model: str | None, drafter: str | None = None):

@@ -76,18 +76,30 @@ def stream_generate(pair: Pair, prompt: Prompt, *, max_tokens: int = 256, temper
     the presence and frequency penalties). Output is the target's own whatever `speculate` and `budget`: they change
     only how many tokens each target pass yields. `stop`: stop strings; the reply ends before the first one its text
     contains (finish reason "stop"). `should_stop` is asked after each token: True ends the reply ("interrupted").
+
+    A pair runs one generation at a time: a call from another thread waits for its turn, a second generator on the
+    same thread while one is unfinished raises UserError, and a generator dropped or closed ends its turn. After
+    pair.close() a generation raises UserError.
     """
     check_max_tokens(max_tokens)
     sampling = sampling or SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                           repeat_penalty=repeat_penalty, seed=seed)
     stops = StopStrings([] if stop is None else stop)
-    tokens = pair.prompt_tokens(prompt, raw)
-    check_fits(tokens, pair.target.n_ctx)  # before a first --budget auto times the passes (seconds, once)
-    decoder = pair.reused_decoder(sampling, speculate, parse_budget(budget))
-    if not stops.stops:
-        yield from decoder.reply(tokens, max_tokens, should_stop)
-        return
-    yield from cut_at_stop_strings(decoder.reply(tokens, max_tokens, stopping(stops, should_stop)), stops)
+    with pair.generating():  # one generation at a time per pair (another thread's waits its turn)
+        with pair.stepping():
+            tokens = pair.prompt_tokens(prompt, raw)
+            check_fits(tokens, pair.target.n_ctx)  # before a first --budget auto times the passes (seconds, once)
+            decoder = pair.reused_decoder(sampling, speculate, parse_budget(budget))
+        if stops.stops:
+            steps = cut_at_stop_strings(decoder.reply(tokens, max_tokens, stopping(stops, should_stop)), stops)
+        else:
+            steps = decoder.reply(tokens, max_tokens, should_stop)
+        while True:
+            with pair.stepping():  # a pair closed meanwhile is said here, before its models are touched
+                step = next(steps, None)
+            if step is None:
+                return
+            yield step
 
 
 def generate(pair: Pair, prompt: Prompt, **kwargs: Any) -> Generation:

@@ -89,10 +89,21 @@ class Costs:
 
     @classmethod
     def from_json(cls, data: dict) -> Costs:
-        def table(d: dict | None) -> dict[int, float] | None:
-            return None if d is None else {int(k): float(v) for k, v in d.items()}
+        """Costs as to_json wrote them; ValueError for anything it could not have written (a damaged cache)."""
+        def table(d: dict | None, empty: bool = False) -> dict[int, float] | None:
+            if d is None:
+                return None
+            if not isinstance(d, dict) or (not d and not empty):
+                raise ValueError(f"a table of pass times is {d!r:.60}")
+            parsed = {int(k): float(v) for k, v in d.items()}
+            if any(k < 1 or not math.isfinite(v) or v <= 0 for k, v in parsed.items()):
+                raise ValueError("a pass time is not a positive time for a positive size")
+            return parsed
 
-        return cls(table(data["target_ms"]), table(data["drafter_ms"]), float(data.get("read_ahead_ms", 0.0)),
+        read_ahead = float(data.get("read_ahead_ms", 0.0))
+        if not math.isfinite(read_ahead) or read_ahead < 0:
+            raise ValueError(f"read_ahead_ms is {read_ahead}")
+        return cls(table(data["target_ms"]), table(data["drafter_ms"], empty=True), read_ahead,
                    table(data.get("warm_ms")), table(data.get("overlap_ms")))
 
     def target_s(self, n: float) -> float:
@@ -117,7 +128,7 @@ def _interpolate(table: dict[int, float], x: float) -> float:
         if x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     (x0, y0), (x1, y1) = points[-2], points[-1]
-    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+    return y1 + max(y1 - y0, 0.0) * (x - x1) / (x1 - x0)  # a noisy last point must not make larger passes cheaper
 
 
 #ISFLAT

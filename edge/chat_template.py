@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -32,19 +34,44 @@ def _strftime_now(format_string: str = "%Y-%m-%d %H:%M:%S") -> str:
 # the messages and write their text once; these bounds are orders of magnitude above that.
 MAX_OUTPUT = 4 << 20  # characters a render may write (and a string or list that `*` may build)
 MAX_STEPS = 2_000_000  # items that range() may produce in one render, all loops together
-MAX_SECONDS = 2.0  # a render's wall time, where a timer can be set (the main thread)
+MAX_SECONDS = 2.0  # a render's wall time, on any thread (_time_limit)
 
 
 class _TooBig(Exception):
     pass
 
 
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, with `*` and `**` unable to build values no chat needs ('x' * 10**14)."""
+_WIDTH = re.compile(r"\d+")
+_PADDING = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})  # str methods that pad to a width
 
-    intercepted_binops = frozenset({"*", "**"})
+
+def _check_widths(form: str) -> None:
+    """A format string ('%50000000d', '{:50000000}') whose numbers ask for a value no chat needs."""
+    for number in _WIDTH.findall(form):
+        if len(number) > 9 or int(number) > MAX_OUTPUT:
+            raise _TooBig(f"it formats a value {number} characters wide")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with `*`, `**`, `%`, the padding methods and format strings unable to build values no
+    chat needs ('x' * 10**14, 'a'.center(50000000), '%50000000d' % 1)."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+        owner = getattr(method, "__self__", None)
+        if isinstance(owner, str):
+            name = getattr(method, "__name__", "")
+            if name in _PADDING and any(isinstance(a, int) and a > MAX_OUTPUT for a in (*args, *kwargs.values())):
+                raise _TooBig(f"it pads a string to more than {MAX_OUTPUT:,} characters")
+            if name in ("format", "format_map"):
+                _check_widths(owner)
+        return super().call(__context, __obj, *args, **kwargs)
 
     def call_binop(self, context: jinja2.runtime.Context, operator: str, left: object, right: object) -> object:
+        if operator == "%" and isinstance(left, str):
+            _check_widths(left)
         if operator == "*":
             for sequence, count in ((left, right), (right, left)):
                 if isinstance(sequence, str | list | tuple) and isinstance(count, int) \
@@ -71,10 +98,12 @@ class _Steps:
 
 @contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Stop the block after `seconds` (SIGALRM), where a timer can be set: the main thread; elsewhere the step and
-    size bounds alone hold a template in."""
+    """Stop the block after `seconds`: on the main thread by SIGALRM, on any other (a server renders on its worker
+    threads) by an exception a timer thread raises in it (PyThreadState_SetAsyncExc), heard at its next bytecode. A
+    long call into C (one huge string operation) is bounded by the size checks instead."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        with _thread_time_limit(seconds):
+            yield
         return
 
     def stop(signum: int, frame: object) -> None:
@@ -89,11 +118,52 @@ def _time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+class _Overtime(BaseException):
+    """Raised in a rendering thread by its timer (a BaseException: no template-level handler may swallow it)."""
+
+
+@contextmanager
+def _thread_time_limit(seconds: float) -> Iterator[None]:
+    import ctypes
+
+    target = ctypes.c_ulong(threading.get_ident())
+    state = {"done": False, "fired": False}
+    lock = threading.Lock()
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(target, ctypes.py_object(_Overtime))
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except _Overtime:
+        raise _TooBig(f"it ran for more than {seconds:g} s") from None
+    finally:
+        with lock:
+            state["done"] = True
+            timer.cancel()
+            if state["fired"]:  # raised but maybe not yet delivered: withdraw it, it must not land past this block
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(target, None)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     # loopcontrols only lets templates using {% break %} compile; it cannot change any other output.
     env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
+    format_filter = env.filters["format"]
+
+    def bounded_format(value: Any, *args: Any, **kwargs: Any) -> Any:  # the `format` filter: `value % args`
+        if isinstance(value, str):
+            _check_widths(value)
+        return format_filter(value, *args, **kwargs)
+
+    env.filters["format"] = bounded_format
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -139,3 +209,7 @@ class ChatTemplate:
         except jinja2.TemplateError as error:
             # SecurityError (a sandbox escape attempt) lands here too.
             raise UserError(f"the model's chat template failed: {error}") from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as error:
+            # the template's own expressions ({{ 1/0 }}, an index past a list's end): the template's fault, in one line
+            raise UserError(f"the model's chat template failed: {type(error).__name__}: {error}; complete raw text "
+                            "instead (--raw, or raw=True in Python)") from None

@@ -30,5 +30,10 @@ class ContextFull(UserError):
         self.tokens, self.n_ctx = tokens, n_ctx
 
 
+class ModelFault(UserError):
+    """A model computed what no healthy model does (logits that are not numbers): its file is damaged, or changed
+    under the running process. Not a bug of edge-spec's: one line, and what to do."""
+
+
 class Interrupted(Exception):
     """The user asked to stop (Ctrl-C) while a prompt was being read; what was read so far stays in the caches."""

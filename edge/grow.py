@@ -127,9 +127,11 @@ def grow(drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acc
     source = np.zeros(capacity, np.uint8)  # DRAFTED | LOOKED_UP
     kept = np.zeros(capacity, bool)
     expanded = np.zeros(capacity, bool)  # also set for stop tokens, which are never expanded
+    ran = np.zeros(capacity, bool)  # the drafter ran the node (its keys are in its cache): only its children may run
     stops = np.fromiter(stop_tokens, np.int32, len(stop_tokens))
     tokens[0], score[0], kept[0] = root, 0.0, True
-    n = 1 + _add_branches(branches, tokens, parents, depth, score, draft, rank, source, lookup_acceptance)
+    n = 1 + _add_branches(branches, tokens, parents, depth, score, draft, rank, source, lookup_acceptance,
+                          frozenset(stop_tokens))
     kept[1:n] = depth[1:n] <= config.max_depth  # no deeper than the reply can use
     expanded[1:n] = np.isin(tokens[1:n], stops)
     children = {(int(parents[i]), int(tokens[i])): i for i in range(1, n)}  # where a drafter's child may join
@@ -139,7 +141,7 @@ def grow(drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acc
     while drafter is not None and steps < config.max_passes:
         # a lookup branch runs through the drafter only below a node that did (its keys must be there)
         candidates = np.flatnonzero(kept[:n] & ~expanded[:n] & (depth[:n] < config.max_depth)
-                                    & ((parents[:n] < 0) | expanded[np.maximum(parents[:n], 0)]))
+                                    & ((parents[:n] < 0) | ran[np.maximum(parents[:n], 0)]))
         if int(kept[:n].sum()) - 1 >= config.budget:
             worst = score[:n][kept[:n]].min()
             candidates = candidates[score[candidates] > worst]  # tight stop: children score below parents
@@ -154,7 +156,7 @@ def grow(drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acc
         ids, log_probs = (expand or drafter.expand)(view, nodes, config.width)  # [len(nodes), width] each
         if config.draft_temperature != 1.0:
             log_probs = _sharpen(log_probs, config.draft_temperature)
-        expanded[nodes] = True
+        expanded[nodes] = ran[nodes] = True
         expand_room -= len(nodes)
         steps += 1
         gain = log_probs if acceptance is None else acceptance.log_accept_children(log_probs, depth[nodes] + 1)
@@ -186,17 +188,25 @@ def grow(drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acc
 
 
 def _add_branches(branches: list, tokens: np.ndarray, parents: np.ndarray, depth: np.ndarray, score: np.ndarray,
-                  draft: np.ndarray, rank: np.ndarray, source: np.ndarray, acceptance: Acceptance | None) -> int:
-    """Lookup branches as nodes 1..len(branches) (their parents come first, -1: the root); returns how many."""
-    for i, branch in enumerate(branches, 1):
-        parent = 0 if branch.parent < 0 else branch.parent + 1
+                  draft: np.ndarray, rank: np.ndarray, source: np.ndarray, acceptance: Acceptance | None,
+                  stops: frozenset[int] = frozenset()) -> int:
+    """Lookup branches as nodes 1..k (their parents come first, -1: the root), but none below a stop token (the
+    reply ends there); returns k."""
+    node_of = {-1: 0}  # branch index -> its node
+    i = 0
+    for index, branch in enumerate(branches):
+        parent = node_of.get(branch.parent)
+        if parent is None or (parent > 0 and int(tokens[parent]) in stops):
+            continue
+        i += 1
+        node_of[index] = i
         tokens[i], parents[i], depth[i] = branch.token, parent, depth[parent] + 1
         draft[i] = np.log(branch.probability)
         rank[i] = int(any(b.parent == branch.parent and b.probability > branch.probability for b in branches))
         source[i] = LOOKED_UP
         gain = draft[i] if acceptance is None else acceptance.log_accept(np.array([draft[i]]), depth[i], rank[i])[0]
         score[i] = score[parent] + gain
-    return len(branches)
+    return i
 
 
 def _sharpen(log_probs: np.ndarray, temperature: float) -> np.ndarray:

@@ -3,6 +3,7 @@ the tests. Checked as it is made, so a bad value is one clear line before anythi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
 PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
 LOOKUP_MODES = ("on", "off", "keep")  # keep: earlier runs' replies too, kept in the cache (edge/lookup.py)
 NO_DRAFTER = ("lookup", "none")  # drafter values that load no drafter model: lookup drafting alone (or plain decoding)
+MAX_THREADS = 4 * (os.cpu_count() or 1)  # more than this only waits on each other (a million would never start)
 MIN_CTX = 256  # llama.cpp sizes a context in steps of 256 tokens: a smaller one would silently hold 256
 
 
@@ -58,6 +60,9 @@ class LoadOptions:
             raise UserError(f"accept must be one of {', '.join(ACCEPT_RULES)} (got {self.accept!r})", "accept")
         if self.threads is not None and self.threads < 1:
             raise UserError(f"threads must be at least 1 (got {self.threads})", "threads")
+        if self.threads is not None and self.threads > MAX_THREADS:
+            raise UserError(f"threads must be at most {MAX_THREADS} (got {self.threads}); this machine has "
+                            f"{os.cpu_count()} cores", "threads")
         if self.gpu_layers is not None and self.gpu_layers < 0:
             raise UserError(f"gpu_layers must be 0 or more (got {self.gpu_layers})", "gpu_layers")
         if self.provider is not None:

@@ -16,6 +16,9 @@ from edge.errors import UserError
 _TOP_P_PREFIX = 1024  # sort only this many candidates when they already hold top_p of the mass
 
 
+MIN_PENALTY, MAX_PENALTY = 0.01, 100.0  # repetition penalties past these overflow float32 logits
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0
@@ -31,16 +34,19 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         checks = [
             (0 <= self.temperature < float("inf"), f"--temperature must be >= 0 and finite (got {self.temperature})"),
-            (self.seed is None or 0 <= self.seed < 1 << 63, f"--seed must be 0 or more (got {self.seed})"),
+            (self.seed is None or 0 <= self.seed < 1 << 63, f"--seed must be 0 to 2^63 - 1 (got {self.seed})"),
             (self.top_k >= 0, f"--top-k must be >= 0, 0 turns it off (got {self.top_k})"),
             (0 < self.top_p <= 1, f"--top-p must be in (0, 1] (got {self.top_p})"),
             (0 <= self.min_p < 1, f"--min-p must be in [0, 1) (got {self.min_p})"),
-            (self.repeat_penalty > 0, f"--repeat-penalty must be > 0 (got {self.repeat_penalty})"),
+            # past these, dividing or multiplying logits overflows float32: the reply would be NaN, not text
+            (MIN_PENALTY <= self.repeat_penalty <= MAX_PENALTY,
+             f"--repeat-penalty must be {MIN_PENALTY:g} to {MAX_PENALTY:g}, 1 turns it off "
+             f"(got {self.repeat_penalty})"),
             (self.repeat_last_n >= 0, f"--repeat-last-n must be >= 0 (got {self.repeat_last_n})"),
-            (abs(self.presence_penalty) < float("inf"),
-             f"presence_penalty must be finite (got {self.presence_penalty})"),
-            (abs(self.frequency_penalty) < float("inf"),
-             f"frequency_penalty must be finite (got {self.frequency_penalty})"),
+            (abs(self.presence_penalty) <= MAX_PENALTY,
+             f"presence_penalty must be -{MAX_PENALTY:g} to {MAX_PENALTY:g} (got {self.presence_penalty})"),
+            (abs(self.frequency_penalty) <= MAX_PENALTY,
+             f"frequency_penalty must be -{MAX_PENALTY:g} to {MAX_PENALTY:g} (got {self.frequency_penalty})"),
         ]
         for ok, message in checks:
             if not ok:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge.acceptance import Acceptance
+from edge.errors import ModelFault
 from edge.grow import GrowConfig, grow
 from edge.lookup import LookupTree
 from edge.protocols import Drafter, Target
@@ -48,6 +49,9 @@ def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, histor
     path = [0]
     seen = [*history, int(tree.tokens[0])]
     while True:
+        if np.isnan(logits[path[-1]]).any():
+            raise ModelFault("the target's logits are not numbers (NaN): its model file is damaged or was changed "
+                             "while loaded; download it again (edge-spec rm, then pull)")
         proposal = None if proposer is None else proposer.at(seen[len(history):])
         if proposal is None:
             token = draw(logits[path[-1]], sampling, seen, rng)

@@ -99,8 +99,18 @@ BY_ARCHITECTURE = "by-architecture"  # a drafter runtime decided at load: the fa
 def model_source(model: str | Path, registry: Registry | None = None) -> Source:
     """Where a model named on the command line comes from: a GGUF file, or a Hugging Face reference."""
     text = str(model)
+    if not text.strip():
+        raise UserError("the model's name is empty: name a pair of models.toml, a GGUF file, or a Hugging Face "
+                        "reference user/repo:QUANT")
     path = Path(text).expanduser()
-    if isinstance(model, Path) or path.exists() or text.lower().endswith(".gguf"):
+    try:
+        here = path.exists()
+    except OSError:  # a name longer than a file name may be (255 bytes): not a file here
+        here = False
+    if isinstance(model, Path) or here or text.lower().endswith(".gguf"):
+        if len(path.name.encode()) > 255:
+            raise UserError(f"the model file name {path.name[:40]!r}... is longer than a file name may be (255 "
+                            "bytes)")
         return Source(path=path)
     found = _HF_REFERENCE.match(text)
     if found and not text.startswith((".", "/", "~")):

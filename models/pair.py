@@ -5,9 +5,10 @@ swapped for another (benchmarks).
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
@@ -20,7 +21,7 @@ from edge.models.sources import model_path
 
 from edge.chat import Prompt, prompt_tokens
 from edge.chat_template import ChatTemplate
-from edge.errors import UserError
+from edge.errors import ModelFault, UserError
 from edge.generate import Decoder
 from edge.grow import MAX_LEAVES, GrowConfig
 from edge.lookup import Corpus, Lookup
@@ -63,8 +64,21 @@ class Pair:
     report: Report = field(default=_quiet, repr=False)
     streamed: bool = False  # the plan put the target on the drive (larger than RAM): the kernel streams it
     corpus: Corpus | None = None  # earlier replies lookup drafts from (None: lookup off); every decoder shares it
+    closed: bool = False
     _decoder: Decoder | None = field(default=None, repr=False)
     _decoder_key: tuple | None = field(default=None, repr=False)
+    # One generation at a time (generating) and no model closed under a running step (stepping, close).
+    _turn: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _turn_thread: int | None = field(default=None, repr=False)
+    _state: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _busy: bool = field(default=False, repr=False)
+    _stamps: dict[Path, tuple[int, int]] = field(default_factory=dict, repr=False)  # the model files as loaded
+
+    def __post_init__(self) -> None:
+        for model in (self.target, self.drafter):
+            if model is not None and model.path.is_file():
+                stat = model.path.stat()
+                self._stamps[model.path] = (stat.st_size, stat.st_mtime_ns)
 
     @property
     def placement(self) -> str:
@@ -80,7 +94,14 @@ class Pair:
 
     def close(self) -> None:
         """Free the models' native memory (llama.cpp contexts and weights, onnxruntime sessions); with lookup keep,
-        save the replies lookup drafts from for the next run."""
+        save the replies lookup drafts from for the next run. A step running on another thread ends first; a
+        generation resumed afterwards raises UserError. Closing twice does nothing."""
+        with self._state:
+            if self.closed:
+                return
+            self.closed = True
+            while self._busy:
+                self._state.wait()
         if self.corpus is not None and self.options.lookup == "keep":
             save_corpus(self.corpus, self.target.path, self.report)
         for model in (self.drafter, self.target):
@@ -88,6 +109,51 @@ class Pair:
                 model.close()
         self.drafter = None
         self._decoder = self._decoder_key = None
+
+    def check_open(self) -> None:
+        """Refuse a closed pair, and one whose model files changed on disk since they loaded (their weights are
+        mapped from the file: `cp new.gguf live.gguf` changes what a running model computes, or truncates it)."""
+        if self.closed:
+            raise UserError(f"the pair {self.name} is closed: load it again (edge.load) to generate")
+        for path, (size, mtime) in self._stamps.items():
+            try:
+                stat = path.stat()
+                now = (stat.st_size, stat.st_mtime_ns)
+            except OSError:
+                now = None
+            if now != (size, mtime):
+                raise ModelFault(f"{path} changed on disk since {self.name} loaded it (replaced, edited or removed): "
+                                 "load it again (restart the command or the server)")
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """This pair's turn for one generation: another thread's waits until it ends; a second generation on the
+        same thread (a stream_generate not run to its end, then another) is refused, as waiting would never end.
+        The turn ends with the generation: run to its end, closed, or dropped (a generator's close)."""
+        self.check_open()
+        if self._turn_thread == threading.get_ident():
+            raise UserError(f"the pair {self.name} is already generating on this thread (a stream_generate not run to "
+                            "its end): finish it or close() it first; a pair runs one generation at a time")
+        with self._turn:
+            self._turn_thread = threading.get_ident()
+            try:
+                self.check_open()  # closed while this waited
+                yield
+            finally:
+                self._turn_thread = None
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """The models at work (a prompt read, a token decoded): close() waits for it to end; refused once closed."""
+        with self._state:
+            self.check_open()
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._state:
+                self._busy = False
+                self._state.notify_all()
 
     def prompt_tokens(self, prompt: Prompt, raw: bool | None = None) -> list[int]:
         """Token ids for a prompt: chat messages rendered with the pair's template; text in the template too, unless
@@ -111,6 +177,7 @@ class Pair:
     def decoder(self, sampling: SamplingConfig, speculate: bool = True, budget: int | str | None = None) -> Decoder:
         """A new Decoder for this pair: plain without `speculate`, a fixed budget, or --budget auto's policy; its trees
         take lookup's branches too (over the pair's earlier replies), unless lookup is off."""
+        self.check_open()
         budget = self.budget if budget is None else budget
         proposer = None if self.corpus is None else Lookup(self.corpus)
         if not speculate or (self.drafter is None and proposer is None):
@@ -157,8 +224,10 @@ class Pair:
                 key, cache = self._costs_key(), JsonFile(cache_dir() / "pass-times.json")
                 known = cache.read()
                 if key is not None and key in known:
-                    with suppress(KeyError, TypeError, ValueError, AttributeError):  # a damaged entry is measured again
+                    try:
                         self.costs = Costs.from_json(known[key])
+                    except (KeyError, TypeError, ValueError, AttributeError) as problem:
+                        self.report(f"the cached pass times for this pair are damaged ({problem}): timing them again")
                 if self.costs is None:
                     self.report("timing the target's and the drafter's passes for --budget auto (once for this "
                                 "machine and pair; kept in the cache)")

@@ -34,6 +34,8 @@ def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) 
     if model.facts is not None:
         return Shape.from_facts(model.facts)
     source = source_path(model.source)
+    if model.source.path is not None and models_file is None:  # a file named on the command line
+        raise UserError(f"{model.source.path}: no such file (the {role}); check the path")
     if model.quantize and source is not None and source.is_file():
         raise UserError(f"pair {pair.name}: the {role} is not prepared yet ({model.quantize} of {source.name}); "
                         f"run `edge-spec prepare {pair.name}` first")

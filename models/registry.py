@@ -124,10 +124,18 @@ def load_registry(path: Path | None = None) -> Registry:
     return Registry(path=path, default=default, pairs=pairs)
 
 
+MAX_MODELS_FILE = 16 << 20  # a models.toml past this is not one (and /dev/zero would be read forever)
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
+        if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO would wait for a writer forever
+            raise UserError(f"{path} is not a regular file; give --models the path of a models.toml file")
         with path.open("rb") as f:
-            return tomllib.load(f)
+            text = f.read(MAX_MODELS_FILE + 1)
+        if len(text) > MAX_MODELS_FILE:
+            raise UserError(f"{path} is larger than {MAX_MODELS_FILE >> 20} MiB: not a models.toml")
+        return tomllib.loads(text.decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"models file {path} not found") from None
     except IsADirectoryError:

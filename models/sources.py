@@ -74,8 +74,10 @@ def cached_files(source: Source) -> tuple[list[Path], str | None]:
     note = None
     if source.path is not None or source.hf is not None:
         here = source_path(source)
-        if here is not None:
-            found += (prepared / "graphs").glob(glob.escape(here.stem) + "-*.onnx*")
+        if here is not None:  # STEM-KEY.VARIANT.onnx (KEY: 12 hex digits), not another file's STEM-more-KEY...
+            own = re.compile(re.escape(here.stem) + r"-[0-9a-f]{12}\..*\.onnx(\.data)?")
+            found += [path for path in (prepared / "graphs").glob(glob.escape(here.stem) + "-*.onnx*")
+                      if own.fullmatch(path.name)]
         note = (f"{source.path} is your own file: kept" if source.path is not None else
                 f"{source.hf} stays in the Hugging Face cache ({_hf_cache_dir()}); `hf cache rm` removes it there")
     return sorted({path for path in found if path.is_file()}), note

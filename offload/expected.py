@@ -50,15 +50,24 @@ class ExpectedRate:
                 "tokens_per_s": round(self.tokens_per_s, 4)}
 
 
+MAX_BENCH_JSON = 64 << 20  # a bench's JSON is kilobytes; past this it is not one
+
+
 def read_acceptance(path: Path) -> Acceptance:
     """The tree rows of a bench JSON (`edge-spec bench --json`): for a budget run several times (acceptance rules,
     drafters), the row with the most tokens per pass."""
     what = f"--acceptance {path}"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        if path.exists() and not path.is_file():  # a FIFO or a device would be read forever
+            raise UserError(f"{what} is not a regular file; write one with `edge-spec bench --json > FILE`")
+        with path.open("rb") as f:
+            text = f.read(MAX_BENCH_JSON + 1)
+        if len(text) > MAX_BENCH_JSON:
+            raise UserError(f"{what} is larger than {MAX_BENCH_JSON >> 20} MiB: not a bench JSON")
+        data = json.loads(text.decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"{what}: no such file; write one with `edge-spec bench --json > FILE`") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as problem:
+    except (OSError, ValueError, RecursionError) as problem:  # JSONDecodeError and UnicodeDecodeError among them
         raise UserError(f"{what} is not a bench JSON ({problem}); write one with `edge-spec bench --json > FILE`"
                         ) from None
     rows = data.get("rows") if isinstance(data, dict) else None

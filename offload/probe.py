@@ -5,6 +5,8 @@ when disk_read_gbps() is asked."""
 
 from __future__ import annotations
 
+import logging
+import math
 import mmap
 import os
 import platform
@@ -16,6 +18,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 from typing import Protocol
+
+log = logging.getLogger("edge")
 
 GIB = 1024**3
 MIB = 1024**2
@@ -81,7 +85,10 @@ def disk_read_gbps(path: Path, store: JsonStore, sample_bytes: int = DISK_SAMPLE
     cached = store.read()
     entry = cached.get(key)
     if not refresh and isinstance(entry, dict) and "disk_read_gbps" in entry and entry.get("method") == DISK_METHOD:
-        return float(cached[key]["disk_read_gbps"])
+        value = entry["disk_read_gbps"]
+        if _plausible_gbps(value):
+            return float(value)
+        log.warning("the cached disk speed %r is not a read speed: measuring the drive again", value)
     try:
         gbps = _measure_disk(Path(path), sample_bytes)
     except OSError:
@@ -90,6 +97,12 @@ def disk_read_gbps(path: Path, store: JsonStore, sample_bytes: int = DISK_SAMPLE
                    "method": DISK_METHOD}
     store.write(cached)
     return gbps
+
+
+def _plausible_gbps(value: object) -> bool:
+    """A stored read speed edge-spec could have measured: a finite number of GB/s, above a floppy's, below RAM's."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
+        and 1e-4 <= value <= 1e3
 
 
 def _measure_disk(path: Path, sample_bytes: int) -> float:

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from edge.errors import ContextFull, UserError
 from edge.generate import Stats, check_fits
@@ -47,19 +48,24 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its cli
 
 
 def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
-               cors_origins: Sequence[str] = ()) -> FastAPI:
+               cors_origins: Sequence[str] = (), loopback_only: bool = False) -> FastAPI:
+    """The app over `pair`. A request from a web page (its Origin header) is served only from `cors_origins` ("*":
+    any); `loopback_only` (a server bound to a loopback address) also refuses a Host header that names another
+    machine (DNS rebinding). With `api_key`, every endpoint but /health asks for it, the OpenAPI document too."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         release = version("edge-spec")
     except PackageNotFoundError:
         release = "0"
-    app = FastAPI(title="edge-spec", version=release, docs_url=None, redoc_url=None)
+    app = FastAPI(title="edge-spec", version=release, docs_url=None, redoc_url=None, openapi_url=None)
+    allowed_origins = set(cors_origins)
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
+        # any request header: OpenAI's JS SDK sends its own (x-stainless-*, openai-*) and preflights them
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["*"])
     model_name, created = pair.name, int(time.time())
     # Sampling for what a request leaves out: the pair's (the model's recommended, else llama.cpp's), without chat's
     # repetition penalty unless the model recommends one: OpenAI's API and llama-server apply none by default.
@@ -67,12 +73,7 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
     if defaults.repeat_penalty == CHAT_DEFAULTS.repeat_penalty and CHAT_DEFAULTS.repeat_penalty != 1.0:
         defaults = dataclasses.replace(defaults, repeat_penalty=1.0)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return JSONResponse(error_body(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB"), 413)
-        return await call_next(request)
+    app.add_middleware(_Gate, origins=allowed_origins, loopback_only=loopback_only)  # outside CORS: it runs first
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, problem: RequestValidationError) -> JSONResponse:
@@ -93,7 +94,8 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        given = token.strip().encode("latin-1", "replace")  # the header's own bytes (HTTP decodes it as latin-1)
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given, api_key.encode("utf-8")):
             raise Refused(401, "a missing or wrong API key: send the header `Authorization: Bearer KEY` with the key "
                                "the server was started with (--api-key)", code="invalid_api_key")
 
@@ -102,18 +104,41 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
             raise Refused(404, f"the model {asked!r} is not served here: this server serves {model_name!r} "
                                "(GET /v1/models)", "model", "model_not_found")
 
+    n_ctx = pair.target.n_ctx
+    longest_token = max(len(pair.target.tokenizer.token_bytes(token)) for token in range(pair.target.n_vocab))
+
+    def refuse_oversized(prompt: Any, raw: bool) -> None:
+        """Refuse, before rendering or tokenizing, a prompt that cannot fit the context whatever its tokens: more
+        messages than the context has tokens (each takes one at least), or more text than n_ctx of the vocabulary's
+        longest tokens hold."""
+        if isinstance(prompt, str):
+            texts = [prompt]
+        elif prompt and isinstance(prompt[0], dict):
+            if len(prompt) >= n_ctx:
+                raise Refused(400, f"{len(prompt)} messages cannot fit this server's context of {n_ctx} tokens: "
+                                   "send fewer", "messages", "context_length_exceeded")
+            texts = [message["content"] for message in prompt]
+        else:
+            return  # token ids: counted as they are
+        size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+        if size > n_ctx * longest_token:
+            raise Refused(400, f"the prompt's {size} bytes of text are more than this server's context of {n_ctx} "
+                               "tokens can hold: shorten it, or restart the server with a larger --ctx",
+                          "prompt" if raw else "messages", "context_length_exceeded")
+
     async def prepare(body: GenerationRequest, prompt: Any, raw: bool, max_tokens: int | None) -> Work:
         """The request as work for the generation thread: checked, its prompt rendered and tokenized (off the event
         loop), and refused here if it cannot fit the context."""
         check_model(body.model)
         body.refuse_unsupported()
+        refuse_oversized(prompt, raw)
         try:
             sampling = body.sampling(defaults)
             stop = body.stop_strings()
             tokens = await run_in_threadpool(pair.prompt_tokens, prompt, raw)
         except UserError as problem:
             raise Refused(400, str(problem), problem.option) from None
-        n_ctx, n_vocab = pair.target.n_ctx, pair.target.n_vocab
+        n_vocab = pair.target.n_vocab
         if not tokens:
             raise Refused(400, "the prompt is empty", "prompt")
         if any(not 0 <= token < n_vocab for token in tokens):
@@ -135,6 +160,10 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
                 "queue": {"running": int(worker.running is not None), "waiting": worker.waiting},
                 "requests": {"completed": worker.completed, "cancelled": worker.cancelled, "failed": worker.failed},
                 "rss_bytes": psutil.Process().memory_info().rss}
+
+    @app.get("/openapi.json", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def list_models() -> dict[str, Any]:
@@ -186,7 +215,16 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
 async def _body(request: Request, schema: type[RequestT]) -> RequestT:
     """The request's JSON body, checked against `schema`; read as JSON whatever the Content-Type says (curl -d sends
     a form's), as llama.cpp's server does."""
-    raw = await request.body()
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():  # counted as it comes: a chunked body has no Content-Length to check
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise Refused(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise Refused(400, "the client closed the connection before its request body ended") from None
+    raw = b"".join(chunks)
     try:
         data = json.loads(raw)
     except UnicodeDecodeError:
@@ -195,6 +233,12 @@ async def _body(request: Request, schema: type[RequestT]) -> RequestT:
         raise Refused(400, f"the request body is not valid JSON ({problem.msg} at line {problem.lineno} column "
                            f"{problem.colno})" if raw.strip() else "the request has no body: send a JSON object") \
             from None
+    except RecursionError:
+        raise Refused(400, "the request body nests JSON arrays or objects too deeply") from None
+    except ValueError as problem:  # e.g. an integer of more digits than Python converts
+        raise Refused(400, f"the request body holds a value that cannot be read: {problem}") from None
+    if _has_lone_surrogate(data):
+        raise Refused(400, "the request body holds a lone UTF-16 surrogate (such as \\ud800): not text")
     if not isinstance(data, dict):
         raise Refused(400, f"the request body must be a JSON object (got {type(data).__name__})")
     try:
@@ -278,3 +322,74 @@ def _describe(errors: Sequence[Any]) -> tuple[str, str, str | None]:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return message, "invalid_request_error", where or None
+
+
+def _loopback_host(host: str) -> bool:
+    """Whether a Host header names this machine's loopback: localhost, 127.x.y.z or [::1], any port (none: an
+    HTTP/1.0 client, which sends no Host)."""
+    from edge.serve.run import is_loopback
+
+    if not host:
+        return True
+    if host.startswith("["):  # [IPv6]:port
+        name = host[1:].partition("]")[0]
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return is_loopback(name) or name.lower().endswith(".localhost")
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a parsed JSON value holds a string with a lone surrogate (JSON's \\ud800 escape), which is not text:
+    no tokenizer can encode it."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
+
+
+class _Gate:
+    """What is refused before any endpoint runs, as plain ASGI (a BaseHTTPMiddleware would hide a client's
+    disconnect from the endpoint, which then could not cancel its generation):
+
+    - a web page's request, unless --cors-origin allows its origin: a browser sends a cross-origin POST of
+      text/plain with no preflight, and CORS only hides the reply, after the work;
+    - with `loopback_only`, a Host header that names another machine (a page reaching us by DNS rebinding);
+    - a body whose Content-Length is past MAX_BODY_BYTES (a chunked one is counted as it is read: _body)."""
+
+    def __init__(self, app: Any, origins: set[str], loopback_only: bool) -> None:
+        self.app, self.origins, self.loopback_only = app, origins, loopback_only
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            from starlette.datastructures import Headers
+
+            refusal = self.refusal(Headers(scope=scope))
+            if refusal is not None:
+                await JSONResponse(*refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, headers: Any) -> tuple[dict, int] | None:
+        origin = headers.get("origin")
+        if origin is not None and "*" not in self.origins and origin not in self.origins:
+            return error_body(f"a request from the web page origin {origin!r} is refused: start the server with "
+                              f"--cors-origin {origin} to allow that page", "permission_error",
+                              code="origin_not_allowed"), 403
+        if self.loopback_only and not _loopback_host(headers.get("host", "")):
+            return error_body("the Host header names another machine, and this server listens on a loopback address "
+                              "only: call it as localhost or 127.0.0.1 (DNS rebinding is refused)", "permission_error",
+                              code="host_not_allowed"), 403
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return error_body(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB"), 413
+        return None

@@ -61,8 +61,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def url(sock: socket.socket, host: str) -> str:
     port = sock.getsockname()[1]
-    shown = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-    if ":" in shown and not shown.startswith("["):
+    shown = host.strip("[]") if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    if ":" in shown:
         shown = f"[{shown}]"
     return f"http://{shown}:{port}"
 
@@ -87,7 +87,8 @@ def serve(pair: Pair, sock: socket.socket, *, api_key: str | None = None, cors_o
             if ready is not None and not self.should_exit:
                 ready()
 
-    app = create_app(pair, worker, api_key, cors_origins)
+    bound = sock.getsockname()[0]
+    app = create_app(pair, worker, api_key, cors_origins, loopback_only=is_loopback(str(bound)))
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
                             log_config=_log_config(log_level))
     try:

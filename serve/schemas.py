@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from edge.generate import Stats
-from edge.sampling import SamplingConfig
+from edge.sampling import MAX_PENALTY, MIN_PENALTY, SamplingConfig
 
 MAX_STOP_STRINGS = 16
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}  # edge's reasons -> OpenAI's
@@ -89,7 +89,7 @@ class GenerationRequest(Strict):
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
-    repeat_penalty: float | None = Field(None, gt=0, le=100, allow_inf_nan=False)
+    repeat_penalty: float | None = Field(None, ge=MIN_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=1 << 63)

@@ -95,6 +95,106 @@ def test_close_frees_the_models(smollm2: Pair) -> None:
     assert drafter.session is None
 
 
+MISUSE = """
+import threading
+import edge
+from edge.errors import UserError
+
+pair = edge.load("smollm2-135m", budget=4, gpu_layers=0, threads=1)
+alone = edge.generate(pair, "Name three colors.", max_tokens=12).text
+
+# Two threads on one pair: each waits its turn, and each gets the text it gets alone.
+texts = []
+threads = [threading.Thread(target=lambda: texts.append(edge.generate(pair, "Name three colors.", max_tokens=12).text))
+           for _ in range(2)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("threads", texts == [alone, alone])
+
+# Two generators on one thread, stepped in turn: the second is refused, never interleaved.
+first = edge.stream_generate(pair, "Name three colors.", max_tokens=12)
+next(first)
+try:
+    next(edge.stream_generate(pair, "Count to three.", max_tokens=4))
+    print("second ran")
+except UserError as problem:
+    print("second refused", "one generation at a time" in str(problem))
+rest = "".join(step.text for step in first)
+print("first whole", rest != "")
+# A generator dropped unfinished ends its turn.
+dropped = edge.stream_generate(pair, "Count to three.", max_tokens=8)
+next(dropped)
+del dropped
+print("after a dropped one", edge.generate(pair, "Name three colors.", max_tokens=12).text == alone)
+
+# Closed: a new generation, and one resumed after close, raise UserError; nothing crashes.
+resumed = edge.stream_generate(pair, "Name three colors.", max_tokens=12)
+next(resumed)
+pair.close()
+for attempt in (lambda: next(resumed), lambda: edge.generate(pair, "Hi", max_tokens=4)):
+    try:
+        attempt()
+        print("ran after close")
+    except UserError as problem:
+        print("closed said", "is closed" in str(problem))
+pair.close()
+"""
+
+
+def test_a_misused_pair_waits_refuses_or_says_it_is_closed() -> None:
+    """In a child process (a crash must not take the test run with it): two threads on one pair take turns and get
+    their own text; a second generator on the same thread is refused, a dropped one ends its turn; after close(),
+    a new generation and a resumed one raise UserError, and closing twice is harmless."""
+    run = subprocess.run([sys.executable, "-c", MISUSE], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[:-1] == ["threads True", "second refused True", "first whole True",
+                                           "after a dropped one True", "closed said True", "closed said True"]
+
+
+def test_a_model_file_changed_under_a_loaded_pair_is_refused(files: dict[str, Path], tmp_path: Path) -> None:
+    """`cp new.gguf live.gguf` under a running process changes what its mapped weights compute (or truncates them:
+    SIGBUS): a generation checks the file's size and time first and says so in one line."""
+    import os
+    import shutil
+
+    from edge.errors import ModelFault
+
+    live = tmp_path / "live.gguf"
+    shutil.copyfile(files["smol"], live)
+    with edge.load(target=live, drafter="none", lookup="off", ctx=512) as pair:
+        assert edge.generate(pair, "Hi", max_tokens=2).stats.new_tokens == 2
+        stat = live.stat()
+        os.utime(live, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        with pytest.raises(ModelFault, match="changed on disk since"):
+            edge.generate(pair, "Hi", max_tokens=2)
+
+
+def test_lookup_keep_carries_past_replies_to_the_next_run() -> None:
+    """lookup="keep": the replies a run drafted from are saved when the pair closes and read by the next load of the
+    same target file; a damaged file is said and started over; lookup="on" starts empty."""
+    from edge.models.pair import corpus_path
+
+    with edge.load("smollm2-135m", lookup="keep", budget=4) as pair:
+        saved = corpus_path(pair.target.path)
+        saved.unlink(missing_ok=True)
+        reply = edge.generate(pair, "Name three colors.", max_tokens=8).tokens
+    try:
+        assert saved.is_file()
+        with edge.load("smollm2-135m", lookup="keep", budget=4) as pair:
+            assert pair.corpus is not None and pair.corpus.replies[-1][:len(reply)] == reply  # (and a stop token)
+        with edge.load("smollm2-135m", budget=4) as pair:
+            assert pair.corpus is not None and pair.corpus.replies == []
+        saved.write_bytes(b"not an array")
+        said: list[str] = []
+        with edge.load("smollm2-135m", lookup="keep", budget=4, report=said.append) as pair:
+            assert pair.corpus is not None and pair.corpus.replies == []
+        assert any("cannot be read" in line for line in said), said
+    finally:
+        saved.unlink(missing_ok=True)
+
+
 def test_the_readme_python_example_runs() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     example = re.search(r"## Python\n.*?```python\n(.*?)```", readme, re.DOTALL)

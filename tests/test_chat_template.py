@@ -41,6 +41,14 @@ def test_raise_exception_becomes_user_error() -> None:
         ChatTemplate(source, "", "").render(MESSAGES)
 
 
+@pytest.mark.parametrize("source", ["{{ 1/0 }}", "{{ 'a' - 1 }}", "{{ (messages | length) // 0 }}"])
+def test_an_expression_that_fails_is_one_line(source: str) -> None:
+    """A template's own arithmetic or lookup error is the template's fault, said in one line (not a traceback)."""
+    template = ChatTemplate(source, "", "")
+    with pytest.raises(UserError, match="the model's chat template failed"):
+        template.render([{"role": "user", "content": "Hi"}])
+
+
 def test_syntax_error_at_load() -> None:
     with pytest.raises(UserError, match="syntax error"):
         ChatTemplate("{% for m in messages %}{{ m }}", "", "")
@@ -69,6 +77,10 @@ def test_sandbox_is_immutable() -> None:
     ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "writes more than"),
     ("{% for a in 'x' * 4000 %}{% for b in 'x' * 4000 %}{% for c in 'x' * 4000 %}{% endfor %}{% endfor %}"
      "{% endfor %}", "ran for more than"),
+    ("{{ 'a'.center(50000000) }}", "pads a string"),
+    ("{{ '%50000000d' % 1 }}", "formats a value 50000000 characters wide"),
+    ("{{ '{:50000000}'.format(1) }}", "formats a value"),
+    ("{{ '%50000000d' | format(1) }}", "formats a value"),
 ])
 def test_a_hostile_template_is_stopped_in_bounded_time(source: str, fragment: str) -> None:
     """A template ships inside a model file: it may not spin the CPU, fill the memory or recurse forever."""
@@ -78,3 +90,27 @@ def test_a_hostile_template_is_stopped_in_bounded_time(source: str, fragment: st
     with pytest.raises(UserError, match=f"chat template was stopped: .*{fragment}.*--raw"):
         ChatTemplate(source, "", "").render(MESSAGES)
     assert time.perf_counter() - start < 5
+
+
+def test_a_template_rendered_off_the_main_thread_is_stopped_in_bounded_time() -> None:
+    """The server renders on worker threads, where no SIGALRM can be set: a timer thread stops the render there."""
+    import threading
+    import time
+
+    source = ("{% for a in 'x' * 4000 %}{% for b in 'x' * 4000 %}{% for c in 'x' * 4000 %}{% endfor %}{% endfor %}"
+              "{% endfor %}")
+    outcome: dict[str, object] = {}
+
+    def render() -> None:
+        start = time.perf_counter()
+        try:
+            ChatTemplate(source, "", "").render(MESSAGES)
+        except UserError as problem:
+            outcome["error"] = str(problem)
+        outcome["seconds"] = time.perf_counter() - start
+
+    worker = threading.Thread(target=render)
+    worker.start()
+    worker.join(30)
+    assert "ran for more than" in str(outcome.get("error")) and float(outcome["seconds"]) < 10, outcome  # type: ignore[arg-type]
+    assert ChatTemplate("{{ 'ok' }}", "", "").render(MESSAGES) == "ok"  # nothing left pending on this thread

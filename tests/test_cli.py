@@ -382,6 +382,26 @@ def test_rm_removes_a_models_cached_files_only(tmp_path: Path, monkeypatch: pyte
     assert "nothing of it" in run("--models", str(models_file), "rm", "fake").stdout
 
 
+def test_rm_of_a_users_file_removes_its_graphs_not_another_files(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's foo.gguf: its graphs (foo-KEY.VARIANT.onnx) go, foo-bar.gguf's (foo-bar-KEY...) stay, and the file
+    itself is kept."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(cache))
+    graphs = cache / "prepared" / "graphs"
+    graphs.mkdir(parents=True)
+    model = tmp_path / "foo.gguf"
+    model.write_bytes(b"x" * 1000)
+    ours = [graphs / "foo-0123456789ab.int4-full-kv4.v7.onnx", graphs / "foo-0123456789ab.int4-full-kv4.v7.onnx.data"]
+    theirs = [graphs / "foo-bar-0123456789ab.int4-full-kv4.v7.onnx", graphs / "foo-bar-ba9876543210.int8-full.onnx"]
+    for path in ours + theirs:
+        path.write_bytes(b"x" * 100)
+    result = run("rm", str(model))
+    assert result.exit_code == 0, result.output
+    assert not any(path.exists() for path in ours) and all(path.exists() for path in theirs) and model.exists()
+    assert "2 files removed" in result.stdout
+
+
 @pytest.mark.parametrize("command", ["chat", "generate", "serve", "bench", "plan", "check", "pull", "prepare", "rm",
                                      "models"])
 def test_help_has_no_type_labels(command: str) -> None:

@@ -79,9 +79,12 @@ def test_broken_inputs_get_one_line(tmp_path: Path) -> None:
     (["--min-p", "1.5"], "--min-p"),
     (["--budget", "0"], "--budget"),
     (["--max-tokens", "0"], "--max-tokens"),
-    (["--seed", "-1"], "--seed must be 0 or more"),
+    (["--seed", "-1"], "--seed must be 0 to 2^63 - 1"),
+    (["--seed", str(2**64)], "--seed must be 0 to 2^63 - 1"),
+    (["--repeat-penalty", "1e-300", "--temperature", "0.8"], "--repeat-penalty must be 0.01 to 100"),
     (["--temperature", "inf"], "finite"),
     (["--threads", "0"], "--threads must be at least 1"),
+    (["--threads", "1000000"], "--threads must be at most"),
     (["--gpu-layers", "-5"], "--gpu-layers must be 0 or more"),
     (["--accept", "best"], "--accept must be one of match, residual, auto"),
 ])
@@ -105,3 +108,41 @@ def test_bad_bench_budgets(smollm2: Pair) -> None:
     assert_one_line_error(run("bench", "--budgets", "1,x"), "--budgets")
     assert_one_line_error(run("bench", "--methods", "plain,beam"), "--methods")
     assert_one_line_error(run("bench", "--accept", "match,best"), "--accept takes match, residual, auto")
+
+
+def test_careless_names_and_files_are_one_line(tmp_path: Path) -> None:
+    """A missing model file, an empty or overlong name, and --models or --acceptance naming a FIFO or a device:
+    one clear line each, at once (a FIFO or /dev/zero was read forever)."""
+    import os
+
+    assert_one_line_error(run("plan", str(tmp_path / "nope.gguf")), "nope.gguf: no such file")
+    assert_one_line_error(run("pull", ""), "the model's name is empty")
+    assert_one_line_error(run("generate", "hi", "-m", "x" * 300 + ".gguf"), "longer than a file name may be")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert_one_line_error(run("--models", str(fifo), "models"), "is not a regular file")
+    assert_one_line_error(run("--models", "/dev/zero", "models"), "is not a regular file")
+    assert_one_line_error(run("plan", "--acceptance", str(fifo)), "is not a regular file")
+
+
+@pytest.mark.parametrize("stdin", ["random bytes", "closed"])
+def test_a_prompt_from_standard_input_that_is_not_text_is_one_line(stdin: str) -> None:
+    """`head -c 3000 /dev/urandom | edge-spec generate -` under the C locale (Python would read the bytes as
+    surrogates), and `generate -` with standard input closed: one line, exit 1, before anything loads."""
+    import os
+    import random
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", "from edge.cli.main import main; main()", "generate", "-n", "4", "-"]
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"}
+    if stdin == "closed":
+        run_ = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
+                              timeout=120, pass_fds=(), preexec_fn=lambda: os.close(0))
+    else:
+        data = bytes(random.Random(3).getrandbits(8) for _ in range(3000))
+        run_ = subprocess.run(command, input=data, capture_output=True, env=env, timeout=120)
+    err = run_.stderr if isinstance(run_.stderr, str) else run_.stderr.decode()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert run_.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err
+    assert "standard input" in lines[0], lines[0]

@@ -270,3 +270,14 @@ def test_a_long_prompt_is_read_in_chunks_and_can_be_stopped_between_them() -> No
     fresh = Decoder(TinyModel(n_vocab=12, seed=1), TinyModel(n_vocab=12, seed=3), GrowConfig.for_budget(8))
     fresh.load(prompt)
     assert resumed == [s.token for s in fresh.generate(20) if s.token is not None]
+
+
+def test_logits_that_are_not_numbers_are_a_model_fault() -> None:
+    """A damaged model file (NaN weights) gives NaN logits: an error that says so, not an empty reply."""
+    from edge.errors import ModelFault
+
+    table = np.full((5, 5, 5), np.nan, np.float32)
+    decoder = Decoder(TinyModel(table=table), None, None, SamplingConfig())
+    decoder.load([1, 2])
+    with pytest.raises(ModelFault, match="not numbers"):
+        list(decoder.generate(4))

@@ -174,3 +174,48 @@ def _inline(item: object) -> str:
     assert isinstance(item, dict)
     return "{" + ", ".join(f"{json.dumps(k)} = {_inline(v)}" for k, v in item.items() if v is not None) + "}"
 
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12)
+COSTS_KEYS = ["target_ms", "drafter_ms", "read_ahead_ms", "warm_ms", "overlap_ms", "measured"]
+
+
+@FUZZ
+@given(data=st.data())
+def test_cached_pass_times_are_read_or_refused(data: st.DataObject) -> None:
+    """pass-times.json entries, valid ones with values replaced: Costs, or ValueError/KeyError/TypeError (the pair
+    times its passes again); costs that are read give finite positive pass times."""
+    from edge.budget import Costs
+
+    entry = Costs({1: 10.0, 16: 40.0}, {1: 2.0, 8: 5.0}, 3.0).to_json()
+    for _ in range(data.draw(st.integers(1, 3))):
+        key = data.draw(st.sampled_from(COSTS_KEYS))
+        entry[key] = data.draw(JSON_VALUES | st.dictionaries(st.sampled_from(["1", "8", "-1", "x", "16"]),
+                                                              JSON_VALUES, max_size=3))
+    try:
+        costs = Costs.from_json(entry)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        OUTCOMES["pass times refused"] += 1
+        return
+    for n in (1, 8, 64):
+        assert 0 < costs.target_s(n) < float("inf")
+    OUTCOMES["pass times read"] += 1
+
+
+@FUZZ
+@given(name=st.text(max_size=300) | st.from_regex(r"(hf\.co/)?[\w.-]{1,20}/[\w.-]{1,20}(:[\w-]{0,10})?",
+                                                  fullmatch=True))
+def test_model_references_are_a_source_or_one_line(name: str) -> None:
+    """Whatever is given as MODEL: a file source, a Hugging Face source, or one UserError."""
+    from edge.models.loading import model_source
+
+    try:
+        source = model_source(name)
+    except UserError as problem:
+        assert "\n" not in str(problem)
+        OUTCOMES["model names refused"] += 1
+        return
+    assert (source.path is None) != (source.hf is None)
+    OUTCOMES["model names read"] += 1

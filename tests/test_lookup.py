@@ -144,6 +144,31 @@ def test_lookup_and_drafter_branches_share_one_tree() -> None:
     assert other in first_level and first_level[other] & LOOKED_UP
 
 
+def test_no_branch_runs_below_a_node_the_drafter_did_not_run() -> None:
+    """Lookup proposes what followed earlier, a chat's end-of-turn token included: nothing below a stop token joins
+    the tree, and the drafter runs a node only when it ran its parent (its keys must be in the drafter's cache; an
+    ONNX drafter failed on a lookup node below a stop token, which growth marks as done without running it)."""
+    target = TinyModel(n_vocab=9, seed=5)
+    drafter = target.noisy(0.3)
+    drafter.prefill([1, 2])
+    stop = 4
+    lookup = LookupTree([Branch(stop, -1, 0.9, 3), Branch(5, 0, 0.9, 4), Branch(6, 1, 0.9, 5),
+                         Branch(7, -1, 0.1, 3), Branch(8, 3, 0.9, 4)])
+    ran: set[int] = set()
+    expand = drafter.expand
+
+    def recording(tree, nodes, width):
+        for node in nodes.tolist():
+            assert node == 0 or int(tree.parents[node]) in ran, (node, int(tree.parents[node]))
+            ran.add(node)
+        return expand(tree, nodes, width)
+
+    tree, _ = grow(drafter, 3, GrowConfig.for_budget(16), stop_tokens=frozenset({stop}), expand=recording,
+                   lookup=lookup)
+    assert not np.isin(tree.parents[1:], np.flatnonzero(tree.tokens == stop)).any()
+    assert {5, 6} & set(tree.tokens[tree.source == LOOKED_UP].tolist()) == set()
+
+
 @pytest.mark.parametrize("budget", [1, 4, 16, 64])
 def test_greedy_speculation_with_lookup_equals_plain(budget: int) -> None:
     """Drafter and lookup in one tree, and lookup alone: the target's greedy text, token for token, in fewer passes

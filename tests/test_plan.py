@@ -271,6 +271,21 @@ def test_disk_speed_is_measured_once_and_cached(tmp_path: Path, monkeypatch: pyt
     assert probe.disk_read_gbps(tmp_path, store=JsonFile(cache)) == round(speed, 3)
 
 
+@pytest.mark.parametrize("stored", [None, "fast", [1.0], 1e-300, 0, -1, float("nan"), float("inf"), True])
+def test_a_damaged_disk_speed_in_the_cache_is_measured_again(tmp_path: Path, stored: object,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """machine.json is data a person may edit: a read speed that is not one is measured again, with one line."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(os.urandom(2 << 20))
+    cache = tmp_path / "machine.json"
+    entry = {"disk_read_gbps": stored, "sample_bytes": 1, "measured": 0, "method": probe.DISK_METHOD}
+    cache.write_text(json.dumps({probe.machine_key(model): entry}))
+    speed = probe.disk_read_gbps(model, store=JsonFile(cache), sample_bytes=2 << 20)
+    assert speed is not None and 1e-4 <= speed <= 1e3
+    assert "is not a read speed: measuring the drive again" in caplog.text
+    assert json.loads(cache.read_text())[probe.machine_key(model)]["disk_read_gbps"] == round(speed, 3)
+
+
 def test_disk_speed_of_a_small_file_uses_a_temporary_one(tmp_path: Path) -> None:
     model = tmp_path / "small.gguf"
     model.write_bytes(b"GGUF" + bytes(1000))

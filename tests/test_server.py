@@ -196,6 +196,26 @@ def test_a_client_that_leaves_stops_its_generation(client: openai.OpenAI, server
     assert time.monotonic() - started < 60  # served at once, not after the 1000 tokens the other asked for
 
 
+def test_a_non_streamed_client_that_leaves_stops_its_generation(client: openai.OpenAI, server: ServerProcess) -> None:
+    """Not streamed: the reply is sent whole at the end, and a client that leaves before it is cancelled, counted as
+    such, and the next request is served at once."""
+    cancelled = health(server)["requests"]["cancelled"]
+    url = urlsplit(server.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 1000, "temperature": 0}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
+    wait_for(lambda: health(server)["queue"]["running"] == 1, 60)
+    connection.sock.shutdown(2)
+    connection.close()
+    wait_for(lambda: health(server)["requests"]["cancelled"] != cancelled, 60)
+    state = health(server)
+    assert state["requests"]["cancelled"] == cancelled + 1 and state["queue"]["running"] == 0
+    started = time.monotonic()
+    assert chat(client, PROMPT, max_tokens=8, temperature=0).choices[0].finish_reason == "length"
+    assert time.monotonic() - started < 60
+
+
 def test_a_waiting_client_that_leaves_is_skipped(server: ServerProcess) -> None:
     """Clients queue in arrival order; one that leaves while waiting is dropped from /health's count."""
     running = open_stream(server, "Tell me a long story.", 300)
@@ -223,6 +243,12 @@ def test_a_waiting_client_that_leaves_is_skipped(server: ServerProcess) -> None:
      "tools"),
     (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}]}).encode(), 404, "gpt-4o"),
     (json.dumps({"messages": [{"role": "user", "content": "word " * 2000}]}).encode(), 400, "context holds 1024"),
+    (b"[" * 100_000, 400, "nests JSON arrays or objects too deeply"),
+    (b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": ' + b"9" * 5000 + b"}", 400,
+     "cannot be read"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "lone UTF-16 surrogate"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.8,
+                 "repeat_penalty": 1e-300}).encode(), 400, "repeat_penalty"),
 ])
 def test_bad_requests_get_one_clear_error(server: ServerProcess, body: bytes, status: int, says: str) -> None:
     got, data = request(server, "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -246,6 +272,94 @@ def test_bad_requests_through_the_openai_client(client: openai.OpenAI, server: S
     assert request(server, "GET", "/v1/models", headers={"Authorization": ""})[0] == 401
     assert [model.id for model in client.models.list()] == [MODEL]
     assert health(server)["status"] == "ok"
+
+
+def raw(server: ServerProcess, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> tuple[int, dict]:
+    """Raw HTTP with exactly these headers (http.client adds Host unless one is given)."""
+    url = urlsplit(server.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    connection.putrequest(method, path, skip_host="Host" in headers, skip_accept_encoding=True)
+    for name, value in headers.items():
+        connection.putheader(name, value)
+    connection.endheaders(body)
+    response = connection.getresponse()
+    status, text = response.status, response.read()
+    connection.close()
+    return status, json.loads(text) if text else {}
+
+
+def test_web_pages_and_rebound_names_are_refused(server: ServerProcess) -> None:
+    """A page's cross-origin "simple request" (text/plain, no preflight) and a rebound Host are refused before any
+    work, with OpenAI's error body; curl's request (no Origin, a loopback Host) is served; the OpenAPI document
+    asks for the key."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
+    key = {"Authorization": f"Bearer {KEY}"}
+    before = health(server)["requests"]["completed"]
+    status, answer = raw(server, "POST", "/v1/chat/completions", body,
+                         {**key, "Origin": "http://evil.example", "Content-Type": "text/plain"})
+    assert status == 403 and answer["error"]["code"] == "origin_not_allowed", answer
+    port = urlsplit(server.url).port
+    status, answer = raw(server, "POST", "/v1/chat/completions", body,
+                         {**key, "Host": f"attacker.example:{port}", "Content-Type": "application/json"})
+    assert status == 403 and answer["error"]["code"] == "host_not_allowed", answer
+    assert health(server)["requests"]["completed"] == before  # nothing ran
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
+        status, answer = raw(server, "POST", "/v1/chat/completions", body,
+                             {**key, "Host": host, "Content-Type": "application/json"})
+        assert status == 200 and answer["choices"][0]["message"]["content"] is not None
+    assert raw(server, "GET", "/openapi.json", None, {})[0] == 401
+    status, document = raw(server, "GET", "/openapi.json", None, key)
+    assert status == 200 and "/v1/chat/completions" in document["paths"]
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_rendered(server: ServerProcess) -> None:
+    """100,000 messages, or 4 MB of text, against a 1024-token context: refused as too long from their counts, not
+    after minutes of rendering and tokenizing; the server answers the next request at once."""
+    many = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 1}
+    status, answer = request(server, "POST", "/v1/chat/completions", json.dumps(many).encode(),
+                             {"Content-Type": "application/json"})
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+    assert "100000 messages" in answer["error"]["message"]
+    big = {"model": MODEL, "prompt": "word " * 800_000, "max_tokens": 1}
+    status, answer = request(server, "POST", "/v1/completions", json.dumps(big).encode(),
+                             {"Content-Type": "application/json"})
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+    assert health(server)["queue"] == {"running": 0, "waiting": 0}
+
+
+def test_a_chunked_body_past_the_limit_is_refused(server: ServerProcess) -> None:
+    """A body with no Content-Length (chunked) is counted as it arrives: past 32 MiB it is refused with 413."""
+    url = urlsplit(server.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    piece = b" " * (1 << 20)
+    connection.request("POST", "/v1/chat/completions", body=iter([b'{"messages": ['] + [piece] * 40),
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+                       encode_chunked=True)
+    try:
+        response = connection.getresponse()
+        status, answer = response.status, json.loads(response.read())
+    except (BrokenPipeError, ConnectionResetError):  # the server answered and closed before all 40 MiB were sent
+        status, answer = 413, {"error": {"message": "larger than"}}
+    connection.close()
+    assert status == 413 and "larger than" in answer["error"]["message"], answer
+    assert health(server)["status"] == "ok"
+
+
+def test_an_allowed_origin_passes_the_js_sdks_preflight_and_a_non_ascii_key_matches() -> None:
+    key = "clé-ünïcode-🔑"
+    with ServerProcess([MODEL, "--budget", "4", "--ctx", "512", "--cors-origin", "http://app.example",
+                        "--api-key", key]) as allowed:
+        status, _ = raw(allowed, "OPTIONS", "/v1/chat/completions", None, {
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type,x-stainless-lang,x-stainless-os"})
+        assert status == 200
+        utf8 = f"Bearer {key}".encode().decode("latin-1")  # the header's bytes are the key's UTF-8
+        status, answer = raw(allowed, "GET", "/v1/models", None, {"Authorization": utf8})
+        assert status == 200 and [model["id"] for model in answer["data"]] == [MODEL]
+        assert raw(allowed, "GET", "/v1/models", None, {"Authorization": "Bearer cle"})[0] == 401
+        status, answer = raw(allowed, "GET", "/v1/models", None, {"Origin": "http://other.example",
+                                                                  "Authorization": utf8})
+        assert status == 403 and answer["error"]["code"] == "origin_not_allowed"
 
 
 def test_a_base_model_serves_completions_but_not_chat() -> None:
@@ -285,3 +399,15 @@ def test_the_documented_client_example_runs(server: ServerProcess, document: str
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip()
+
+
+def test_the_url_said_for_an_address_in_brackets_is_one_a_client_can_use() -> None:
+    from edge.serve.run import url
+
+    class Bound:
+        def getsockname(self) -> tuple[str, int]:
+            return ("::1", 18081)
+
+    for host in ("[::1", "[::1]", "::1"):
+        assert url(Bound(), host) == "http://[::1]:18081"  # type: ignore[arg-type]
+    assert url(Bound(), "0.0.0.0") == "http://127.0.0.1:18081"  # type: ignore[arg-type]

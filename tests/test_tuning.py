@@ -195,3 +195,15 @@ def test_fitted_constants_recover_the_model_they_come_from() -> None:
     assert fit is not None and fit["disk_gbps"] == pytest.approx(2.5, rel=1e-3)
     assert fit["cpu_gflops_per_core"] == pytest.approx(90.0, rel=1e-3)
     assert fit_constants(plan.target, machine, {1: [10.0, 11.0]}) is None  # one size: nothing to fit
+
+
+@pytest.mark.parametrize("damage", [{"target_ms": {}}, {"target_ms": {"1": -3.0}}, {"target_ms": {"1": "nan"}},
+                                    {"target_ms": {"0": 5.0}}, {"target_ms": []}, {"drafter_ms": {"8": 0}},
+                                    {"read_ahead_ms": -1}, {"warm_ms": {}}])
+def test_damaged_pass_times_are_refused(damage: dict) -> None:
+    """pass-times.json is read back through Costs.from_json: what to_json could not have written is a ValueError
+    (the pair then times its passes again) or a KeyError/TypeError, never costs that break --budget auto later."""
+    good = Costs({1: 10.0, 16: 40.0}, {1: 2.0, 8: 5.0}).to_json()
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        Costs.from_json({**good, **damage})
+    assert Costs.from_json({**good, "drafter_ms": {}}).drafter_ms == {}  # lookup drafting alone: no drafter times
