@@ -147,7 +147,8 @@ def serve(
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions), one generation at
     a time (docs/server.md)."""
-    from edge.serve.run import bind, is_loopback, serve, url
+    from edge.serve.hosts import is_loopback
+    from edge.serve.run import bind, serve, url
 
     if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         raise UserError(f"--log-level must be debug, info, warning or error (got {log_level!r})")

@@ -100,6 +100,8 @@ class Costs:
                 raise ValueError("a pass time is not a positive time for a positive size")
             return parsed
 
+        if not isinstance(data.get("target_ms"), dict) or not isinstance(data.get("drafter_ms"), dict):
+            raise ValueError("the target's and the drafter's pass times are not tables")
         read_ahead = float(data.get("read_ahead_ms", 0.0))
         if not math.isfinite(read_ahead) or read_ahead < 0:
             raise ValueError(f"read_ahead_ms is {read_ahead}")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import signal
 import threading
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -59,10 +61,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "%"})
 
     def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-        method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
-        owner = getattr(method, "__self__", None)
+        method = __obj.__wrapped__ if isinstance(__obj, functools.partial | types.FunctionType) and \
+            "__wrapped__" in vars(__obj) else __obj  # the sandbox wraps str.format in a function
+        owner = method.__self__ if isinstance(method, types.BuiltinMethodType) else None
         if isinstance(owner, str):
-            name = getattr(method, "__name__", "")
+            name = method.__name__
             if name in _PADDING and any(isinstance(a, int) and a > MAX_OUTPUT for a in (*args, *kwargs.values())):
                 raise _TooBig(f"it pads a string to more than {MAX_OUTPUT:,} characters")
             if name in ("format", "format_map"):

@@ -44,9 +44,9 @@ class SamplingConfig:
              f"(got {self.repeat_penalty})"),
             (self.repeat_last_n >= 0, f"--repeat-last-n must be >= 0 (got {self.repeat_last_n})"),
             (abs(self.presence_penalty) <= MAX_PENALTY,
-             f"presence_penalty must be -{MAX_PENALTY:g} to {MAX_PENALTY:g} (got {self.presence_penalty})"),
+             f"presence_penalty must be finite, -{MAX_PENALTY:g} to {MAX_PENALTY:g} (got {self.presence_penalty})"),
             (abs(self.frequency_penalty) <= MAX_PENALTY,
-             f"frequency_penalty must be -{MAX_PENALTY:g} to {MAX_PENALTY:g} (got {self.frequency_penalty})"),
+             f"frequency_penalty must be finite, -{MAX_PENALTY:g} to {MAX_PENALTY:g} (got {self.frequency_penalty})"),
         ]
         for ok, message in checks:
             if not ok:

@@ -49,14 +49,15 @@ def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, histor
     path = [0]
     seen = [*history, int(tree.tokens[0])]
     while True:
-        if np.isnan(logits[path[-1]]).any():
+        row = logits[path[-1]]  # read once: a replayed target's rows can be read only down one path
+        if np.isnan(row).any():
             raise ModelFault("the target's logits are not numbers (NaN): its model file is damaged or was changed "
                              "while loaded; download it again (edge-spec rm, then pull)")
         proposal = None if proposer is None else proposer.at(seen[len(history):])
         if proposal is None:
-            token = draw(logits[path[-1]], sampling, seen, rng)
+            token = draw(row, sampling, seen, rng)
         else:
-            token = residual_draw(*distribution(logits[path[-1]], sampling, seen), proposal, rng)
+            token = residual_draw(*distribution(row, sampling, seen), proposal, rng)
         child = tree.child(path[-1], token)
         if child is None:
             return path, token

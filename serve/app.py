@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from edge.serve.hosts import loopback_host
 from edge.serve.schemas import (
     FINISH_REASONS,
     ChatRequest,
@@ -324,39 +325,6 @@ def _describe(errors: Sequence[Any]) -> tuple[str, str, str | None]:
     return message, "invalid_request_error", where or None
 
 
-def _loopback_host(host: str) -> bool:
-    """Whether a Host header names this machine's loopback: localhost, 127.x.y.z or [::1], any port (none: an
-    HTTP/1.0 client, which sends no Host)."""
-    from edge.serve.run import is_loopback
-
-    if not host:
-        return True
-    if host.startswith("["):  # [IPv6]:port
-        name = host[1:].partition("]")[0]
-    else:
-        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-    return is_loopback(name) or name.lower().endswith(".localhost")
-
-
-def _has_lone_surrogate(data: Any) -> bool:
-    """Whether a parsed JSON value holds a string with a lone surrogate (JSON's \\ud800 escape), which is not text:
-    no tokenizer can encode it."""
-    stack = [data]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(value, dict):
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
-    return False
-
-
 class _Gate:
     """What is refused before any endpoint runs, as plain ASGI (a BaseHTTPMiddleware would hide a client's
     disconnect from the endpoint, which then could not cancel its generation):
@@ -385,7 +353,7 @@ class _Gate:
             return error_body(f"a request from the web page origin {origin!r} is refused: start the server with "
                               f"--cors-origin {origin} to allow that page", "permission_error",
                               code="origin_not_allowed"), 403
-        if self.loopback_only and not _loopback_host(headers.get("host", "")):
+        if self.loopback_only and not loopback_host(headers.get("host", "")):
             return error_body("the Host header names another machine, and this server listens on a loopback address "
                               "only: call it as localhost or 127.0.0.1 (DNS rebinding is refused)", "permission_error",
                               code="host_not_allowed"), 403
@@ -393,3 +361,22 @@ class _Gate:
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             return error_body(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB"), 413
         return None
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a parsed JSON value holds a string with a lone surrogate (JSON's \\ud800 escape), which is not text:
+    no tokenizer can encode it."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False

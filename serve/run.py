@@ -4,28 +4,17 @@ the app on that socket until Ctrl-C, which stops the generation in progress and 
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import socket
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from edge.serve.hosts import is_loopback
+
 from edge.errors import UserError
 
 if TYPE_CHECKING:
     from edge.models.pair import Pair
-
-LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on host:port (port 0: any free port), or one line saying why not."""

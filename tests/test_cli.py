@@ -390,8 +390,9 @@ def test_rm_of_a_users_file_removes_its_graphs_not_another_files(tmp_path: Path,
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(cache))
     graphs = cache / "prepared" / "graphs"
     graphs.mkdir(parents=True)
-    model = tmp_path / "foo.gguf"
-    model.write_bytes(b"x" * 1000)
+    from tests.ggufs import write_gguf
+
+    model = write_gguf(tmp_path / "foo.gguf")
     ours = [graphs / "foo-0123456789ab.int4-full-kv4.v7.onnx", graphs / "foo-0123456789ab.int4-full-kv4.v7.onnx.data"]
     theirs = [graphs / "foo-bar-0123456789ab.int4-full-kv4.v7.onnx", graphs / "foo-bar-ba9876543210.int8-full.onnx"]
     for path in ours + theirs:

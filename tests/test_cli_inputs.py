@@ -140,7 +140,8 @@ def test_a_prompt_from_standard_input_that_is_not_text_is_one_line(stdin: str) -
         run_ = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
                               timeout=120, pass_fds=(), preexec_fn=lambda: os.close(0))
     else:
-        data = bytes(random.Random(3).getrandbits(8) for _ in range(3000))
+        rng = random.Random(3)
+        data = bytes(rng.getrandbits(8) for _ in range(3000))
         run_ = subprocess.run(command, input=data, capture_output=True, env=env, timeout=120)
     err = run_.stderr if isinstance(run_.stderr, str) else run_.stderr.decode()
     lines = [line for line in err.splitlines() if line.strip()]

@@ -279,13 +279,14 @@ def raw(server: ServerProcess, method: str, path: str, body: bytes | None, heade
     url = urlsplit(server.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
     connection.putrequest(method, path, skip_host="Host" in headers, skip_accept_encoding=True)
-    for name, value in headers.items():
+    for name, value in {**headers, **({"Content-Length": str(len(body))} if body is not None else {})}.items():
         connection.putheader(name, value)
     connection.endheaders(body)
     response = connection.getresponse()
     status, text = response.status, response.read()
+    is_json = (response.getheader("content-type") or "").startswith("application/json")
     connection.close()
-    return status, json.loads(text) if text else {}
+    return status, json.loads(text) if is_json else {}
 
 
 def test_web_pages_and_rebound_names_are_refused(server: ServerProcess) -> None:
