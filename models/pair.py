@@ -145,8 +145,9 @@ class Pair:
     @contextmanager
     def stepping(self) -> Iterator[None]:
         """The models at work (a prompt read, a token decoded): close() waits for it to end; refused once closed."""
-        with self._state:
-            self.check_open()
+        with self._state:  # only the closed flag here: the files are checked once a generation (generating)
+            if self.closed:
+                raise UserError(f"the pair {self.name} is closed: load it again (edge.load) to generate")
             self._busy = True
         try:
             yield
