@@ -7,17 +7,29 @@ native buffers that reach their high-water mark (KV pages touched, arenas) grow 
     python benchmarks/serve_soak.py --url http://127.0.0.1:8080 --clients 4 --requests 40   # one already running
 
 Prompts cycle through the repo's chat prompts; sampling at temperature 0.8 with a seed per request, so runs repeat.
+
+    python benchmarks/serve_soak.py --clients 4 --requests 200 --hostile 0.34   # a third of them hostile
+
+With --hostile, that share of the requests are what a careless or hostile client sends (broken or deeply nested
+JSON, numbers of 5,000 digits, lone surrogates, 100,000 messages, a web page's Origin, a rebound Host, a stream left
+mid-reply, a head never finished, a flood of special tokens, ...): each must get its 4xx answer (or be dropped, for
+a client that left). The valid requests then use 8 (prompt, seed) pairs, each first sent alone: every valid reply
+under load must equal its single-client text. The report adds the server log's tracebacks and 500s (none allowed).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import socket
 import statistics
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -54,16 +66,82 @@ def one_request(client: openai.OpenAI, model: str, prompt: str, max_tokens: int,
             usage = chunk.usage
     ended = time.perf_counter()
     return {"ttft_s": (first or ended) - started, "total_s": ended - started,
-            "tokens": usage.completion_tokens if usage else 0}
+            "tokens": usage.completion_tokens if usage else 0, "text": "".join(text)}
+
+
+def _raw(url: str, body: bytes, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions") -> int:
+    """POST `body` as it is; the status (the body must be an OpenAI error when it is not 200)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    try:
+        connection.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        data = response.read()
+        if response.status != 200:
+            json.loads(data)["error"]["message"]
+        return response.status
+    finally:
+        connection.close()
+
+
+def _chat_body(**extra: object) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra}).encode()
+
+
+def _left_mid_stream(url: str) -> int:
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    connection.request("POST", "/v1/chat/completions", _chat_body(stream=True, max_tokens=200),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    response.readline()
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    return 499  # (nginx's word for a client that left)
+
+
+def _unfinished_head(url: str) -> int:
+    parts = urllib.parse.urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+        return 408 if sock.recv(100) == b"" else 200  # closed by the server's head deadline
+
+
+HOSTILE: dict[str, Callable[[str], int]] = {
+    "broken JSON": lambda url: _raw(url, b'{"messages": [{"role": "user", "content": "Hi"}'),
+    "nested 100,000 deep": lambda url: _raw(url, b"[" * 100_000),
+    "5,000-digit max_tokens": lambda url: _raw(url, b'{"messages": [{"role": "user", "content": "Hi"}], '
+                                                    b'"max_tokens": ' + b"9" * 5000 + b"}"),
+    "lone surrogate": lambda url: _raw(url, b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+    "100,000 messages": lambda url: _raw(url, json.dumps(
+        {"messages": [{"role": "user", "content": "x"}] * 100_000}).encode()),
+    "a web page's Origin": lambda url: _raw(url, _chat_body(), {"Origin": "http://evil.example",
+                                                                "Content-Type": "text/plain"}),
+    "a rebound Host": lambda url: _raw(url, _chat_body(), {"Host": "attacker.example:8080"}),
+    "repeat_penalty 1e-300": lambda url: _raw(url, _chat_body(temperature=0.8, repeat_penalty=1e-300)),
+    "n=2 and tools": lambda url: _raw(url, _chat_body(n=2, tools=[{"type": "function"}])),
+    "a special-token flood": lambda url: _raw(url, json.dumps({"prompt": "<|im_end|>x" * 16_000, "max_tokens": 2}
+                                                              ).encode(), path="/v1/completions"),
+    "a 40 MiB Content-Length": lambda url: _raw(url, b"{}", {"Content-Length": str(40 << 20)}),
+    "a stream left mid-reply": _left_mid_stream,
+    "a head never finished": _unfinished_head,
+}
 
 
 def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: int, time_limit: float,
-         prompts: list[str]) -> dict:
+         prompts: list[str], hostile: float = 0.0) -> dict:
     client = openai.OpenAI(base_url=url + "/v1", api_key="soak", max_retries=0, timeout=600)
     model = model or client.models.list().data[0].id
     rss_loaded = rss(url)
     one_request(client, model, prompts[0], max_tokens, seed=0)  # warm-up: lazily made buffers, pass-time caches
     rss_warm = rss(url)
+    # With hostile requests, valid ones use 8 (prompt, seed) pairs, each sent alone first: its single-client text.
+    variants = 8 if hostile else requests
+    alone = {v: one_request(client, model, prompts[v % len(prompts)], max_tokens, seed=v + 1)["text"]
+             for v in range(variants)} if hostile else {}
+    hostile_every = round(1 / hostile) if hostile else 0
+    refused: dict[str, list[int]] = {}
+    mismatches: list[int] = []
     results: list[dict] = []
     failures: list[str] = []
     next_index = iter(range(requests))
@@ -79,13 +157,27 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
                 index = next(next_index, None)
             if index is None:
                 return
+            if hostile_every and index % hostile_every == hostile_every - 1:
+                kind = list(HOSTILE)[(index // hostile_every) % len(HOSTILE)]
+                try:
+                    status = HOSTILE[kind](url)
+                except Exception as problem:
+                    status = 0
+                    with lock:
+                        failures.append(f"{kind}: {type(problem).__name__}: {problem}")
+                with lock:
+                    refused.setdefault(kind, []).append(status)
+                continue
+            variant = index % variants
             try:
-                result = one_request(own, model, prompts[index % len(prompts)], max_tokens, seed=index + 1)
+                result = one_request(own, model, prompts[variant % len(prompts)], max_tokens, seed=variant + 1)
             except openai.OpenAIError as problem:
                 with lock:
                     failures.append(f"{type(problem).__name__}: {problem}")
                 continue
             with lock:
+                if hostile and result["text"] != alone[variant]:
+                    mismatches.append(index)
                 results.append(result)
                 if len(results) % trace_every == 0:
                     trace.append(round(rss(url) / 1e6, 1))
@@ -103,7 +195,7 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
     return {
         "url": url, "model": model, "clients": clients, "requests": requests, "max_tokens": max_tokens,
         "completed": len(results), "failed": len(failures), "failures": failures[:5],
-        "stopped_by_time_limit": len(results) + len(failures) < requests,
+        "stopped_by_time_limit": len(results) + len(failures) + sum(map(len, refused.values())) < requests,
         "wall_s": round(wall, 2),
         "requests_per_s": round(len(results) / wall, 3) if wall else None,
         "tokens_per_s": round(tokens / wall, 2) if wall else None,
@@ -116,6 +208,11 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
         "rss_growth_pct": round(100 * (rss_end - rss_warm) / rss_warm, 2),
         "rss_trace_every": trace_every,
         "rss_trace_mb": trace,
+        **({"hostile": len([s for v in refused.values() for s in v]),
+            "hostile_statuses": {kind: sorted(set(v)) for kind, v in refused.items()},
+            "hostile_5xx": sum(1 for v in refused.values() for s in v if s >= 500 or s == 0),
+            "valid": len(results), "valid_equal_to_alone": len(results) - len(mismatches),
+            "valid_mismatches": mismatches[:10]} if hostile else {}),
     }
 
 
@@ -130,20 +227,27 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=900, help="seconds; requests not started by then are "
                                                                        "skipped")
     parser.add_argument("--prompts", type=Path, default=REPO / "benchmarks" / "chat-prompts.txt")
+    parser.add_argument("--hostile", type=float, default=0.0, help="the share of hostile requests, 0 to 0.5")
     args = parser.parse_args()
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
         parser.error("--clients, --requests and --max-tokens must be at least 1")
+    if not 0 <= args.hostile <= 0.5:
+        parser.error("--hostile must be 0 to 0.5")
     prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
     if args.url:
         result = soak(args.url.rstrip("/"), None, args.clients, args.requests, args.max_tokens, args.time_limit,
-                      prompts)
+                      prompts, args.hostile)
     else:
         from serve_process import ServerProcess  # benchmarks/, the script's folder
 
         server_args = ([args.pair] if args.pair else []) + args.server_args.split()
         with ServerProcess(server_args) as server:
-            result = soak(server.url, None, args.clients, args.requests, args.max_tokens, args.time_limit, prompts)
+            result = soak(server.url, None, args.clients, args.requests, args.max_tokens, args.time_limit, prompts,
+                          args.hostile)
         result["server_args"] = server_args
+        result["server_exit"] = server.process.returncode
+        result["log_tracebacks"] = server.log.count("Traceback")
+        result["log_500s"] = server.log.count('" 500')
     json.dump(result, sys.stdout, indent=2)
     print()
 

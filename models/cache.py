@@ -34,6 +34,13 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_stamp(path: Path) -> tuple[int, int, int, int]:
+    """What tells one state of a file from another without reading it: size, mtime, inode and ctime. The ctime is
+    set by every write and by every change of the mtime, so an edit with its mtime put back still shows."""
+    stat = Path(path).stat()
+    return stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns
+
+
 @contextmanager
 def atomic_path(dest: Path, size: int = 0) -> Iterator[Path]:
     """Yield a temporary path beside `dest`: renamed to `dest` if the block succeeds, removed otherwise. With the

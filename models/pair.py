@@ -14,7 +14,8 @@ from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge.models.cache import JsonFile, cache_dir
+from edge.models import mapped
+from edge.models.cache import JsonFile, cache_dir, file_stamp
 from edge.models.opening import drafter_model, head_ids, open_drafter, phase
 from edge.models.registry import PairSpec
 from edge.models.sources import model_path
@@ -72,13 +73,13 @@ class Pair:
     _turn_thread: int | None = field(default=None, repr=False)
     _state: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _busy: bool = field(default=False, repr=False)
-    _stamps: dict[Path, tuple[int, int]] = field(default_factory=dict, repr=False)  # the model files as loaded
+    _stamps: dict[Path, tuple[int, ...]] = field(default_factory=dict, repr=False)  # the model files as loaded
 
     def __post_init__(self) -> None:
         for model in (self.target, self.drafter):
             if model is not None and model.path.is_file():
-                stat = model.path.stat()
-                self._stamps[model.path] = (stat.st_size, stat.st_mtime_ns)
+                self._stamps[model.path] = file_stamp(model.path)
+                mapped.watch(model.path)
 
     @property
     def placement(self) -> str:
@@ -107,6 +108,8 @@ class Pair:
         for model in (self.drafter, self.target):
             if model is not None:
                 model.close()
+        for path in self._stamps:
+            mapped.forget(path)
         self.drafter = None
         self._decoder = self._decoder_key = None
 
@@ -115,13 +118,12 @@ class Pair:
         mapped from the file: `cp new.gguf live.gguf` changes what a running model computes, or truncates it)."""
         if self.closed:
             raise UserError(f"the pair {self.name} is closed: load it again (edge.load) to generate")
-        for path, (size, mtime) in self._stamps.items():
+        for path, stamp in self._stamps.items():
             try:
-                stat = path.stat()
-                now = (stat.st_size, stat.st_mtime_ns)
+                now = file_stamp(path)
             except OSError:
                 now = None
-            if now != (size, mtime):
+            if now != stamp:
                 raise ModelFault(f"{path} changed on disk since {self.name} loaded it (replaced, edited or removed): "
                                  "load it again (restart the command or the server)")
 

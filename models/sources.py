@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
-from edge.models.cache import atomic_path, cache_dir, clean_stale, sha256_file
+from edge.models.cache import atomic_path, cache_dir, clean_stale, file_stamp, sha256_file
 from edge.models.registry import ModelSpec, Source
 
 from edge.errors import UserError
@@ -397,11 +397,13 @@ def _mismatch(source: Source, path: Path, digest: str) -> str:
 
 
 def _digest(path: Path, stamp: Path, report: Report | None = None) -> str:
-    """sha256 of `path`, reusing the stamp when size and mtime are unchanged (hashing GBs costs seconds)."""
+    """sha256 of `path`, reusing the stamp when the file is the one it was taken of (hashing GBs costs seconds):
+    same size, mtime, inode and ctime. A write sets the ctime, and restoring the mtime (touch -d, cp -p) sets it
+    again, so no edit passes for the hashed file."""
     stat = path.stat()
     try:
         saved = json.loads(stamp.read_text())
-        if saved["size"] == stat.st_size and saved["mtime_ns"] == stat.st_mtime_ns:
+        if saved["stamp"] == list(file_stamp(path)):
             return str(saved["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -414,7 +416,7 @@ def _digest(path: Path, stamp: Path, report: Report | None = None) -> str:
 
 def _write_stamp(path: Path, stamp: Path, digest: str) -> None:
     stat = path.stat()
-    record = {"sha256": digest, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    record = {"sha256": digest, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "stamp": list(file_stamp(path))}
     try:
         with atomic_path(stamp) as tmp:
             tmp.write_text(json.dumps(record))

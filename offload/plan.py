@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from edge.offload.probe import JsonStore
 
 GIB = 1024**3
+MIB = 1024**2
 GB = 1e9
 
 # What a machine is assumed to have where neither the probe nor --machine says (docs/plan.md).
@@ -39,6 +40,11 @@ GPU_TFLOPS = 80.0  # effective fp16 tensor-core matmul rate of a consumer GPU (a
 DESCRIBED_CORES = 8  # cores of a described machine that does not say
 
 RAM_HEADROOM = 2 * GIB  # left to the OS, Python, onnxruntime and logits buffers (255 x 262k float32 is 0.27 GB)
+# Under a memory cgroup's limit the OS is not charged, and what the process holds already is counted as used: the
+# headroom is for what loading adds besides weights and KV caches: onnxruntime's arenas, llama.cpp's compute graph,
+# and each model's logits (its buffer and the graph's output: 2 x batch x vocabulary x 4 bytes, _logits_bytes).
+CAPPED_HEADROOM = 192 * MIB
+UNKNOWN_VOCAB = 262_144  # a vocabulary models.toml facts do not give: the largest of the common ones (Gemma's)
 GPU_RESERVE = 3 * GIB // 2  # llama.cpp's CUDA context and compute buffers for a batch of a few hundred tokens
 OP_OFFLOAD_MIN_BATCH = 32  # from this batch size llama.cpp computes CPU-resident layers on the GPU (uploading them)
 BATCH_EXTRA = 64  # load_target's batch also carries the previous round's accepted tokens
@@ -65,6 +71,7 @@ class Shape:
     layer_bytes: int  # the repeating blocks, all layers together
     streamed_bytes: int  # what one pass reads: file_bytes less a looked-up token table
     source: str  # the file read, or "models.toml facts"
+    n_vocab: int = 0  # 0: not known (models.toml facts)
 
     @classmethod
     def from_gguf(cls, path: Path) -> Shape:
@@ -74,7 +81,7 @@ class Shape:
         return cls(n_layers=shape.n_layers, n_embd=shape.n_embd, n_kv_heads=shape.n_kv_heads,
                    head_dim=shape.head_dim, n_params=shape.n_params - shape.lookup_params,
                    file_bytes=shape.tensor_bytes, layer_bytes=shape.layer_bytes,
-                   streamed_bytes=shape.tensor_bytes - shape.lookup_bytes, source=str(path))
+                   streamed_bytes=shape.tensor_bytes - shape.lookup_bytes, source=str(path), n_vocab=shape.n_vocab)
 
     @classmethod
     def from_facts(cls, facts: ModelFacts) -> Shape:
@@ -97,10 +104,12 @@ class Machine:
     ram_gbps: float = RAM_GBPS
     name: str = "described"  # "described", or the CPU (and GPU) probed
     assumed: tuple[str, ...] = ()  # which of disk, cores, pcie, rambw are defaults, not measured or described
+    capped: bool = False  # ram_free is the room under a memory cgroup's limit, not the machine's free RAM
 
     def describe(self) -> str:
-        parts = [f"RAM {_gib(self.ram_free)} free", f"VRAM {_gib(self.vram_free)} free" if self.vram_free else
-                 "no GPU", f"disk {self.disk_gbps:g} GB/s", f"{self.cores} cores", f"RAM {self.ram_gbps:g} GB/s"]
+        ram = f"RAM {_gib(self.ram_free)} free" + (" under a memory limit" if self.capped else "")
+        parts = [ram, f"VRAM {_gib(self.vram_free)} free" if self.vram_free else "no GPU",
+                 f"disk {self.disk_gbps:g} GB/s", f"{self.cores} cores", f"RAM {self.ram_gbps:g} GB/s"]
         if self.vram_free:
             parts.append(f"PCIe {self.pcie_gbps:g} GB/s")
         assumed = f" (assumed: {', '.join(self.assumed)})" if self.assumed else ""
@@ -173,7 +182,8 @@ class Plan:
             "pair": self.pair, "ctx": self.ctx, "budget": self.budget,
             "machine": {"name": m.name, "ram_free_gib": _round_gib(m.ram_free),
                         "vram_free_gib": _round_gib(m.vram_free), "disk_gbps": m.disk_gbps, "cores": m.cores,
-                        "pcie_gbps": m.pcie_gbps, "ram_gbps": m.ram_gbps, "assumed": list(m.assumed)},
+                        "pcie_gbps": m.pcie_gbps, "ram_gbps": m.ram_gbps, "assumed": list(m.assumed),
+                        "memory_limited": m.capped},
             "target": model(self.target), "drafter": model(self.drafter),
             "memory": {"ram_gib": _round_gib(self.target.ram_bytes + self.drafter.ram_bytes),
                        "vram_gib": _round_gib(self.target.vram_bytes + self.drafter.vram_bytes),
@@ -233,7 +243,8 @@ def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
     assumed = ("rambw",) + (("pcie",) if gpu else ()) + (() if disk else ("disk",))
     name = probed["cpu"] + (f" + {gpu['name']}" if gpu else "")
     return Machine(ram_free=int(ram_gb * PROBE_GIB), vram_free=int(gpu["vram_free_gb"] * PROBE_GIB) if gpu else 0,
-                   disk_gbps=round(disk, 2) if disk else DISK_GBPS, cores=probed["cores"], name=name, assumed=assumed)
+                   disk_gbps=round(disk, 2) if disk else DISK_GBPS, cores=probed["cores"], name=name, assumed=assumed,
+                   capped=probed.get("memory_limit") is not None)
 
 
 def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Machine, stream: bool = False) -> Plan:
@@ -244,12 +255,15 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
     n_tree = largest_tree(pair)
     gpu = machine.vram_free > 0
     vram_left = max(0, machine.vram_free - GPU_RESERVE) if gpu else 0
-    ram_left = machine.ram_free - RAM_HEADROOM
-    draft = _place_drafter(pair, drafter, gpu, vram_left, ram_left, n_tree) if drafter is not None else \
+    headroom = _headroom(machine, target, drafter, n_tree)
+    ram_left = machine.ram_free - headroom
+    room = f"a {_gib(headroom)} headroom" + (" under this process's memory limit (its cgroup's)" if machine.capped
+                                               else "")
+    draft = _place_drafter(pair, drafter, gpu, vram_left, ram_left, n_tree, room) if drafter is not None else \
         _no_drafter(pair, target)
     vram_left -= draft.vram_bytes
     ram_left -= draft.ram_bytes
-    main = _place_target(pair, target, gpu, vram_left, ram_left, n_tree)
+    main = _place_target(pair, target, gpu, vram_left, ram_left, n_tree, room)
     fits = main.placement != "ssd"
     if stream and main.placement == "ram":
         if not traits(main.runtime).streams:
@@ -273,6 +287,19 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
     notes.append(f"speculation beats plain decoding when a tree pass yields more than {plan.break_even:.2f} tokens "
                  "(drafting not counted)")
     return replace(plan, notes=tuple(notes))
+
+
+def _headroom(machine: Machine, target: Shape, drafter: Shape | None, n_tree: int) -> int:
+    """RAM kept free past the weights and KV caches: RAM_HEADROOM on a machine, or under a memory cgroup's limit
+    CAPPED_HEADROOM and the logits the two models' batches produce."""
+    if not machine.capped:
+        return RAM_HEADROOM
+    return CAPPED_HEADROOM + _logits_bytes(target, n_tree + BATCH_EXTRA) + (
+        _logits_bytes(drafter, n_tree) if drafter is not None else 0)
+
+
+def _logits_bytes(shape: Shape, n_batch: int) -> int:
+    return 2 * n_batch * (shape.n_vocab or UNKNOWN_VOCAB) * 4
 
 
 def largest_tree(pair: PairSpec) -> int:
@@ -345,7 +372,8 @@ def _no_drafter(pair: PairSpec, shape: Shape) -> ModelPlan:
                      repack=False, ram_bytes=0, vram_bytes=0)
 
 
-def _place_drafter(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_left: int, n_tree: int) -> ModelPlan:
+def _place_drafter(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_left: int, n_tree: int,
+                   room: str) -> ModelPlan:
     model = pair.drafter
     kv_type = _kv_type(model, "drafter")
     kv = kv_bytes(shape, pair.ctx + max(DRAFTER_EXTRA_CTX, n_tree), kv_type)
@@ -361,11 +389,12 @@ def _place_drafter(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_
     vram = f" or the {_gib(vram_left)} of VRAM left past a {_gib(GPU_RESERVE)} reserve" if gpu else ""
     raise UserError(f"pair {pair.name} cannot run here: its drafter needs {_gib(need)} "
                     f"(weights {_gib(shape.file_bytes)} + KV cache {_gib(kv)}) but only {_gib(max(ram_left, 0))} "
-                    f"of RAM is free past a {_gib(RAM_HEADROOM)} headroom{vram}; free memory or pick a pair with a "
+                    f"of RAM is free past {room}{vram}; free memory or pick a pair with a "
                     "smaller drafter")
 
 
-def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_left: int, n_tree: int) -> ModelPlan:
+def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_left: int, n_tree: int,
+                  room: str) -> ModelPlan:
     model = pair.target
     kv_type = _kv_type(model, "target")
     kv = kv_bytes(shape, pair.ctx, kv_type)
@@ -380,7 +409,7 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
             return ModelPlan(placement="ram", n_gpu_layers=0, ram_bytes=need, vram_bytes=0, **common)
         raise UserError(f"pair {pair.name} cannot run here: its {model.runtime} target loads whole and needs "
                         f"{_gib(need)} (weights + KV cache) but {_gib(max(ram_left, 0))} of RAM is free past the "
-                        f"drafter and a {_gib(RAM_HEADROOM)} headroom; use a target that streams from the SSD "
+                        f"drafter and {room}; use a target that streams from the SSD "
                         f"(runtime = \"{DEFAULT}\")")
     layer = shape.layer_bytes / shape.n_layers
     kv_layer = kv / shape.n_layers
@@ -393,7 +422,7 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
     if kv_ram > ram_left:
         raise UserError(f"pair {pair.name} cannot run here: the target's {kv_type} KV cache for {pair.ctx} tokens "
                         f"needs {_gib(kv_ram)} of RAM{' off the GPU' if n_gpu else ''} but {_gib(max(ram_left, 0))} "
-                        f"is free past the drafter and a {_gib(RAM_HEADROOM)} headroom; lower the context (--ctx) or "
+                        f"is free past the drafter and {room}; lower the context (--ctx) or "
                         f"free memory")
     off_gpu = shape.file_bytes - round(n_gpu * layer) - (head if with_head else 0)  # lookup table included
     if with_head:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Protocol
@@ -28,13 +29,15 @@ _READ_BLOCK = 8 * MIB
 
 
 def probe_machine() -> dict:
-    """CPU model, core count, RAM total/free in GiB (None where the OS will not say), GPUs, platform, versions."""
+    """CPU model, core count, RAM total/free in GiB (None where the OS will not say; a memory cgroup's limit where it
+    is tighter than the machine, memory_limit naming the file), GPUs, platform, versions."""
     ram_total_gb, ram_free_gb = _ram_gb()
     return {
         "cpu": _cpu_name(),
         "cores": os.cpu_count() or 1,
         "ram_total_gb": ram_total_gb,
         "ram_free_gb": ram_free_gb,
+        "memory_limit": None if (limit := memory_limit()) is None else limit.source,
         "gpus": probe_gpus(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -196,16 +199,109 @@ def _cpu_name() -> str:
 
 
 def _ram_gb() -> tuple[float | None, float | None]:
+    """RAM total and free, in GiB: the machine's, or the memory cgroup's limit where that is tighter (a container,
+    a systemd slice): what the kernel lets this process use before it reclaims its page cache and then kills it."""
+    total, free = _machine_ram()
+    limit = memory_limit()
+    if limit is None:
+        return None if total is None else _gib(total), None if free is None else _gib(free)
+    capped_free = max(0, limit.limit - limit.unreclaimable)
+    return (_gib(limit.limit if total is None else min(total, limit.limit)),
+            _gib(capped_free if free is None else min(free, capped_free)))
+
+
+def _machine_ram() -> tuple[int | None, int | None]:
     meminfo = _meminfo_kib()
     if "MemTotal" in meminfo:
         # MemAvailable counts reclaimable page cache; MemFree alone would understate it badly.
         free = meminfo.get("MemAvailable", meminfo.get("MemFree"))
-        return _gib(meminfo["MemTotal"] * 1024), None if free is None else _gib(free * 1024)
+        return meminfo["MemTotal"] * 1024, None if free is None else free * 1024
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), None
     except (AttributeError, ValueError, OSError):
         return None, None
-    return _gib(total), None
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """A memory cgroup's limit over this process: bytes, and the bytes already charged that the kernel cannot
+    reclaim (anonymous and kernel memory: the charge less its page cache)."""
+
+    limit: int
+    unreclaimable: int
+    source: str  # the file the limit was read from
+
+
+NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as the largest page-aligned 64-bit value
+
+
+def memory_limit(proc_self: Path = Path("/proc/self")) -> MemoryLimit | None:
+    """The tightest memory cgroup limit on this process (cgroup v2's memory.max, v1's memory.limit_in_bytes, over
+    its cgroup and every parent), or None where there is none or it cannot be read (not Linux, no cgroup mounted)."""
+    try:
+        memberships = (proc_self / "cgroup").read_text().splitlines()
+        mounts = (proc_self / "mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in memberships:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        version = 2 if hierarchy == "0" and controllers == "" else 1
+        if version == 1 and "memory" not in controllers.split(","):
+            continue
+        folder = _cgroup_folder(mounts, version, path)
+        if folder is not None and (limit := _tightest(folder, version)) is not None:
+            found.append(limit)
+    return min(found, key=lambda limit: limit.limit - limit.unreclaimable, default=None)
+
+
+def _cgroup_folder(mounts: list[str], version: int, path: str) -> tuple[Path, Path] | None:
+    """The cgroup's folder and its hierarchy's mount point, from /proc/self/mountinfo (a container mounts its own
+    cgroup as the root: a path outside the mount is the mount point itself)."""
+    for line in mounts:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        after = line.split(" - ", 1)[1].split()
+        if len(after) < 3:
+            continue
+        fstype, options = after[0], after[2].split(",")
+        if (version == 2 and fstype == "cgroup2") or (version == 1 and fstype == "cgroup" and "memory" in options):
+            root, mount_point = fields[3], Path(fields[4])
+            relative = path[len(root):] if root != "/" and path.startswith(root) else path
+            folder = mount_point / relative.lstrip("/")
+            return (folder if folder.is_dir() else mount_point), mount_point
+    return None
+
+
+def _tightest(where: tuple[Path, Path], version: int) -> MemoryLimit | None:
+    """The smallest limit from the cgroup's folder up to its hierarchy's root, with the usage of that cgroup."""
+    folder, top = where
+    best: MemoryLimit | None = None
+    while True:
+        limit = _read_limit(folder, version)
+        if limit is not None and (best is None or limit.limit - limit.unreclaimable < best.limit - best.unreclaimable):
+            best = limit
+        if folder == top or top not in folder.parents:
+            return best
+        folder = folder.parent
+
+
+def _read_limit(folder: Path, version: int) -> MemoryLimit | None:
+    names = ("memory.max", "memory.current") if version == 2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    try:
+        raw_limit = (folder / names[0]).read_text().strip()
+        usage = int((folder / names[1]).read_text().strip())
+        stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text().splitlines()
+                    if len(line.split()) >= 2)
+    except (OSError, ValueError):
+        return None
+    if raw_limit == "max" or not raw_limit.isdigit() or int(raw_limit) >= NO_LIMIT:
+        return None
+    cache_keys = ("file",) if version == 2 else ("total_cache", "cache")
+    cache = next((int(stat[key]) for key in cache_keys if key in stat and stat[key].isdigit()), 0)
+    return MemoryLimit(int(raw_limit), max(0, usage - cache), str(folder / names[0]))
 
 
 def _meminfo_kib() -> dict[str, int]:

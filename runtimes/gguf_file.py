@@ -238,6 +238,7 @@ class GGUFShape:
     tensor_bytes: int  # all tensors
     layer_bytes: int  # the blk.N tensors, all layers together
     lookup_bytes: int  # token_embd when a separate output head exists: rows are looked up, never streamed whole
+    n_vocab: int = 0  # rows of token_embd (0: the file has none)
 
 
 def gguf_shape(path: str | Path) -> GGUFShape:
@@ -287,6 +288,7 @@ def _read_shape(parts: tuple[Path, ...], stamps: tuple[tuple[int, int], ...], ar
         tensor_bytes=sum(int(t.n_bytes) for t in tensors),
         layer_bytes=sum(int(t.n_bytes) for t in tensors if t.name.startswith("blk.")),
         lookup_bytes=sum(int(t.n_bytes) for t in tensors if t.name == lookup),
+        n_vocab=sum(int(t.n_elements) for t in tensors if t.name == "token_embd.weight") // n_embd,
     )
 
 

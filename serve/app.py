@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import anyio
 from edge.serve.hosts import loopback_host
 from edge.serve.schemas import (
     FINISH_REASONS,
@@ -45,7 +46,11 @@ if TYPE_CHECKING:
 
 RequestT = TypeVar("RequestT", bound=GenerationRequest)
 MAX_BODY_BYTES = 32 << 20  # a request body larger than this is refused before it is read (413)
+TRIM_AFTER_BYTES = 1 << 20  # after a request body this large, freed memory is handed back to the OS
+MAX_MESSAGES = 16_384  # messages in one request, counted before they are validated (and the context counts too)
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+BODY_TIMEOUT_S = 20.0  # a request body not whole by then is refused (408): a slow sender holds no connection for long
+SHUTDOWN_GRACE_S = 4.0  # on shutdown a stream has this long to send its error event and [DONE] (uvicorn waits 5 s)
 
 
 def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
@@ -202,7 +207,9 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
         except GenerationFailed as problem:
             raise Refused(problem.status, str(problem), kind="server_error") from None
         if body.stream:
-            return EventSourceResponse(_stream(reply, job, body.include_usage), sep="\n", ping=15)
+            # On shutdown the worker ends every job; the stream then sends its error event and [DONE] itself.
+            return EventSourceResponse(_stream(reply, job, body.include_usage), sep="\n", ping=15,
+                                       shutdown_event=anyio.Event(), shutdown_grace_period=SHUTDOWN_GRACE_S)
         return await _whole(reply, job, request)
 
     @app.get("/")
@@ -216,15 +223,22 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
 async def _body(request: Request, schema: type[RequestT]) -> RequestT:
     """The request's JSON body, checked against `schema`; read as JSON whatever the Content-Type says (curl -d sends
     a form's), as llama.cpp's server does."""
-    chunks, size = [], 0
-    try:
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
         async for chunk in request.stream():  # counted as it comes: a chunked body has no Content-Length to check
             size += len(chunk)
             if size > MAX_BODY_BYTES:
                 raise Refused(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
             chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
     except ClientDisconnect:
         raise Refused(400, "the client closed the connection before its request body ended") from None
+    except TimeoutError:
+        raise Refused(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s: send it whole") from None
     raw = b"".join(chunks)
     try:
         data = json.loads(raw)
@@ -238,6 +252,9 @@ async def _body(request: Request, schema: type[RequestT]) -> RequestT:
         raise Refused(400, "the request body nests JSON arrays or objects too deeply") from None
     except ValueError as problem:  # e.g. an integer of more digits than Python converts
         raise Refused(400, f"the request body holds a value that cannot be read: {problem}") from None
+    if isinstance(data, dict) and isinstance(data.get("messages"), list) and len(data["messages"]) > MAX_MESSAGES:
+        raise Refused(400, f"{len(data['messages'])} messages are more than this server takes ({MAX_MESSAGES}): send "
+                           "fewer", "messages", "context_length_exceeded")
     if _has_lone_surrogate(data):
         raise Refused(400, "the request body holds a lone UTF-16 surrogate (such as \\ud800): not text")
     if not isinstance(data, dict):
@@ -298,6 +315,7 @@ async def _stream(reply: Reply, job: Job, include_usage: bool) -> AsyncIterator[
             if step.finish_reason == "interrupted":
                 yield json.dumps(error_body("the generation was stopped (the server is shutting down)",
                                             "server_error"))
+                yield "[DONE]"
                 return
             if step.text:
                 yield json.dumps(reply.chunk(step.text))
@@ -305,9 +323,10 @@ async def _stream(reply: Reply, job: Job, include_usage: bool) -> AsyncIterator[
             if include_usage:
                 yield json.dumps(reply.usage_chunk(step.stats, tokens))
         yield "[DONE]"
-    except GenerationFailed as problem:
+    except GenerationFailed as problem:  # an error event, then [DONE]: clients that wait for it end cleanly
         kind = "server_error" if problem.status >= 500 else "invalid_request_error"
         yield json.dumps(error_body(str(problem), kind))
+        yield "[DONE]"
     finally:
         job.cancel()
 
@@ -345,6 +364,20 @@ class _Gate:
             if refusal is not None:
                 await JSONResponse(*refusal)(scope, receive, send)
                 return
+            received = 0
+
+            async def counted() -> Any:
+                nonlocal received
+                message = await receive()
+                received += len(message.get("body", b""))
+                return message
+
+            try:
+                await self.app(scope, counted, send)
+            finally:
+                if received >= TRIM_AFTER_BYTES:  # the parsed body's memory goes back to the OS, not to a high-water
+                    _release_memory()
+            return
         await self.app(scope, receive, send)
 
     def refusal(self, headers: Any) -> tuple[dict, int] | None:
@@ -361,6 +394,24 @@ class _Gate:
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             return error_body(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB"), 413
         return None
+
+
+def _release_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc's malloc_trim): a large request body parsed into many small
+    objects leaves the heap fragmented, and the process's resident memory would keep that peak."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        pass
 
 
 def _has_lone_surrogate(data: Any) -> bool:

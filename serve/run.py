@@ -16,6 +16,10 @@ from edge.errors import UserError
 if TYPE_CHECKING:
     from edge.models.pair import Pair
 
+HEAD_TIMEOUT_S = 10.0  # a connection must send a whole request head within this (slow and idle clients are closed)
+KEEP_ALIVE_S = 5  # an idle kept-alive connection is closed after this (uvicorn's default)
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on host:port (port 0: any free port), or one line saying why not."""
     if not 0 <= port <= 65535:
@@ -79,12 +83,60 @@ def serve(pair: Pair, sock: socket.socket, *, api_key: str | None = None, cors_o
     bound = sock.getsockname()[0]
     app = create_app(pair, worker, api_key, cors_origins, loopback_only=is_loopback(str(bound)))
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
-                            log_config=_log_config(log_level))
+                            log_config=_log_config(log_level), http=_guarded_protocol(),
+                            timeout_keep_alive=KEEP_ALIVE_S)
     try:
         Server(config).run(sockets=[sock])
     finally:
         worker.close()
         sock.close()
+
+
+def _guarded_protocol() -> type:
+    """uvicorn's h11 protocol with a deadline on each request's head: a connection that has not sent a whole
+    request line and headers HEAD_TIMEOUT_S after it opened (or after its last reply) is closed. uvicorn's own
+    keep-alive timer restarts on every byte, so a client trickling a byte a second would hold a connection for
+    ever; this deadline does not move. The body has its own bound (serve/app.py BODY_TIMEOUT_S)."""
+    import asyncio
+
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Guarded(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # a whole head arrived: the request runs
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.cycle is None or self.cycle.response_complete:  # (a pipelined request may have begun)
+                self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+    return Guarded
 
 
 def _log_config(level: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import edge
-from edge.errors import UserError
+from edge.errors import ModelFault, UserError
 from edge.generate import Step
 from edge.sampling import SamplingConfig
 
@@ -124,8 +124,10 @@ class Worker:
     def _run(self) -> None:
         while (job := self._next()) is not None:
             try:
-                if job.cancelled.is_set():
+                if job.cancelled.is_set():  # its client left, or the server is shutting down (the client hears so)
                     self.cancelled += 1
+                    if self._closed:
+                        job._send(GenerationFailed("the server is shutting down", 503))
                     continue
                 self._generate(job)
             finally:
@@ -143,6 +145,11 @@ class Worker:
                                              sampling=work.sampling, speculate=self.speculate, budget=self.budget,
                                              stop=list(work.stop) or None, should_stop=job.cancelled.is_set):
                 job._send(step)
+        except ModelFault as problem:  # the model file changed under the server: not the client's fault, no trace
+            self.failed += 1
+            log.error("%s", problem)
+            job._send(GenerationFailed(str(problem), 503))
+            return
         except UserError as problem:  # the request was checked before it queued: this is rare (one line, no trace)
             self.failed += 1
             log.warning("request refused: %s", problem)

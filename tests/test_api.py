@@ -171,6 +171,87 @@ def test_a_model_file_changed_under_a_loaded_pair_is_refused(files: dict[str, Pa
             edge.generate(pair, "Hi", max_tokens=2)
 
 
+def test_a_file_edited_in_place_with_its_mtime_put_back_is_refused(files: dict[str, Path], tmp_path: Path) -> None:
+    """An edit that restores the file's size and mtime still changes its ctime: the pair refuses it, and the cache's
+    sha256 stamp hashes it again rather than trusting the stamp."""
+    import os
+    import shutil
+
+    from edge.models.cache import sha256_file
+    from edge.models.sources import _digest
+
+    from edge.errors import ModelFault
+
+    live = tmp_path / "live.gguf"
+    shutil.copyfile(files["smol"], live)
+    stamp = tmp_path / "live.gguf.sha256"
+    assert _digest(live, stamp) == sha256_file(live)
+    with edge.load(target=live, drafter="none", lookup="off", ctx=512) as pair:
+        assert edge.generate(pair, "Hi", max_tokens=2).stats.new_tokens == 2
+        before = live.stat()
+        with live.open("r+b") as f:  # one byte of the tensor data flipped, then the mtime put back
+            f.seek(before.st_size - 4096)
+            byte = f.read(1)
+            f.seek(before.st_size - 4096)
+            f.write(bytes([byte[0] ^ 1]))
+        os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert (live.stat().st_size, live.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+        with pytest.raises(ModelFault, match="changed on disk since"):
+            edge.generate(pair, "Hi", max_tokens=2)
+    assert _digest(live, stamp) == sha256_file(live) != sha256_file(files["smol"])
+
+
+TRUNCATED_MID_PASS = """
+import os, sys
+from pathlib import Path
+import edge
+live = Path(sys.argv[1])
+pair = edge.load(target=live, drafter="none", lookup="off", ctx=512)
+edge.generate(pair, "Hi", max_tokens=2)
+os.truncate(live, 4096)  # what `cp new.gguf live.gguf` does first
+pair._stamps.clear()  # as if the change landed mid-pass, after the generation's own check
+edge.generate(pair, "Tell me about the sea.", max_tokens=4)
+print("not reached")
+"""
+
+
+def test_a_model_file_truncated_mid_pass_is_one_line_not_a_silent_crash(files: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
+    """The mapped weights' pages are gone: the read is a bus error. The process says which file changed, in one
+    line, and exits with 135 (as a shell reports SIGBUS)."""
+    import shutil
+
+    live = tmp_path / "live.gguf"
+    shutil.copyfile(files["smol"], live)
+    run = subprocess.run([sys.executable, "-c", TRUNCATED_MID_PASS, str(live)], capture_output=True, text=True,
+                         cwd=REPO, timeout=300)
+    assert run.returncode == 135, (run.returncode, run.stderr[-3000:])
+    said = [line for line in run.stderr.splitlines() if line.startswith("edge-spec:")]
+    assert len(said) == 1 and f"{live} changed on disk while it was in use" in said[0], run.stderr[-3000:]
+    assert "not reached" not in run.stdout
+
+
+def test_a_text_of_many_special_tokens_is_tokenized_in_runs(files: dict[str, Path]) -> None:
+    """llama.cpp's split of a text on special tokens is quadratic in their count: a text of 16,000 is tokenized
+    SPECIAL_RUN of them at a time, to exactly llama.cpp's tokens in one call."""
+    from edge.runtimes.llama_cpp._native import SPECIAL_RUN, Model
+
+    model = Model(files["smol"], vocab_only=True)
+    text = "<|im_end|>x" * 16_000 + "<|im_start|>user\nHi <|im_end|>\n"
+    whole = model._tokenize(text, True, True)
+    seen: list[int] = []
+    one_call = model._tokenize
+
+    def counted(piece: str, add_special: bool, parse_special: bool) -> list[int]:
+        seen.append(piece.count("<|im_"))
+        return one_call(piece, add_special, parse_special)
+
+    model._tokenize = counted  # type: ignore[method-assign]
+    assert model.tokenize(text, True, True) == whole
+    assert len(seen) > 200 and max(seen) <= SPECIAL_RUN + 1
+    model.close()
+
+
 def test_lookup_keep_carries_past_replies_to_the_next_run() -> None:
     """lookup="keep": the replies a run drafted from are saved when the pair closes and read by the next load of the
     same target file; a damaged file is said and started over; lookup="on" starts empty."""

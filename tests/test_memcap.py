@@ -123,3 +123,34 @@ def test_the_ssd_check_accepts_a_file_streamed_under_a_cap_smaller_than_it(f16_f
     pass read from the drive, not only what the page cache holds after it (it refused this file before)."""
     run = memcap.call_capped(streams, f16_file, limit_bytes=CAP, drop_cache=[f16_file])
     assert run.value == "SsdTarget"
+
+
+def probe_and_plan() -> tuple[dict, dict | str]:
+    """What the probe and the plan see in the child: its machine facts, and the default pair's plan (or the one line
+    that refuses it)."""
+    from edge.models.loading import resolve_spec
+    from edge.models.planning import make_plan
+    from edge.offload.probe import probe_machine
+
+    from edge.errors import UserError
+    from edge.options import LoadOptions
+
+    spec, models_file = resolve_spec(LoadOptions())
+    try:
+        return probe_machine(), make_plan(spec, None, models_file or Path("models.toml")).as_dict()
+    except UserError as problem:
+        return probe_machine(), str(problem)
+
+
+def test_the_probe_and_the_plan_read_the_memory_limit() -> None:
+    """Under a cap the machine has the cap, not the host's RAM: under 1 GiB the plan places the default pair within
+    it; under 300 MiB (less than its models, caches and logits need) it refuses in one line that says why."""
+    machine, plan = memcap.call_capped(probe_and_plan, limit_bytes=1024 * MIB).value
+    assert machine["memory_limit"] is not None and machine["memory_limit"].endswith("memory.limit_in_bytes")
+    assert 0.9 < machine["ram_total_gb"] <= 1.01 and machine["ram_free_gb"] < machine["ram_total_gb"]
+    assert isinstance(plan, dict), plan
+    assert plan["machine"]["memory_limited"] is True and plan["machine"]["ram_free_gib"] < 1
+    assert plan["memory"]["ram_gib"] < 1
+    machine, refused = memcap.call_capped(probe_and_plan, limit_bytes=300 * MIB).value
+    assert machine["ram_total_gb"] <= 300 / 1024 + 0.01
+    assert isinstance(refused, str) and "\n" not in refused and "memory limit" in refused, refused

@@ -3,14 +3,17 @@ clients do wrong. Greedy replies equal `edge-spec generate`'s; sampled ones with
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import openai
@@ -180,12 +183,10 @@ def wait_for(condition: Callable[[], bool], seconds: float) -> None:
         time.sleep(0.05)
 
 
-def test_a_client_that_leaves_stops_its_generation(client: openai.OpenAI, server: ServerProcess) -> None:
-    cancelled = health(server)["requests"]["cancelled"]
-    connection = open_stream(server, "Write a very long story about a dragon.", 1000)
-    response = connection.getresponse()
-    events = [line for line in (response.readline() for _ in range(12)) if line.startswith(b"data:")]
-    assert len(events) == 6 and health(server)["queue"]["running"] == 1  # it is generating
+def leave_then_be_served(client: openai.OpenAI, server: ServerProcess, connection: http.client.HTTPConnection,
+                         cancelled: int) -> None:
+    """The client of a running generation leaves: it is cancelled, counted so, and the next request is served at
+    once, not after the 1000 tokens the other asked for."""
     connection.sock.shutdown(2)
     connection.close()
     wait_for(lambda: health(server)["requests"]["cancelled"] != cancelled, 60)
@@ -193,7 +194,16 @@ def test_a_client_that_leaves_stops_its_generation(client: openai.OpenAI, server
     assert state["requests"]["cancelled"] == cancelled + 1 and state["queue"]["running"] == 0
     started = time.monotonic()
     assert chat(client, PROMPT, max_tokens=8, temperature=0).choices[0].finish_reason == "length"
-    assert time.monotonic() - started < 60  # served at once, not after the 1000 tokens the other asked for
+    assert time.monotonic() - started < 60
+
+
+def test_a_client_that_leaves_stops_its_generation(client: openai.OpenAI, server: ServerProcess) -> None:
+    cancelled = health(server)["requests"]["cancelled"]
+    connection = open_stream(server, "Write a very long story about a dragon.", 1000)
+    response = connection.getresponse()
+    events = [line for line in (response.readline() for _ in range(12)) if line.startswith(b"data:")]
+    assert len(events) == 6 and health(server)["queue"]["running"] == 1  # it is generating
+    leave_then_be_served(client, server, connection, cancelled)
 
 
 def test_a_non_streamed_client_that_leaves_stops_its_generation(client: openai.OpenAI, server: ServerProcess) -> None:
@@ -206,14 +216,7 @@ def test_a_non_streamed_client_that_leaves_stops_its_generation(client: openai.O
             "max_tokens": 1000, "temperature": 0}
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
     wait_for(lambda: health(server)["queue"]["running"] == 1, 60)
-    connection.sock.shutdown(2)
-    connection.close()
-    wait_for(lambda: health(server)["requests"]["cancelled"] != cancelled, 60)
-    state = health(server)
-    assert state["requests"]["cancelled"] == cancelled + 1 and state["queue"]["running"] == 0
-    started = time.monotonic()
-    assert chat(client, PROMPT, max_tokens=8, temperature=0).choices[0].finish_reason == "length"
-    assert time.monotonic() - started < 60
+    leave_then_be_served(client, server, connection, cancelled)
 
 
 def test_a_waiting_client_that_leaves_is_skipped(server: ServerProcess) -> None:
@@ -227,6 +230,69 @@ def test_a_waiting_client_that_leaves_is_skipped(server: ServerProcess) -> None:
     wait_for(lambda: health(server)["queue"]["waiting"] == 0, 30)
     assert health(server)["queue"]["waiting"] == 0
     running.close()
+
+
+def test_slow_and_idle_connections_are_closed(server: ServerProcess) -> None:
+    """A connection that has sent no whole request head HEAD_TIMEOUT_S after it opened is closed, idle or trickling
+    a byte at a time (uvicorn's keep-alive timer restarts on every byte); a body that does not arrive whole within
+    BODY_TIMEOUT_S gets a JSON 408. Others are served meanwhile."""
+    import socket
+
+    from edge.serve.app import BODY_TIMEOUT_S
+    from edge.serve.run import HEAD_TIMEOUT_S
+
+    url = urlsplit(server.url)
+    address = (url.hostname, url.port)
+    idle = [socket.create_connection(address) for _ in range(10)]
+    slow = [socket.create_connection(address) for _ in range(10)]
+    body_left = socket.create_connection(address)
+    body_left.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {KEY}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"messa".encode())
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {KEY}\r\n".encode()
+    started = time.monotonic()
+    sent = 0
+    while time.monotonic() - started < max(HEAD_TIMEOUT_S, BODY_TIMEOUT_S) + 3:
+        for connection in slow:
+            with contextlib.suppress(OSError):
+                connection.send(head[sent:sent + 1])
+        sent += 1
+        time.sleep(0.5)
+    assert sent < len(head)  # no head was ever whole
+    assert health(server)["status"] == "ok"
+    for connection in idle + slow:
+        connection.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):  # (a reset is closed too)
+            assert connection.recv(100) == b""  # closed by the server
+        connection.close()
+    body_left.settimeout(10)
+    answer = body_left.recv(4096)
+    body_left.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within" in answer, answer
+
+
+def test_shutdown_answers_every_request_then_exits_130() -> None:
+    """Ctrl-C with one stream running, one stream and one whole reply queued: the running stream and the queued one
+    get an error event then [DONE], the queued whole reply a JSON 503; the server exits with 130, no traceback."""
+    with ServerProcess([MODEL, "--budget", "4", "--ctx", "1024", "--api-key", KEY]) as running:
+        first = open_stream(running, "Write a very long story about a dragon.", 1000)
+        first_reply = first.getresponse()
+        assert first_reply.readline().startswith(b"data:")
+        queued_stream = open_stream(running, "Write a very long story about a knight.", 1000)
+        url = urlsplit(running.url)
+        queued_whole = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+        queued_whole.request("POST", "/v1/chat/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
+        wait_for(lambda: health(running)["queue"]["waiting"] == 2, 60)
+        assert health(running)["queue"]["waiting"] == 2
+        running.process.send_signal(signal.SIGINT)
+        whole = queued_whole.getresponse()
+        assert whole.status == 503 and "shutting down" in json.loads(whole.read())["error"]["message"]
+        for reply in (first_reply, queued_stream.getresponse()):
+            events = [line.strip() for line in reply.read().splitlines() if line.startswith(b"data:")]
+            assert events[-1] == b"data: [DONE]" and b"shutting down" in events[-2] and b'"error"' in events[-2], \
+                events[-3:]
+        assert running.process.wait(30) == 130
+    assert "Traceback" not in running.log and '" 500' not in running.log, running.log[-3000:]
 
 
 @pytest.mark.parametrize(("body", "status", "says"), [
@@ -361,6 +427,33 @@ def test_an_allowed_origin_passes_the_js_sdks_preflight_and_a_non_ascii_key_matc
         status, answer = raw(allowed, "GET", "/v1/models", None, {"Origin": "http://other.example",
                                                                   "Authorization": utf8})
         assert status == 403 and answer["error"]["code"] == "origin_not_allowed"
+
+
+def test_a_model_file_changed_under_the_server_is_refused_and_the_server_stays_up(tmp_path: Path) -> None:
+    """`cp new.gguf live.gguf` under a running server (here: the file rewritten in place, its mtime put back): the
+    next request gets a 503 that says so, in one line, with no traceback in the log; the server keeps answering."""
+    import os
+    import shutil
+
+    from edge.models.registry import load_registry
+    from edge.models.sources import model_path
+
+    live = tmp_path / "live.gguf"
+    shutil.copyfile(model_path(load_registry().pair(MODEL).target), live)
+    with ServerProcess([str(live), "--drafter", "lookup", "--ctx", "512", "--api-key", KEY]) as running:
+        body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).encode()
+        assert request(running, "POST", "/v1/chat/completions", body)[0] == 200
+        before = live.stat()
+        with live.open("r+b") as f:
+            f.seek(before.st_size // 2)
+            byte = f.read(1)
+            f.seek(before.st_size // 2)
+            f.write(byte)
+        os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
+        status, data = request(running, "POST", "/v1/chat/completions", body)
+        assert status == 503 and "changed on disk since" in data["error"]["message"], data
+        assert health(running)["status"] == "ok"
+    assert "Traceback" not in running.log and running.log.count("changed on disk since") == 1, running.log[-3000:]
 
 
 def test_a_base_model_serves_completions_but_not_chat() -> None:

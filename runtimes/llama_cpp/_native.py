@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +25,7 @@ prefer_invariant_kernels()  # before any model runs: ggml reads the switches at 
 
 # The largest seq id llama.cpp accepts in one context (LLAMA_MAX_SEQ); a tree gets one seq per leaf.
 MAX_SEQ = 256
+SPECIAL_RUN = 64  # special tokens per llama_tokenize call (tokenize)
 
 KV_TYPES = {
     "f32": ll.GGML_TYPE_F32,
@@ -110,6 +112,8 @@ class Model:
         self.bos: int = ll.llama_vocab_bos(self._vocab)
         self.eos: int = ll.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(ll.llama_vocab_get_add_bos(self._vocab))
+        self.add_eos: bool = bool(ll.llama_vocab_get_add_eos(self._vocab))
+        self._specials: re.Pattern[str] | None = None  # the special tokens' texts, longest first (tokenize)
         self._piece = ctypes.create_string_buffer(256)
 
     @property
@@ -135,6 +139,42 @@ class Model:
         return buf.value.decode("utf-8", errors="replace")
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """The text's tokens. With parse_special, special tokens written in the text become those tokens; llama.cpp
+        partitions a text on them in time quadratic in their count (16,000 `<|im_end|>` cost seconds), so a text
+        with many is tokenized SPECIAL_RUN of them at a time, cut just after one: text between special tokens is
+        tokenized on its own in any case, so the tokens are the same."""
+        if parse_special and len(text) > SPECIAL_RUN:
+            cuts = self._special_cuts(text)
+            if cuts:
+                ends = [*cuts, len(text)]
+                tokens = [t for start, end in zip([0, *cuts], ends, strict=True)
+                          for t in self._tokenize(text[start:end], False, True)]
+                if add_special:  # BOS and EOS once, around the whole text, as llama.cpp adds them
+                    tokens = [self.bos] * (self.add_bos and self.bos >= 0) + tokens + \
+                        [self.eos] * (self.add_eos and self.eos >= 0)
+                return tokens
+        return self._tokenize(text, add_special, parse_special)
+
+    def _special_cuts(self, text: str) -> list[int]:
+        """Offsets just after every SPECIAL_RUN-th special token in `text` (none if it has fewer), skipping a cut
+        followed by whitespace (a special token may strip the whitespace beside it)."""
+        if self._specials is None:  # the tokens llama.cpp partitions on (less reserved ones: a subset cuts as well)
+            special = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED | ll.LLAMA_TOKEN_ATTR_UNKNOWN
+            found = [t for t in range(self.n_vocab) if (attr := ll.llama_vocab_get_attr(self._vocab, t)) & special
+                     and not attr & ll.LLAMA_TOKEN_ATTR_UNUSED]
+            texts = sorted({self.token_text(t).decode("utf-8", "replace") for t in found} - {""}, key=len,
+                           reverse=True)
+            self._specials = re.compile("|".join(map(re.escape, texts))) if texts else re.compile(r"(?!)")
+        cuts, count = [], 0
+        for match in self._specials.finditer(text):
+            count += 1
+            end = match.end()
+            if count >= SPECIAL_RUN and end < len(text) and not text[end].isspace():
+                cuts.append(end)
+                count = 0
+        return cuts
+
+    def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode("utf-8")
         capacity = len(data) + 8
         out = (ll.llama_token * capacity)()

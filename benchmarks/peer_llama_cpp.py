@@ -1,0 +1,240 @@
+"""llama.cpp's own speculative decoding against edge-spec, in one run, on the same pair, prompts, token count and
+greedy sampling: llama.cpp's `llama-server` with the target alone (plain) and with `--model-draft` (its default draft
+settings, then each `--draft-max`), beside edge-spec's plain decoding and `--budget auto`.
+
+    python benchmarks/peer_llama_cpp.py -m qwen2.5-coder-1.5b -n 64 --json                    # in RAM
+    python benchmarks/peer_llama_cpp.py -m qwen2.5-coder-1.5b -n 64 --cap-mb 900 --json       # under a memory cap
+
+The peer is built once, with cmake, from the llama.cpp source that the installed llama-cpp-python vendors (its
+sdist, fetched with pip into the cache: ~/.cache/edge-spec/peer/llama.cpp-VERSION/build/bin): llama-server,
+llama-speculative and llama-cli. Both sides get the prompts as the same token ids (edge-spec's rendering of the chat
+template), start each prompt from an empty cache, and stop at the target's end-of-generation tokens. With
+--cap-mb, each side runs in its own memory cgroup of that size (benchmarks/memcap.py: cgroup v1, as root), so that a
+target larger than the cap is read from the drive by the kernel on every pass, on both sides alike.
+
+Per row: decode tokens/s (llama-server's own `predicted_per_second`; edge-spec's decode time, the prompt's pass
+excluded), the drafts llama.cpp made and accepted, edge-spec's tokens per pass, and whether the tokens are edge-spec's
+plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TARGETS = ("llama-server", "llama-speculative", "llama-cli")
+
+
+def peer_dir() -> Path:
+    from importlib.metadata import version
+
+    from edge.models.cache import cache_dir
+
+    return cache_dir() / "peer" / f"llama.cpp-{version('llama-cpp-python')}"
+
+
+def build(say=print) -> Path:
+    """The peer's binaries folder, built first if it is not there (minutes: llama.cpp's server is large)."""
+    from importlib.metadata import version
+
+    root = peer_dir()
+    bin_dir = root / "build" / "bin"
+    if all((bin_dir / name).is_file() for name in TARGETS):
+        return bin_dir
+    release = version("llama-cpp-python")
+    source = root / f"llama_cpp_python-{release}"
+    if not (source / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        say(f"fetching llama-cpp-python {release}'s source (its vendored llama.cpp) with pip")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d",
+                        str(root), "--", f"llama-cpp-python=={release}"], check=True, stdout=subprocess.DEVNULL)
+        archive = next(root.glob(f"llama_cpp_python-{release}.tar.gz"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(root, filter="data")
+    llama = source / "vendor" / "llama.cpp"
+    build_dir = root / "build"
+    say(f"building {', '.join(TARGETS)} from {llama} (once)")
+    subprocess.run(["cmake", "-S", str(llama), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF",
+                    "-DGGML_NATIVE=ON"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(os.cpu_count() or 1),
+                    "--target", *TARGETS], check=True, stdout=subprocess.DEVNULL)
+    return bin_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def llama_server(bin_dir: Path, args: list[str], cap_bytes: int | None, drop: list[Path]) -> Iterator[str]:
+    """llama-server with `args` on a free loopback port (in a memory cgroup of cap_bytes, if given); its URL."""
+    port = _free_port()
+    command = [str(bin_dir / "llama-server"), *args, "--host", "127.0.0.1", "--port", str(port), "-np", "1",
+               "--no-webui"]
+    with contextlib.ExitStack() as stack:
+        if cap_bytes is not None:
+            from memcap import drop_from_cache, memory_cgroup  # benchmarks/, the script's folder
+
+            cgroup = stack.enter_context(memory_cgroup(cap_bytes))
+            drop_from_cache(drop)
+            command = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.procs), *command]
+        log = stack.enter_context(open(peer_dir() / "server.log", "a"))
+        server = subprocess.Popen(command, stdout=log, stderr=log)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 600
+            while True:
+                if server.poll() is not None:
+                    raise SystemExit(f"llama-server stopped (exit {server.returncode}); see {log.name}")
+                with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"llama-server did not start in 10 minutes; see {log.name}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def peer_rows(url: str, prompts: list[list[int]], n: int, stops: list[int]) -> list[dict]:
+    rows = []
+    for ids in prompts:
+        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                "return_tokens": True, "seed": 1}
+        request = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=3600) as response:
+            data = json.load(response)
+        timings = data.get("timings", {})
+        tokens = list(data.get("tokens", []))
+        cut = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+        rows.append({"tokens": tokens[:cut], "decode_s": timings.get("predicted_ms", 0) / 1000,
+                     "predicted_n": timings.get("predicted_n", len(tokens)),
+                     "draft_n": timings.get("draft_n", 0), "draft_accepted": timings.get("draft_n_accepted", 0)})
+    return rows
+
+
+def edge_job(job: dict) -> dict:
+    """edge-spec's side, in this process or a capped child: the prompts' token ids, then plain and auto rows."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import edge
+    from edge.sampling import SamplingConfig
+
+    out: dict = {"rows": {}}
+    with edge.load(job["pair"], threads=job["threads"], report=lambda m: print(m, file=sys.stderr)) as pair:
+        from edge.models.bench import read_prompts
+
+        prompts = [pair.prompt_tokens(text) for text in read_prompts(Path(job["prompts"]))]
+        out |= {"prompts": prompts, "target": str(pair.target.path), "placement": pair.placement,
+                "drafter": None if pair.drafter is None else str(pair.drafter.path),
+                "stops": sorted(pair.target.special.stop), "ctx": pair.target.n_ctx}
+        for label, speculate in (("edge-spec plain", False), ("edge-spec auto", True)):
+            decoder = pair.decoder(SamplingConfig(), speculate=speculate, budget="auto" if speculate else None)
+            rows = []
+            for ids in prompts:
+                decoder.reset()
+                steps = list(decoder.reply(ids, job["n"]))
+                stats = steps[-1].stats
+                rows.append({"tokens": [s.token for s in steps[:-1] if s.token is not None],
+                             "decode_s": stats.decode_s, "passes": stats.target_passes})
+            out["rows"][label] = rows
+    return out
+
+
+def summary(label: str, rows: list[dict], reference: list[list[int]]) -> dict:
+    tokens = sum(len(r["tokens"]) for r in rows)
+    decode = sum(r["decode_s"] for r in rows)
+    row = {"row": label, "new_tokens": tokens, "decode_tokens_per_s": round(tokens / decode, 3) if decode else None,
+           "matches_plain": [r["tokens"] for r in rows] == reference}
+    if "passes" in rows[0]:
+        row["tokens_per_pass"] = round(tokens / sum(r["passes"] for r in rows), 3)
+    if "draft_n" in rows[0]:
+        drafted, accepted = sum(r["draft_n"] for r in rows), sum(r["draft_accepted"] for r in rows)
+        row |= {"drafted": drafted, "accepted": accepted,
+                "acceptance": round(accepted / drafted, 3) if drafted else None}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--pair", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--prompts", type=Path, default=REPO / "benchmarks" / "chat-prompts.txt")
+    parser.add_argument("-n", type=int, default=64, help="tokens per prompt")
+    parser.add_argument("--draft-max", default="4,8,16", help="llama.cpp's draft lengths to run besides its default")
+    parser.add_argument("--cap-mb", type=int, default=None, help="run each side under a memory cap of this size")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
+    parser.add_argument("--build-only", action="store_true", help="build the peer's binaries and stop")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    if shutil.which("cmake") is None:
+        raise SystemExit("cmake is needed to build llama.cpp's binaries (pip install cmake)")
+    bin_dir = build(say)
+    if args.build_only:
+        print(bin_dir)
+        return
+    from edge.offload.probe import probe_machine
+    from edge.runtimes import default_threads
+
+    threads = args.threads or default_threads()
+    cap = None if args.cap_mb is None else args.cap_mb << 20
+    job = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads}
+    say(f"edge-spec: plain and auto{'' if cap is None else f', under a {args.cap_mb} MB cap'}")
+    if cap is None:
+        ours = edge_job(job)
+    else:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from memcap import call_capped
+
+        ours = call_capped(edge_job, job, limit_bytes=cap).value
+    reference = [r["tokens"] for r in ours["rows"]["edge-spec plain"]]
+    results = [summary(label, rows, reference) for label, rows in ours["rows"].items()]
+    files = [Path(ours["target"])] + ([Path(ours["drafter"])] if ours["drafter"] else [])
+    common = ["-m", ours["target"], "-c", str(ours["ctx"]), "-t", str(threads), "-tb", str(threads)]
+    configs = [("llama.cpp plain", [])]
+    if ours["drafter"] and ours["drafter"].endswith(".gguf"):
+        configs.append(("llama.cpp speculative (defaults)", ["-md", ours["drafter"]]))
+        configs += [(f"llama.cpp speculative draft-max {n}", ["-md", ours["drafter"], "--spec-draft-n-max", n])
+                    for n in args.draft_max.split(",") if n]
+    for label, extra in configs:
+        say(label)
+        with llama_server(bin_dir, common + extra, cap, files) as url:
+            results.append(summary(label, peer_rows(url, ours["prompts"], args.n, ours["stops"]), reference))
+    base = results[0]["decode_tokens_per_s"]
+    for row in results:
+        row["vs_edge_plain"] = round(row["decode_tokens_per_s"] / base, 3) if row["decode_tokens_per_s"] else None
+    out = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads, "cap_mb": args.cap_mb,
+           "placement": ours["placement"], "machine": probe_machine()["cpu"], "peer": str(bin_dir), "rows": results}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    for row in results:
+        print(f"{row['row']:40s} {row['decode_tokens_per_s']} tok/s ({row['vs_edge_plain']}x) · same as edge-spec "
+              f"plain: {row['matches_plain']}" + (f" · {row['tokens_per_pass']} tokens/pass" if "tokens_per_pass" in
+                                                   row else "")
+              + (f" · accepted {row['accepted']}/{row['drafted']}" if "drafted" in row else ""))
+
+
+if __name__ == "__main__":
+    main()
