@@ -36,7 +36,9 @@ def sha256_file(path: Path) -> str:
 
 def file_stamp(path: Path) -> tuple[int, int, int, int]:
     """What tells one state of a file from another without reading it: size, mtime, inode and ctime. The ctime is
-    set by every write and by every change of the mtime, so an edit with its mtime put back still shows."""
+    set by every write and by every change of the mtime, so an edit with its mtime put back still shows; it is also
+    set by a chmod or a new hard link, so a check that must not refuse a file for those (a loaded pair's) compares the
+    first three only, and a sha256 stamp that sees a new ctime just hashes the file again."""
     stat = Path(path).stat()
     return stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns
 

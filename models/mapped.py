@@ -34,7 +34,7 @@ _said: list[bool] = []  # the line was written (by the first thread to fault)
 def watch(path: Path) -> None:
     """Name `path` in the line a bus error prints if it changes on disk (call once it is mapped)."""
     with _lock, contextlib.suppress(OSError):
-        _watched[Path(path)] = file_stamp(path)
+        _watched[Path(path)] = file_stamp(path)[:3]
         _users[Path(path)] = _users.get(Path(path), 0) + 1
     _install()
 
@@ -54,7 +54,7 @@ def bus_error_line() -> str:
     changed = []
     for path, stamp in list(_watched.items()):
         try:
-            now: tuple[int, ...] | None = file_stamp(path)
+            now: tuple[int, ...] | None = file_stamp(path)[:3]
         except OSError:
             now = None
         if now != stamp:

@@ -78,7 +78,7 @@ class Pair:
     def __post_init__(self) -> None:
         for model in (self.target, self.drafter):
             if model is not None and model.path.is_file():
-                self._stamps[model.path] = file_stamp(model.path)
+                self._stamps[model.path] = file_stamp(model.path)[:3]
                 mapped.watch(model.path)
 
     @property
@@ -120,7 +120,7 @@ class Pair:
             raise UserError(f"the pair {self.name} is closed: load it again (edge.load) to generate")
         for path, stamp in self._stamps.items():
             try:
-                now = file_stamp(path)
+                now = file_stamp(path)[:3]
             except OSError:
                 now = None
             if now != stamp:

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,9 +172,11 @@ def test_a_model_file_changed_under_a_loaded_pair_is_refused(files: dict[str, Pa
             edge.generate(pair, "Hi", max_tokens=2)
 
 
-def test_a_file_edited_in_place_with_its_mtime_put_back_is_refused(files: dict[str, Path], tmp_path: Path) -> None:
-    """An edit that restores the file's size and mtime still changes its ctime: the pair refuses it, and the cache's
-    sha256 stamp hashes it again rather than trusting the stamp."""
+def test_a_file_edited_in_place_is_refused_and_its_sha256_stamp_hashed_again(files: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """A byte of the tensor data rewritten in place (same size, same inode): the loaded pair refuses to generate on
+    it. Then, with the mtime put back as it was, the cache's sha256 stamp still sees the change (the ctime) and
+    hashes the file again rather than trusting the stamp."""
     import os
     import shutil
 
@@ -189,15 +192,16 @@ def test_a_file_edited_in_place_with_its_mtime_put_back_is_refused(files: dict[s
     with edge.load(target=live, drafter="none", lookup="off", ctx=512) as pair:
         assert edge.generate(pair, "Hi", max_tokens=2).stats.new_tokens == 2
         before = live.stat()
-        with live.open("r+b") as f:  # one byte of the tensor data flipped, then the mtime put back
+        time.sleep(0.05)  # past the filesystem's timestamp granularity
+        with live.open("r+b") as f:  # one byte of the tensor data flipped
             f.seek(before.st_size - 4096)
             byte = f.read(1)
             f.seek(before.st_size - 4096)
             f.write(bytes([byte[0] ^ 1]))
-        os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
-        assert (live.stat().st_size, live.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
         with pytest.raises(ModelFault, match="changed on disk since"):
             edge.generate(pair, "Hi", max_tokens=2)
+    os.utime(live, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (live.stat().st_size, live.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert _digest(live, stamp) == sha256_file(live) != sha256_file(files["smol"])
 
 
