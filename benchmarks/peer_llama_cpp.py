@@ -214,8 +214,11 @@ def main() -> None:
     common = ["-m", ours["target"], "-c", str(ours["ctx"]), "-t", str(threads), "-tb", str(threads)]
     configs = [("llama.cpp plain", [])]
     if ours["drafter"] and ours["drafter"].endswith(".gguf"):
-        configs.append(("llama.cpp speculative (defaults)", ["-md", ours["drafter"]]))
-        configs += [(f"llama.cpp speculative draft-max {n}", ["-md", ours["drafter"], "--spec-draft-n-max", n])
+        # --spec-type draft-simple: llama.cpp infers the kind of drafting from the draft file's metadata, and a plain
+        # model file names none (it would load the drafter and never draft)
+        draft = ["-md", ours["drafter"], "--spec-type", "draft-simple"]
+        configs.append(("llama.cpp speculative (defaults)", draft))
+        configs += [(f"llama.cpp speculative draft-max {n}", [*draft, "--spec-draft-n-max", n])
                     for n in args.draft_max.split(",") if n]
     for label, extra in configs:
         say(label)
