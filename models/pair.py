@@ -116,8 +116,7 @@ class Pair:
     def check_open(self) -> None:
         """Refuse a closed pair, and one whose model files changed on disk since they loaded (their weights are
         mapped from the file: `cp new.gguf live.gguf` changes what a running model computes, or truncates it)."""
-        if self.closed:
-            raise UserError(f"the pair {self.name} is closed: load it again (edge.load) to generate")
+        self._refuse_closed()
         for path, stamp in self._stamps.items():
             try:
                 now = file_stamp(path)[:3]
@@ -126,6 +125,10 @@ class Pair:
             if now != stamp:
                 raise ModelFault(f"{path} changed on disk since {self.name} loaded it (replaced, edited or removed): "
                                  "load it again (restart the command or the server)")
+
+    def _refuse_closed(self) -> None:
+        if self.closed:
+            raise UserError(f"the pair {self.name} is closed: load it again (edge.load) to generate")
 
     @contextmanager
     def generating(self) -> Iterator[None]:
@@ -148,8 +151,7 @@ class Pair:
     def stepping(self) -> Iterator[None]:
         """The models at work (a prompt read, a token decoded): close() waits for it to end; refused once closed."""
         with self._state:  # only the closed flag here: the files are checked once a generation (generating)
-            if self.closed:
-                raise UserError(f"the pair {self.name} is closed: load it again (edge.load) to generate")
+            self._refuse_closed()
             self._busy = True
         try:
             yield

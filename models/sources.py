@@ -415,8 +415,7 @@ def _digest(path: Path, stamp: Path, report: Report | None = None) -> str:
 
 
 def _write_stamp(path: Path, stamp: Path, digest: str) -> None:
-    stat = path.stat()
-    record = {"sha256": digest, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "stamp": list(file_stamp(path))}
+    record = {"sha256": digest, "stamp": list(file_stamp(path))}
     try:
         with atomic_path(stamp) as tmp:
             tmp.write_text(json.dumps(record))

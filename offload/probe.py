@@ -205,9 +205,8 @@ def _ram_gb() -> tuple[float | None, float | None]:
     limit = memory_limit()
     if limit is None:
         return None if total is None else _gib(total), None if free is None else _gib(free)
-    capped_free = max(0, limit.limit - limit.unreclaimable)
     return (_gib(limit.limit if total is None else min(total, limit.limit)),
-            _gib(capped_free if free is None else min(free, capped_free)))
+            _gib(limit.room if free is None else min(free, limit.room)))
 
 
 def _machine_ram() -> tuple[int | None, int | None]:
@@ -231,6 +230,11 @@ class MemoryLimit:
     unreclaimable: int
     source: str  # the file the limit was read from
 
+    @property
+    def room(self) -> int:
+        """What the process may still allocate before the kernel must kill something."""
+        return max(0, self.limit - self.unreclaimable)
+
 
 NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as the largest page-aligned 64-bit value
 
@@ -253,7 +257,7 @@ def memory_limit(proc_self: Path = Path("/proc/self")) -> MemoryLimit | None:
         folder = _cgroup_folder(mounts, version, path)
         if folder is not None and (limit := _tightest(folder, version)) is not None:
             found.append(limit)
-    return min(found, key=lambda limit: limit.limit - limit.unreclaimable, default=None)
+    return min(found, key=lambda limit: limit.room, default=None)
 
 
 def _cgroup_folder(mounts: list[str], version: int, path: str) -> tuple[Path, Path] | None:
@@ -281,7 +285,7 @@ def _tightest(where: tuple[Path, Path], version: int) -> MemoryLimit | None:
     best: MemoryLimit | None = None
     while True:
         limit = _read_limit(folder, version)
-        if limit is not None and (best is None or limit.limit - limit.unreclaimable < best.limit - best.unreclaimable):
+        if limit is not None and (best is None or limit.room < best.room):
             best = limit
         if folder == top or top not in folder.parents:
             return best

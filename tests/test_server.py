@@ -3,17 +3,14 @@ clients do wrong. Greedy replies equal `edge-spec generate`'s; sampled ones with
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import openai
@@ -23,17 +20,12 @@ from typer.testing import CliRunner
 
 from benchmarks.serve_process import ServerProcess
 from tests.conftest import CHAT_PROMPTS, REPO
-
-KEY = "test-key-1234"
-MODEL = "smollm2-135m"
-PROMPT = "Name three colors."
+from tests.server_helpers import KEY, MODEL, PROMPT, SERVER_ARGS, health, open_stream, raw, request, wait_for
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    """The default pair with a fixed tree budget (so every request runs trees) and an API key; sample-and-match, so
-    that a seed gives plain sampling's exact text (greedy replies are the same under every rule)."""
-    with ServerProcess([MODEL, "--budget", "16", "--ctx", "1024", "--api-key", KEY, "--accept", "match"]) as running:
+    with ServerProcess(SERVER_ARGS) as running:
         yield running
     assert running.process.returncode == 130, running.log[-3000:]  # Ctrl-C, as a shell reports it: a clean stop
     assert "Traceback" not in running.log and '" 500' not in running.log, running.log[-3000:]
@@ -60,22 +52,6 @@ def streamed_chat(client: openai.OpenAI, content: str, **kwargs) -> tuple[str, l
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                                  stream=True, **kwargs))
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
-
-
-def request(server: ServerProcess, method: str, path: str, body: bytes | None = None,
-            headers: dict[str, str] | None = None) -> tuple[int, dict]:
-    """Raw HTTP, for what the openai client would never send."""
-    url = urlsplit(server.url)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    connection.request(method, path, body, {"Authorization": f"Bearer {KEY}", **(headers or {})})
-    response = connection.getresponse()
-    status, data = response.status, json.loads(response.read())
-    connection.close()
-    return status, data
-
-
-def health(server: ServerProcess) -> dict:
-    return request(server, "GET", "/health")[1]
 
 
 def test_greedy_chat_and_completion_equal_generate(client: openai.OpenAI) -> None:
@@ -167,22 +143,6 @@ def test_concurrent_clients_each_get_their_own_reply(client: openai.OpenAI, serv
     assert health(server)["queue"] == {"running": 0, "waiting": 0}
 
 
-def open_stream(server: ServerProcess, content: str, max_tokens: int) -> http.client.HTTPConnection:
-    """A streamed greedy chat request left open (greedy: it runs all `max_tokens`); read with getresponse()."""
-    url = urlsplit(server.url)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
-    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
-    return connection
-
-
-def wait_for(condition: Callable[[], bool], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def leave_then_be_served(client: openai.OpenAI, server: ServerProcess, connection: http.client.HTTPConnection,
                          cancelled: int) -> None:
     """The client of a running generation leaves: it is cancelled, counted so, and the next request is served at
@@ -232,96 +192,6 @@ def test_a_waiting_client_that_leaves_is_skipped(server: ServerProcess) -> None:
     running.close()
 
 
-def test_slow_and_idle_connections_are_closed(server: ServerProcess) -> None:
-    """A connection that has sent no whole request head HEAD_TIMEOUT_S after it opened is closed, idle or trickling
-    a byte at a time (uvicorn's keep-alive timer restarts on every byte); a body that does not arrive whole within
-    BODY_TIMEOUT_S gets a JSON 408. Others are served meanwhile."""
-    import socket
-
-    from edge.serve.app import BODY_TIMEOUT_S
-    from edge.serve.run import HEAD_TIMEOUT_S
-
-    url = urlsplit(server.url)
-    address = (url.hostname, url.port)
-    idle = [socket.create_connection(address) for _ in range(10)]
-    slow = [socket.create_connection(address) for _ in range(10)]
-    body_left = socket.create_connection(address)
-    body_left.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {KEY}\r\n"
-                      "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"messa".encode())
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {KEY}\r\n".encode()
-    started = time.monotonic()
-    sent = 0
-    while time.monotonic() - started < max(HEAD_TIMEOUT_S, BODY_TIMEOUT_S) + 3:
-        for connection in slow:
-            with contextlib.suppress(OSError):
-                connection.send(head[sent:sent + 1])
-        sent += 1
-        time.sleep(0.5)
-    assert sent < len(head)  # no head was ever whole
-    assert health(server)["status"] == "ok"
-    for connection in idle + slow:
-        connection.settimeout(10)
-        with contextlib.suppress(ConnectionResetError):  # (a reset is closed too)
-            assert connection.recv(100) == b""  # closed by the server
-        connection.close()
-    body_left.settimeout(10)
-    answer = body_left.recv(4096)
-    body_left.close()
-    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within" in answer, answer
-
-
-def test_shutdown_answers_every_request_then_exits_130() -> None:
-    """Ctrl-C with one stream running, one stream and one whole reply queued: the running stream and the queued one
-    get an error event then [DONE], the queued whole reply a JSON 503; the server exits with 130, no traceback."""
-    with ServerProcess([MODEL, "--budget", "4", "--ctx", "1024", "--api-key", KEY]) as running:
-        first = open_stream(running, "Write a very long story about a dragon.", 1000)
-        first_reply = first.getresponse()
-        assert first_reply.readline().startswith(b"data:")
-        queued_stream = open_stream(running, "Write a very long story about a knight.", 1000)
-        url = urlsplit(running.url)
-        queued_whole = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
-        queued_whole.request("POST", "/v1/chat/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
-        wait_for(lambda: health(running)["queue"]["waiting"] == 2, 60)
-        assert health(running)["queue"]["waiting"] == 2
-        running.process.send_signal(signal.SIGINT)
-        whole = queued_whole.getresponse()
-        assert whole.status == 503 and "shutting down" in json.loads(whole.read())["error"]["message"]
-        for reply in (first_reply, queued_stream.getresponse()):
-            events = [line.strip() for line in reply.read().splitlines() if line.startswith(b"data:")]
-            assert events[-1] == b"data: [DONE]" and b"shutting down" in events[-2] and b'"error"' in events[-2], \
-                events[-3:]
-        assert running.process.wait(30) == 130
-    assert "Traceback" not in running.log and '" 500' not in running.log, running.log[-3000:]
-
-
-@pytest.mark.parametrize(("body", "status", "says"), [
-    (b"{not json", 400, "not valid JSON"),
-    (b"[1, 2]", 400, "must be a JSON object"),
-    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": "hot"}).encode(), 400,
-     "temperature"),
-    (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400, "messages.0.content"),
-    (json.dumps({"messages": [{"role": "robot", "content": "Hi"}]}).encode(), 400, "messages.0.role"),
-    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}).encode(), 400, "max_tokens"),
-    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stream": "yes"}).encode(), 400, "stream"),
-    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "n": 2}).encode(), 400, "n=2"),
-    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}).encode(), 400,
-     "tools"),
-    (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}]}).encode(), 404, "gpt-4o"),
-    (json.dumps({"messages": [{"role": "user", "content": "word " * 2000}]}).encode(), 400, "context holds 1024"),
-    (b"[" * 100_000, 400, "nests JSON arrays or objects too deeply"),
-    (b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": ' + b"9" * 5000 + b"}", 400,
-     "cannot be read"),
-    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "lone UTF-16 surrogate"),
-    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.8,
-                 "repeat_penalty": 1e-300}).encode(), 400, "repeat_penalty"),
-])
-def test_bad_requests_get_one_clear_error(server: ServerProcess, body: bytes, status: int, says: str) -> None:
-    got, data = request(server, "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    assert got == status and says in data["error"]["message"], data
-    assert set(data["error"]) == {"message", "type", "param", "code"}
-
-
 def test_bad_requests_through_the_openai_client(client: openai.OpenAI, server: ServerProcess) -> None:
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}])
@@ -340,78 +210,6 @@ def test_bad_requests_through_the_openai_client(client: openai.OpenAI, server: S
     assert health(server)["status"] == "ok"
 
 
-def raw(server: ServerProcess, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> tuple[int, dict]:
-    """Raw HTTP with exactly these headers (http.client adds Host unless one is given)."""
-    url = urlsplit(server.url)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    connection.putrequest(method, path, skip_host="Host" in headers, skip_accept_encoding=True)
-    for name, value in {**headers, **({"Content-Length": str(len(body))} if body is not None else {})}.items():
-        connection.putheader(name, value)
-    connection.endheaders(body)
-    response = connection.getresponse()
-    status, text = response.status, response.read()
-    is_json = (response.getheader("content-type") or "").startswith("application/json")
-    connection.close()
-    return status, json.loads(text) if is_json else {}
-
-
-def test_web_pages_and_rebound_names_are_refused(server: ServerProcess) -> None:
-    """A page's cross-origin "simple request" (text/plain, no preflight) and a rebound Host are refused before any
-    work, with OpenAI's error body; curl's request (no Origin, a loopback Host) is served; the OpenAPI document
-    asks for the key."""
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
-    key = {"Authorization": f"Bearer {KEY}"}
-    before = health(server)["requests"]["completed"]
-    status, answer = raw(server, "POST", "/v1/chat/completions", body,
-                         {**key, "Origin": "http://evil.example", "Content-Type": "text/plain"})
-    assert status == 403 and answer["error"]["code"] == "origin_not_allowed", answer
-    port = urlsplit(server.url).port
-    status, answer = raw(server, "POST", "/v1/chat/completions", body,
-                         {**key, "Host": f"attacker.example:{port}", "Content-Type": "application/json"})
-    assert status == 403 and answer["error"]["code"] == "host_not_allowed", answer
-    assert health(server)["requests"]["completed"] == before  # nothing ran
-    for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
-        status, answer = raw(server, "POST", "/v1/chat/completions", body,
-                             {**key, "Host": host, "Content-Type": "application/json"})
-        assert status == 200 and answer["choices"][0]["message"]["content"] is not None
-    assert raw(server, "GET", "/openapi.json", None, {})[0] == 401
-    status, document = raw(server, "GET", "/openapi.json", None, key)
-    assert status == 200 and "/v1/chat/completions" in document["paths"]
-
-
-def test_a_prompt_that_cannot_fit_is_refused_before_it_is_rendered(server: ServerProcess) -> None:
-    """100,000 messages, or 4 MB of text, against a 1024-token context: refused as too long from their counts, not
-    after minutes of rendering and tokenizing; the server answers the next request at once."""
-    many = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 1}
-    status, answer = request(server, "POST", "/v1/chat/completions", json.dumps(many).encode(),
-                             {"Content-Type": "application/json"})
-    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
-    assert "100000 messages" in answer["error"]["message"]
-    big = {"model": MODEL, "prompt": "word " * 800_000, "max_tokens": 1}
-    status, answer = request(server, "POST", "/v1/completions", json.dumps(big).encode(),
-                             {"Content-Type": "application/json"})
-    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
-    assert health(server)["queue"] == {"running": 0, "waiting": 0}
-
-
-def test_a_chunked_body_past_the_limit_is_refused(server: ServerProcess) -> None:
-    """A body with no Content-Length (chunked) is counted as it arrives: past 32 MiB it is refused with 413."""
-    url = urlsplit(server.url)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    piece = b" " * (1 << 20)
-    connection.request("POST", "/v1/chat/completions", body=iter([b'{"messages": ['] + [piece] * 40),
-                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
-                       encode_chunked=True)
-    try:
-        response = connection.getresponse()
-        status, answer = response.status, json.loads(response.read())
-    except (BrokenPipeError, ConnectionResetError):  # the server answered and closed before all 40 MiB were sent
-        status, answer = 413, {"error": {"message": "larger than"}}
-    connection.close()
-    assert status == 413 and "larger than" in answer["error"]["message"], answer
-    assert health(server)["status"] == "ok"
-
-
 def test_an_allowed_origin_passes_the_js_sdks_preflight_and_a_non_ascii_key_matches() -> None:
     key = "clé-ünïcode-🔑"
     with ServerProcess([MODEL, "--budget", "4", "--ctx", "512", "--cors-origin", "http://app.example",
@@ -427,32 +225,6 @@ def test_an_allowed_origin_passes_the_js_sdks_preflight_and_a_non_ascii_key_matc
         status, answer = raw(allowed, "GET", "/v1/models", None, {"Origin": "http://other.example",
                                                                   "Authorization": utf8})
         assert status == 403 and answer["error"]["code"] == "origin_not_allowed"
-
-
-def test_a_model_file_changed_under_the_server_is_refused_and_the_server_stays_up(tmp_path: Path) -> None:
-    """`cp new.gguf live.gguf` under a running server (here: a byte of the file rewritten in place): the next
-    request gets a 503 that says so, in one line, with no traceback in the log; the server keeps answering."""
-    import shutil
-
-    from edge.models.registry import load_registry
-    from edge.models.sources import model_path
-
-    live = tmp_path / "live.gguf"
-    shutil.copyfile(model_path(load_registry().pair(MODEL).target), live)
-    with ServerProcess([str(live), "--drafter", "lookup", "--ctx", "512", "--api-key", KEY]) as running:
-        body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).encode()
-        assert request(running, "POST", "/v1/chat/completions", body)[0] == 200
-        size = live.stat().st_size
-        time.sleep(0.05)  # past the filesystem's timestamp granularity
-        with live.open("r+b") as f:
-            f.seek(size // 2)
-            byte = f.read(1)
-            f.seek(size // 2)
-            f.write(byte)
-        status, data = request(running, "POST", "/v1/chat/completions", body)
-        assert status == 503 and "changed on disk since" in data["error"]["message"], data
-        assert health(running)["status"] == "ok"
-    assert "Traceback" not in running.log and running.log.count("changed on disk since") == 1, running.log[-3000:]
 
 
 def test_a_base_model_serves_completions_but_not_chat() -> None:
@@ -477,7 +249,6 @@ def test_listening_beyond_loopback_warns() -> None:
     result = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--port", "0", "--target", "/nonexistent.gguf"])
     assert result.exit_code == 1
     assert "other machines can reach this server" in result.output and "--api-key" in result.output
-
 
 
 @pytest.mark.parametrize(("document", "section"), [("docs/server.md", "### The `openai` Python package"),

@@ -159,11 +159,8 @@ class Model:
         """Offsets just after every SPECIAL_RUN-th special token in `text` (none if it has fewer), skipping a cut
         followed by whitespace (a special token may strip the whitespace beside it)."""
         if self._specials is None:  # the tokens llama.cpp partitions on (less reserved ones: a subset cuts as well)
-            special = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED | ll.LLAMA_TOKEN_ATTR_UNKNOWN
-            found = [t for t in range(self.n_vocab) if (attr := ll.llama_vocab_get_attr(self._vocab, t)) & special
-                     and not attr & ll.LLAMA_TOKEN_ATTR_UNUSED]
-            texts = sorted({self.token_text(t).decode("utf-8", "replace") for t in found} - {""}, key=len,
-                           reverse=True)
+            texts = sorted({self.token_text(t).decode("utf-8", "replace") for t in self._attributed_special()} - {""},
+                           key=len, reverse=True)
             self._specials = re.compile("|".join(map(re.escape, texts))) if texts else re.compile(r"(?!)")
         cuts, count = [], 0
         for match in self._specials.finditer(text):
@@ -204,9 +201,7 @@ class Model:
         vocab = self._vocab
         eot = ll.llama_vocab_eot(vocab)
         stop = frozenset(t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(vocab, t))
-        special = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED | ll.LLAMA_TOKEN_ATTR_UNKNOWN
-        found = {t for t in range(self.n_vocab)
-                 if (attr := ll.llama_vocab_get_attr(vocab, t)) & special and not attr & ll.LLAMA_TOKEN_ATTR_UNUSED}
+        found = set(self._attributed_special())
         named = {t for t in (self.bos, self.eos, eot) if t >= 0}
 
         def text(token: int) -> str:
@@ -214,6 +209,12 @@ class Model:
 
         return SpecialTokens(self.bos, self.eos, eot, stop, frozenset(found | stop | named), text(self.bos),
                              text(self.eos))
+
+    def _attributed_special(self) -> list[int]:
+        """The tokens marked control, user-defined or unknown (llama.cpp's special tokens), less reserved slots."""
+        special = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED | ll.LLAMA_TOKEN_ATTR_UNKNOWN
+        return [t for t in range(self.n_vocab) if (attr := ll.llama_vocab_get_attr(self._vocab, t)) & special
+                and not attr & ll.LLAMA_TOKEN_ATTR_UNUSED]
 
     def ranked_tokens(self) -> np.ndarray:
         """int64 ids of the ordinary (normal and byte) tokens, most frequent first by the tokenizer's own
