@@ -1,9 +1,13 @@
 """llama.cpp's own speculative decoding against edge-spec, in one run, on the same pair, prompts, token count and
-greedy sampling: llama.cpp's `llama-server` with the target alone (plain) and with `--model-draft` (its default draft
+sampling: llama.cpp's `llama-server` with the target alone (plain) and with `--model-draft` (its default draft
 settings, then each `--draft-max`), beside edge-spec's plain decoding and `--budget auto`.
 
     python benchmarks/peer_llama_cpp.py -m qwen2.5-coder-1.5b -n 64 --json                    # in RAM
-    python benchmarks/peer_llama_cpp.py -m qwen2.5-coder-1.5b -n 64 --cap-mb 900 --json       # under a memory cap
+    python benchmarks/peer_llama_cpp.py -m qwen2.5-coder-1.5b -n 64 --cap-mb 1000 --json      # under a memory cap
+    python benchmarks/peer_llama_cpp.py -m qwen2.5-coder-1.5b -n 64 --cap-mb 1000 --temperature 0.8 --edge-only --json
+
+Greedy by default; --temperature T samples at T alone (no top-k, top-p or min-p) on both sides, prompt i with seed
+1 + i (each side draws its own: only greedy rows are compared with edge-spec's plain tokens).
 
 The peer is built once, with cmake, from the llama.cpp source that the installed llama-cpp-python vendors (its
 sdist, fetched with pip into the cache: ~/.cache/edge-spec/peer/llama.cpp-VERSION/build/bin): llama-server,
@@ -35,6 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = ("llama-server", "llama-speculative", "llama-cli")
+SEED = 1  # prompt i samples with seed SEED + i, on both sides
 
 
 def peer_dir() -> Path:
@@ -117,11 +122,14 @@ def llama_server(bin_dir: Path, args: list[str], cap_bytes: int | None, drop: li
                 server.wait()
 
 
-def peer_rows(url: str, prompts: list[list[int]], n: int, stops: list[int]) -> list[dict]:
+def peer_rows(url: str, prompts: list[list[int]], n: int, stops: list[int], temperature: float = 0.0) -> list[dict]:
     rows = []
-    for ids in prompts:
-        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                "return_tokens": True, "seed": 1}
+    for i, ids in enumerate(prompts):
+        # greedy: the argmax; sampled: the temperature alone (no top-k, top-p or min-p), as on edge-spec's side
+        sampling = {"temperature": 0.0, "top_k": 1} if temperature == 0 else {
+            "temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": SEED + i}
+        body = {"prompt": ids, "n_predict": n, "cache_prompt": False, "return_tokens": True, "seed": SEED + i,
+                **sampling}
         request = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=3600) as response:
@@ -135,11 +143,19 @@ def peer_rows(url: str, prompts: list[list[int]], n: int, stops: list[int]) -> l
     return rows
 
 
+def sampling(temperature: float, seed: int | None = None):
+    """Greedy, or the temperature alone (no top-k, top-p, min-p or repetition penalty), as the peer is asked to."""
+    from edge.sampling import SamplingConfig
+
+    if temperature == 0:
+        return SamplingConfig()
+    return SamplingConfig(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=seed)
+
+
 def edge_job(job: dict) -> dict:
     """edge-spec's side, in this process or a capped child: the prompts' token ids, then plain and auto rows."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import edge
-    from edge.sampling import SamplingConfig
 
     out: dict = {"rows": {}}
     with edge.load(job["pair"], threads=job["threads"], report=lambda m: print(m, file=sys.stderr)) as pair:
@@ -148,27 +164,37 @@ def edge_job(job: dict) -> dict:
         prompts = [pair.prompt_tokens(text) for text in read_prompts(Path(job["prompts"]))]
         out |= {"prompts": prompts, "target": str(pair.target.path), "placement": pair.placement,
                 "drafter": None if pair.drafter is None else str(pair.drafter.path),
-                "stops": sorted(pair.target.special.stop), "ctx": pair.target.n_ctx}
+                "stops": sorted(pair.target.special.stop), "ctx": pair.target.n_ctx, "overlap": pair.overlaps}
         for label, speculate in (("edge-spec plain", False), ("edge-spec auto", True)):
-            decoder = pair.decoder(SamplingConfig(), speculate=speculate, budget="auto" if speculate else None)
+            decoder = pair.decoder(sampling(job["temperature"]), speculate=speculate,
+                                   budget="auto" if speculate else None)
             rows = []
-            for ids in prompts:
+            for i, ids in enumerate(prompts):
+                decoder.set_sampling(sampling(job["temperature"], SEED + i))
                 decoder.reset()
                 steps = list(decoder.reply(ids, job["n"]))
                 stats = steps[-1].stats
                 rows.append({"tokens": [s.token for s in steps[:-1] if s.token is not None],
-                             "decode_s": stats.decode_s, "passes": stats.target_passes})
+                             "decode_s": stats.decode_s, "passes": stats.target_passes,
+                             "hidden_s": stats.hidden_s, "pregrown_rounds": stats.pregrown_rounds,
+                             "rounds": stats.rounds, "draft_s": stats.draft_s, "verify_s": stats.verify_s})
             out["rows"][label] = rows
     return out
 
 
-def summary(label: str, rows: list[dict], reference: list[list[int]]) -> dict:
+def summary(label: str, rows: list[dict], reference: list[list[int]] | None) -> dict:
+    """A row's figures; `reference`: edge-spec's plain tokens, None when sampling (each side's own draws)."""
     tokens = sum(len(r["tokens"]) for r in rows)
     decode = sum(r["decode_s"] for r in rows)
     row = {"row": label, "new_tokens": tokens, "decode_tokens_per_s": round(tokens / decode, 3) if decode else None,
-           "matches_plain": [r["tokens"] for r in rows] == reference}
+           "matches_plain": None if reference is None else [r["tokens"] for r in rows] == reference}
     if "passes" in rows[0]:
-        row["tokens_per_pass"] = round(tokens / sum(r["passes"] for r in rows), 3)
+        rounds = max(sum(r["rounds"] for r in rows), 1)
+        row |= {"tokens_per_pass": round(tokens / sum(r["passes"] for r in rows), 3),
+                "draft_s_per_round": round(sum(r["draft_s"] for r in rows) / rounds, 4),
+                "verify_s_per_round": round(sum(r["verify_s"] for r in rows) / rounds, 4),
+                "hidden_s_per_round": round(sum(r["hidden_s"] for r in rows) / rounds, 4),
+                "pregrown_rounds": sum(r["pregrown_rounds"] for r in rows), "rounds": rounds}
     if "draft_n" in rows[0]:
         drafted, accepted = sum(r["draft_n"] for r in rows), sum(r["draft_accepted"] for r in rows)
         row |= {"drafted": drafted, "accepted": accepted,
@@ -184,6 +210,8 @@ def main() -> None:
     parser.add_argument("--draft-max", default="4,8,16", help="llama.cpp's draft lengths to run besides its default")
     parser.add_argument("--cap-mb", type=int, default=None, help="run each side under a memory cap of this size")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled at this temperature")
+    parser.add_argument("--edge-only", action="store_true", help="edge-spec's rows alone (no llama.cpp)")
     parser.add_argument("--build-only", action="store_true", help="build the peer's binaries and stop")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
@@ -199,7 +227,8 @@ def main() -> None:
 
     threads = args.threads or default_threads()
     cap = None if args.cap_mb is None else args.cap_mb << 20
-    job = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads}
+    job = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads,
+           "temperature": args.temperature}
     say(f"edge-spec: plain and auto{'' if cap is None else f', under a {args.cap_mb} MB cap'}")
     if cap is None:
         ours = edge_job(job)
@@ -208,12 +237,12 @@ def main() -> None:
         from memcap import call_capped
 
         ours = call_capped(edge_job, job, limit_bytes=cap).value
-    reference = [r["tokens"] for r in ours["rows"]["edge-spec plain"]]
+    reference = [r["tokens"] for r in ours["rows"]["edge-spec plain"]] if args.temperature == 0 else None
     results = [summary(label, rows, reference) for label, rows in ours["rows"].items()]
     files = [Path(ours["target"])] + ([Path(ours["drafter"])] if ours["drafter"] else [])
     common = ["-m", ours["target"], "-c", str(ours["ctx"]), "-t", str(threads), "-tb", str(threads)]
-    configs = [("llama.cpp plain", [])]
-    if ours["drafter"] and ours["drafter"].endswith(".gguf"):
+    configs = [] if args.edge_only else [("llama.cpp plain", [])]
+    if configs and ours["drafter"] and ours["drafter"].endswith(".gguf"):
         # --spec-type draft-simple: llama.cpp infers the kind of drafting from the draft file's metadata, and a plain
         # model file names none (it would load the drafter and never draft)
         draft = ["-md", ours["drafter"], "--spec-type", "draft-simple"]
@@ -223,11 +252,13 @@ def main() -> None:
     for label, extra in configs:
         say(label)
         with llama_server(bin_dir, common + extra, cap, files) as url:
-            results.append(summary(label, peer_rows(url, ours["prompts"], args.n, ours["stops"]), reference))
+            results.append(summary(label, peer_rows(url, ours["prompts"], args.n, ours["stops"], args.temperature),
+                                   reference))
     base = results[0]["decode_tokens_per_s"]
     for row in results:
         row["vs_edge_plain"] = round(row["decode_tokens_per_s"] / base, 3) if row["decode_tokens_per_s"] else None
     out = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads, "cap_mb": args.cap_mb,
+           "temperature": args.temperature, "overlap": ours["overlap"],
            "placement": ours["placement"], "machine": probe_machine()["cpu"], "peer": str(bin_dir), "rows": results}
     if args.json:
         print(json.dumps(out, indent=2))

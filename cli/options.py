@@ -61,6 +61,9 @@ PlacementOpt = Annotated[str, typer.Option(
          "larger than RAM)")]
 ReadaheadOpt = Annotated[bool, typer.Option(
     "--readahead/--no-readahead", help="ssd: read the next pass's weights while the drafter works")]
+OverlapOpt = Annotated[str, typer.Option(
+    help="the drafter grows the next tree while the target's pass runs: on, off, or auto (on where the target's "
+         "layers are on a GPU, leaving the CPU's cores to the drafter)")]
 MlockOpt = Annotated[bool, typer.Option("--mlock", help="lock the target's weights in RAM")]
 TargetDtypeOpt = Annotated[str | None, typer.Option(
     "--target-dtype", help="rewrite the target with llama.cpp's quantizer first (cached): f16, f32, bf16, q8_0, q4_0, "
@@ -95,9 +98,10 @@ LOAD_FLAGS: dict[str, Any] = {
     "pair": PairOpt, "target": TargetOpt, "drafter": DrafterOpt, "ctx": CtxOpt, "budget": BudgetOpt,
     "accept": AcceptOpt, "threads": ThreadsOpt, "provider": ProviderOpt, "gpu_layers": GpuOpt,
     "placement": PlacementOpt, "readahead": ReadaheadOpt, "mlock": MlockOpt, "target_dtype": TargetDtypeOpt,
-    "lookup": LookupOpt,
+    "lookup": LookupOpt, "overlap": OverlapOpt,
 }
-PLACING = ("threads", "provider", "gpu_layers", "placement", "readahead", "mlock")  # where and how models run
+# where and how models run
+PLACING = ("threads", "provider", "gpu_layers", "placement", "readahead", "overlap", "mlock")
 DECODING = ("drafter", "lookup", "budget", "accept", "ctx", *PLACING)  # what the decoding commands share
 PARAMETERS = {"ctx": "ctx_size"}  # a field whose name the command's typer.Context already takes
 

@@ -14,6 +14,7 @@ from edge.acceptance import Acceptance
 from edge.errors import ContextFull, Interrupted, UserError
 from edge.grow import GrowConfig
 from edge.lookup import Lookup
+from edge.overlap import Overlap, overlapped_round
 from edge.policy import BudgetPolicy, FixedBudget, RoundPlan, RoundPolicy
 from edge.protocols import Drafter, Target
 from edge.residual import AutoRule
@@ -42,6 +43,8 @@ class Stats:
     lookup_rounds: int = 0  # rounds whose tree was lookup branches alone (no drafter pass)
     residual_rounds: int = 0  # tree rounds verified by the residual rule (the rest: sample-and-match)
     budget_sum: int = 0  # draft nodes asked for, summed over rounds (mean budget = budget_sum / rounds)
+    hidden_s: float = 0.0  # drafting done while target passes ran (edge/overlap.py): in verify_s, not in draft_s
+    pregrown_rounds: int = 0  # rounds whose tree was grown during the previous round's pass
 
     @property
     def tokens_per_pass(self) -> float:
@@ -51,9 +54,12 @@ class Stats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.decode_s if self.decode_s else 0.0
 
-    def count(self, plan: RoundPlan, result: RoundResult, passes: int, seconds: float) -> None:
-        """One round: its plan, what it did, the target passes it ran and its wall time."""
+    def count(self, plan: RoundPlan, result: RoundResult, passes: int, seconds: float, pregrown: bool = False) -> None:
+        """One round: its plan, what it did, the target passes it ran, its wall time, and whether its tree was grown
+        during the previous pass."""
         self.rounds += 1
+        self.pregrown_rounds += pregrown
+        self.hidden_s += result.seconds.get("hidden", 0.0)
         self.plain_rounds += plan.grow is None
         self.lookup_rounds += plan.grow is not None and not plan.drafting
         self.residual_rounds += plan.grow is not None and plan.rule == "residual"
@@ -94,6 +100,8 @@ class Stats:
             "lookup_rounds": self.lookup_rounds,
             "residual_rounds": self.residual_rounds,
             "mean_budget": round(self.budget_sum / rounds, 1),
+            "hidden_s_per_round": round(self.hidden_s / rounds, 5),
+            "pregrown_rounds": self.pregrown_rounds,
         }
 
 
@@ -128,7 +136,7 @@ class Decoder:
     def __init__(self, target: Target, drafter: Drafter | None = None, grow_config: GrowConfig | None = None,
                  sampling: SamplingConfig | None = None, policy: BudgetPolicy | None = None, accept: str = "match",
                  *, rounds: RoundPolicy | None = None, caches: SharedCaches | None = None,
-                 lookup: Lookup | None = None):
+                 lookup: Lookup | None = None, overlap: bool = False):
         self.target = target
         speculates = rounds is not None or policy is not None or grow_config is not None
         self.drafter = drafter if speculates else None  # not run at all when every round is plain
@@ -137,6 +145,8 @@ class Decoder:
                                             lookup=self.lookup is not None,
                                             max_lookup=None if grow_config is None else grow_config.budget)
         self.caches = caches or SharedCaches()
+        # drafting during the target's passes (edge/overlap.py)
+        self.overlap = Overlap() if overlap and self.drafter is not None else None
         self.context: list[int] = []
         self.cached_tokens = 0  # of the last prompt loaded, how many the caches already held
         self.set_sampling(sampling or SamplingConfig())
@@ -175,6 +185,7 @@ class Decoder:
         self.caches.holder = self
         keep = min(_common_prefix(self.context, tokens), len(tokens) - 1, max(len(self.context) - 1, 0))
         self.cached_tokens = keep
+        self._forget_pregrown()
         for model in self._models():
             model.truncate(keep)
         for done in range(keep, len(tokens) - 1, PREFILL_CHUNK) or [keep]:  # an empty prefill still runs (flushes)
@@ -189,6 +200,7 @@ class Decoder:
         return time.perf_counter() - start
 
     def reset(self) -> None:
+        self._forget_pregrown()
         for model in self._models():
             model.truncate(0)
         self.context = []
@@ -231,14 +243,21 @@ class Decoder:
             if self.drafter is not None or self.lookup is not None:
                 proposed = None if self.lookup is None else self.lookup.propose(min(LOOKUP_BRANCHES, room - 1))
                 plan = self.rounds.plan(room, max_tokens - stats.new_tokens, proposed)
-            result = speculative_round(self.target, self.drafter if plan.drafting else None, self.context, plan.grow,
-                                       self.sampling, self.rng, self.rounds.acceptances[plan.rule], stop_tokens,
-                                       plan.rule, self.draft_rng, plan.lookup,
-                                       self.rounds.lookup_acceptance if plan.lookup else None)
+            pregrown = False
+            lookup_acceptance = self.rounds.lookup_acceptance if plan.lookup else None
+            if self.overlap is not None and plan.drafting and plan.rule == "match":
+                result, pregrown = overlapped_round(self.target, self.drafter, self.context, plan.grow, self.sampling,
+                                                    self.rng, self.overlap, self.rounds.acceptances[plan.rule],
+                                                    stop_tokens, plan.lookup, lookup_acceptance)
+            else:
+                self._forget_pregrown()
+                result = speculative_round(self.target, self.drafter if plan.drafting else None, self.context,
+                                           plan.grow, self.sampling, self.rng, self.rounds.acceptances[plan.rule],
+                                           stop_tokens, plan.rule, self.draft_rng, plan.lookup, lookup_acceptance)
             if self.drafter is not None and not plan.drafting:  # it catches up on the tokens at its next tree
                 self.drafter.commit(result.tree, result.path)
             self.rounds.observe(plan, result)
-            stats.count(plan, result, self.target.passes - passes, time.perf_counter() - started)
+            stats.count(plan, result, self.target.passes - passes, time.perf_counter() - started, pregrown)
             for token in result.tokens:
                 self.context.append(token)
                 stats.new_tokens += 1
@@ -261,8 +280,13 @@ class Decoder:
 
     def _sync(self) -> None:
         """Drop accepted tokens past the stop point, so the caches hold exactly context[:-1]."""
+        self._forget_pregrown()
         for model in self._models():
             model.truncate(len(self.context) - 1)
+
+    def _forget_pregrown(self) -> None:
+        if self.overlap is not None:
+            self.overlap.forget()
 
     def _models(self) -> list[Target | Drafter]:
         return [m for m in (self.target, self.drafter) if m is not None]

@@ -108,83 +108,165 @@ def grow(drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acc
     `lookup`'s branches (edge/lookup.py) join the tree first, scored by their own measured acceptance
     (`lookup_acceptance`), and compete for the budget with the drafter's nodes; where the drafter proposes a token a
     branch already holds, the two share the node. Without a drafter the tree is the lookup branches alone."""
-    # Trees of up to MAX_LEAVES nodes run at most that many nodes through the drafter, as they always have; larger
-    # ones may run as many as it has room for, and keep every node they ran (_leaf_bound_order).
-    branches = [] if lookup is None else lookup.branches
-    if drafter is None:
-        room, expansions = 0, 0
-    else:
-        room = drafter.expand_capacity if config.budget > MAX_LEAVES else min(drafter.expand_capacity, MAX_LEAVES)
-        expansions = config.max_steps * config.beams + config.max_passes - config.max_steps
-    capacity = 1 + len(branches) + min(expansions, room) * config.width
-    extend_from = float(np.log(config.extend_prob)) if config.extend_prob else 0.0
-    tokens = np.zeros(capacity, np.int32)
-    parents = np.full(capacity, -1, np.int32)
-    depth = np.zeros(capacity, np.int32)
-    score = np.full(capacity, -np.inf, np.float32)
-    draft = np.zeros(capacity, np.float32)
-    rank = np.zeros(capacity, np.int32)
-    source = np.zeros(capacity, np.uint8)  # DRAFTED | LOOKED_UP
-    kept = np.zeros(capacity, bool)
-    expanded = np.zeros(capacity, bool)  # also set for stop tokens, which are never expanded
-    ran = np.zeros(capacity, bool)  # the drafter ran the node (its keys are in its cache): only its children may run
-    stops = np.fromiter(stop_tokens, np.int32, len(stop_tokens))
-    tokens[0], score[0], kept[0] = root, 0.0, True
-    n = 1 + _add_branches(branches, tokens, parents, depth, score, draft, rank, source, lookup_acceptance,
-                          frozenset(stop_tokens))
-    kept[1:n] = depth[1:n] <= config.max_depth  # no deeper than the reply can use
-    expanded[1:n] = np.isin(tokens[1:n], stops)
-    children = {(int(parents[i]), int(tokens[i])): i for i in range(1, n)}  # where a drafter's child may join
-    _keep_best(kept[:n], score[:n], depth[:n], parents[:n], config.budget)
-    expand_room = room
-    steps = 0
-    while drafter is not None and steps < config.max_passes:
+    growth = Growth(drafter, root, config, acceptance, stop_tokens, expand, lookup, lookup_acceptance)
+    while growth.step():
+        pass
+    return growth.tree()[0], growth.steps
+
+
+class Growth:
+    """One tree's growth, a drafter pass per step (grow() runs it to the end). After the tree is taken for a target
+    pass, `go_on` lets growth continue past its budget while that pass runs (edge/overlap.py): the nodes it adds are
+    the likeliest continuations of every outcome the pass may have, and the one the target takes becomes the next
+    round's tree."""
+
+    def __init__(self, drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acceptance | None = None,
+                 stop_tokens: frozenset[int] = frozenset(), expand: Expand | None = None,
+                 lookup: LookupTree | None = None, lookup_acceptance: Acceptance | None = None,
+                 extra_expansions: int = 0) -> None:
+        # Trees of up to MAX_LEAVES nodes run at most that many nodes through the drafter, as they always have; larger
+        # ones may run as many as it has room for, and keep every node they ran (_leaf_bound_order).
+        branches = [] if lookup is None else lookup.branches
+        if drafter is None:
+            room, expansions = 0, 0
+        else:
+            room = drafter.expand_capacity if config.budget > MAX_LEAVES else min(drafter.expand_capacity, MAX_LEAVES)
+            expansions = config.max_steps * config.beams + config.max_passes - config.max_steps + extra_expansions
+        self.drafter, self.config, self.acceptance, self.expand = drafter, config, acceptance, expand
+        capacity = 1 + len(branches) + min(expansions, room) * config.width
+        self.extend_from = float(np.log(config.extend_prob)) if config.extend_prob else 0.0
+        self.tokens = np.zeros(capacity, np.int32)
+        self.parents = np.full(capacity, -1, np.int32)
+        self.depth = np.zeros(capacity, np.int32)
+        self.score = np.full(capacity, -np.inf, np.float32)
+        self.draft = np.zeros(capacity, np.float32)
+        self.rank = np.zeros(capacity, np.int32)
+        self.source = np.zeros(capacity, np.uint8)  # DRAFTED | LOOKED_UP
+        self.kept = np.zeros(capacity, bool)
+        self.expanded = np.zeros(capacity, bool)  # also set for stop tokens, which are never expanded
+        self.ran = np.zeros(capacity, bool)  # the drafter ran it (its keys are cached): its children may run
+        self.stops = np.fromiter(stop_tokens, np.int32, len(stop_tokens))
+        self.tokens[0], self.score[0], self.kept[0] = root, 0.0, True
+        n = 1 + _add_branches(branches, self.tokens, self.parents, self.depth, self.score, self.draft, self.rank,
+                              self.source, lookup_acceptance, frozenset(stop_tokens))
+        self.kept[1:n] = self.depth[1:n] <= config.max_depth  # no deeper than the reply can use
+        self.expanded[1:n] = np.isin(self.tokens[1:n], self.stops)
+        self.children = {(int(self.parents[i]), int(self.tokens[i])): i for i in range(1, n)}  # lookup's nodes
+        self.n = n
+        _keep_best(self.kept[:n], self.score[:n], self.depth[:n], self.parents[:n], config.budget)
+        self.expand_room = room
+        self.steps = 0
+        self.budget = config.budget
+        self.going_on = False
+
+    def step(self) -> bool:
+        """One drafter pass; False (and nothing run) once growth has stopped."""
+        config, n = self.config, self.n
+        kept, score, depth, parents = self.kept, self.score, self.depth, self.parents
+        if self.drafter is None or (not self.going_on and self.steps >= config.max_passes):
+            return False
         # a lookup branch runs through the drafter only below a node that did (its keys must be there)
-        candidates = np.flatnonzero(kept[:n] & ~expanded[:n] & (depth[:n] < config.max_depth)
-                                    & ((parents[:n] < 0) | ran[np.maximum(parents[:n], 0)]))
-        if int(kept[:n].sum()) - 1 >= config.budget:
+        candidates = np.flatnonzero(kept[:n] & ~self.expanded[:n] & (depth[:n] < config.max_depth)
+                                    & ((parents[:n] < 0) | self.ran[np.maximum(parents[:n], 0)]))
+        if int(kept[:n].sum()) - 1 >= self.budget:
             worst = score[:n][kept[:n]].min()
             candidates = candidates[score[candidates] > worst]  # tight stop: children score below parents
         beams = config.beams
-        if steps >= config.max_steps:  # extending: the best node alone, while its path is likely
-            candidates, beams = candidates[score[candidates] >= extend_from], 1
-        if len(candidates) == 0 or expand_room == 0:
-            break
+        if self.steps >= config.max_steps and not self.going_on:  # extending: the best node alone, while likely
+            candidates, beams = candidates[score[candidates] >= self.extend_from], 1
+        take = min(beams, self.expand_room, len(candidates))
+        if take == 0 or n + take * config.width > len(self.tokens):  # nothing to expand, or no room left
+            return False
         order = np.lexsort((depth[candidates], -score[candidates]))
-        nodes = candidates[order[: min(beams, expand_room)]]
-        view = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n])
-        ids, log_probs = (expand or drafter.expand)(view, nodes, config.width)  # [len(nodes), width] each
+        nodes = candidates[order[:take]]
+        view = TokenTree(self.tokens[:n], parents[:n], depth[:n], score[:n])
+        ids, log_probs = (self.expand or self.drafter.expand)(view, nodes, config.width)  # [len(nodes), width] each
         if config.draft_temperature != 1.0:
             log_probs = _sharpen(log_probs, config.draft_temperature)
-        expanded[nodes] = ran[nodes] = True
-        expand_room -= len(nodes)
-        steps += 1
-        gain = log_probs if acceptance is None else acceptance.log_accept_children(log_probs, depth[nodes] + 1)
+        self.expanded[nodes] = self.ran[nodes] = True
+        self.expand_room -= len(nodes)
+        self.steps += 1
+        gain = log_probs if self.acceptance is None else self.acceptance.log_accept_children(log_probs,
+                                                                                            depth[nodes] + 1)
         offered = np.isfinite(log_probs)  # [len(nodes), width]: False where a row had fewer children to give
         new_scores = score[nodes, None] + np.where(offered, gain, -np.inf)  # [len(nodes), width]
-        if children:  # a token a lookup branch holds already: the node is shared, scored by the likelier source
+        if self.children:  # a token a lookup branch holds already: the node is shared, scored by the likelier source
             for row, column in zip(*np.nonzero(offered), strict=True):
-                joined = children.get((int(nodes[row]), int(ids[row, column])))
+                joined = self.children.get((int(nodes[row]), int(ids[row, column])))
                 if joined is not None:
                     score[joined] = max(score[joined], new_scores[row, column])
-                    draft[joined], rank[joined] = log_probs[row, column], column
-                    source[joined] |= DRAFTED
+                    self.draft[joined], self.rank[joined] = log_probs[row, column], column
+                    self.source[joined] |= DRAFTED
                     kept[joined] = True
                     offered[row, column] = False
         new = slice(n, n + ids.size)
-        tokens[new] = ids.ravel()
+        self.tokens[new] = ids.ravel()
         parents[new] = np.repeat(nodes, config.width)
         depth[new] = np.repeat(depth[nodes] + 1, config.width)
-        draft[new] = log_probs.ravel()
-        rank[new] = np.tile(np.arange(ids.shape[1], dtype=np.int32), len(nodes))  # expand gives each row best first
+        self.draft[new] = log_probs.ravel()
+        self.rank[new] = np.tile(np.arange(ids.shape[1], dtype=np.int32), len(nodes))  # each row best first
         score[new] = np.where(offered, new_scores, -np.inf).ravel()
-        source[new] = DRAFTED
+        self.source[new] = DRAFTED
         kept[new] = offered.ravel()
-        expanded[new] = np.isin(tokens[new], stops)
-        n += ids.size
-        _keep_best(kept[:n], score[:n], depth[:n], parents[:n], config.budget)
-    tree = TokenTree(tokens[:n], parents[:n], depth[:n], score[:n], draft[:n], rank[:n], source[:n])
-    return tree.subset(kept[:n]), steps
+        self.expanded[new] = np.isin(self.tokens[new], self.stops)
+        self.n = n = n + ids.size
+        _keep_best(kept[:n], score[:n], depth[:n], parents[:n], self.budget)
+        return True
+
+    def tree(self) -> tuple[TokenTree, np.ndarray]:
+        """The kept tree, and the index in this growth of each of its nodes."""
+        n = self.n
+        whole = TokenTree(self.tokens[:n], self.parents[:n], self.depth[:n], self.score[:n], self.draft[:n],
+                          self.rank[:n], self.source[:n])
+        return whole.subset(self.kept[:n]), np.flatnonzero(self.kept[:n])
+
+    def go_on(self, budget: int) -> None:
+        """From now on grow past the tree already taken, up to `budget` kept nodes, a pass at a time as long as
+        step() is called: best first, `beams` nodes a pass, with no step limit (the caller stops when the target's
+        pass is done)."""
+        self.going_on = True
+        self.budget = max(self.budget, budget)
+        n = self.n  # the nodes the smaller budget turned away may come back: the best `budget` of all offered
+        self.kept[:n] = np.isfinite(self.score[:n]) & (self.depth[:n] <= self.config.max_depth)
+        _keep_best(self.kept[:n], self.score[:n], self.depth[:n], self.parents[:n], self.budget)
+
+    def subtree(self, node: int, budget: int, max_depth: int) -> TokenTree | None:
+        """The kept nodes below `node` (an index in this growth), re-rooted there: its best `budget` nodes, no deeper
+        than `max_depth` below it. None where it has no kept child."""
+        n = self.n
+        inside = np.zeros(n, bool)
+        inside[node] = True
+        for i in range(node + 1, n):  # parents come before children
+            if self.kept[i] and self.parents[i] >= 0 and inside[self.parents[i]]:
+                inside[i] = self.depth[i] - self.depth[node] <= max_depth
+        if inside.sum() < 2:
+            return None
+        base_depth, base_score = self.depth[node], self.score[node]
+        keep = inside.copy()
+        _keep_best(keep, np.where(inside, self.score[:n], -np.inf), self.depth[:n], self.parents[:n], budget)
+        keep[:node] = False  # _keep_best counts its first kept node as the root
+        keep[node] = True
+        index = np.flatnonzero(keep)
+        new_index = np.full(n, -1, np.int64)
+        new_index[index] = np.arange(len(index))
+        parents = np.where(index == node, -1, new_index[np.maximum(self.parents[index], 0)]).astype(np.int32)
+        return TokenTree(self.tokens[index].copy(), parents, (self.depth[index] - base_depth).astype(np.int32),
+                         (self.score[index] - base_score).astype(np.float32), self.draft[index].copy(),
+                         self.rank[index].copy(), self.source[index].copy())
+
+    def find(self, tokens: list[int]) -> int | None:
+        """The node (an index in this growth) at the end of `tokens` from the root (tokens[0] is the root's), among
+        the nodes offered so far; None where growth has no such path."""
+        node = 0
+        if int(self.tokens[0]) != tokens[0]:
+            return None
+        for token in tokens[1:]:
+            hits = np.flatnonzero((self.parents[: self.n] == node) & (self.tokens[: self.n] == token)
+                                  & np.isfinite(self.score[: self.n]))
+            if len(hits) == 0:
+                return None
+            node = int(hits[0])
+        return node
 
 
 def _add_branches(branches: list, tokens: np.ndarray, parents: np.ndarray, depth: np.ndarray, score: np.ndarray,

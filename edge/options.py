@@ -15,6 +15,7 @@ ACCEPT_RULES = ("match", "residual", "auto")  # sample-and-match, multi-candidat
 PLACEMENTS = ("ram", "ssd")
 TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
 PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
+OVERLAP_MODES = ("auto", "on", "off")  # drafting during the target's passes (edge/overlap.py); auto: where they wait
 LOOKUP_MODES = ("on", "off", "keep")  # keep: earlier runs' replies too, kept in the cache (edge/lookup.py)
 NO_DRAFTER = ("lookup", "none")  # drafter values that load no drafter model: lookup drafting alone (or plain decoding)
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more than this only waits on each other (a million would never start)
@@ -37,6 +38,8 @@ class LoadOptions:
     provider: str | None = None  # onnxruntime execution provider for ONNX models (default: models.toml's)
     placement: str = "ram"  # "ram", or "ssd": the target read from its file every pass, as for one larger than RAM
     readahead: bool = True  # ssd: read the next pass's weights while the drafter works
+    overlap: str = "auto"  # the drafter grows during the target's passes: on, off, or auto (on where the target's
+    # layers are on a GPU, which leaves the CPU's cores to the drafter)
     mlock: bool = False  # lock the target's weights in RAM
     target_dtype: str | None = None  # rewrite the target with llama.cpp's quantizer first (cached); "as-is": the source
     drafter_runtime: str | None = None  # run the pair's drafter file on this runtime (default: models.toml's)
@@ -69,6 +72,8 @@ class LoadOptions:
             if self.provider.lower() not in PROVIDERS:
                 raise UserError(f"provider must be one of {', '.join(PROVIDERS)} (got {self.provider!r})", "provider")
             object.__setattr__(self, "provider", self.provider.lower())
+        if self.overlap not in OVERLAP_MODES:
+            raise UserError(f"overlap must be one of {', '.join(OVERLAP_MODES)} (got {self.overlap!r})", "overlap")
         if self.placement not in PLACEMENTS:
             raise UserError(f"placement must be ram or ssd (got {self.placement!r})", "placement")
         if self.placement == "ssd" and self.mlock:

@@ -132,16 +132,20 @@ class RoundPolicy:
         """How many of the lookup branches (the likeliest, by their measured acceptance) a tree of their own should
         take: the count whose expected tokens per second of target pass is best, 0 where none beats a plain pass. A
         budget policy that has not measured passes (a fixed tree) takes all it has room for."""
-        reach = np.ones(len(lookup))  # the chance that the target accepts each branch's whole path
+        parents = [branch.parent for branch in lookup.branches]
+        probability = np.array([branch.probability for branch in lookup.branches])
         depth = np.ones(len(lookup), np.int64)
         best_sibling: dict[int, float] = {}
-        for branch in lookup.branches:
-            best_sibling[branch.parent] = max(best_sibling.get(branch.parent, 0.0), branch.probability)
-        for i, branch in enumerate(lookup.branches):  # parents come first
-            above = 1.0 if branch.parent < 0 else reach[branch.parent]
-            depth[i] = 1 if branch.parent < 0 else depth[branch.parent] + 1
-            rank = int(branch.probability < best_sibling[branch.parent])
-            reach[i] = above * self.lookup_acceptance.rate(branch.probability, int(depth[i]), rank)
+        for i, (parent, p) in enumerate(zip(parents, probability.tolist(), strict=True)):  # parents come first
+            best_sibling[parent] = max(best_sibling.get(parent, 0.0), p)
+            if parent >= 0:
+                depth[i] = depth[parent] + 1
+        rank = (probability < np.array([best_sibling[parent] for parent in parents])).astype(np.int64)
+        rates = np.exp(self.lookup_acceptance.log_accept(np.log(np.maximum(probability, 1e-30)), depth, rank))
+        reach = rates.tolist()  # the chance that the target accepts each branch's whole path
+        for i, parent in enumerate(parents):
+            if parent >= 0:
+                reach[i] *= reach[parent]
         taken = np.sort(reach)[::-1][:most]  # a child's reach is below its parent's: the best k are a tree
         if self.budget.pass_s(1) is None:
             return len(taken)

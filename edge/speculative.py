@@ -65,6 +65,18 @@ def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, histor
         seen.append(token)
 
 
+def accept_and_learn(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, history: Sequence[int],
+                     rng: np.random.Generator, proposer: Proposer | None, acceptance: Acceptance | None,
+                     lookup_acceptance: Acceptance | None) -> tuple[list[int], int]:
+    """accept(), then each measured rate learns from the round: the drafter's nodes, and lookup's."""
+    path, token = accept(tree, logits, sampling, history, rng, proposer)
+    if acceptance is not None:
+        acceptance.observe(tree, path, token, DRAFTED)
+    if lookup_acceptance is not None:
+        lookup_acceptance.observe(tree, path, token, LOOKED_UP)
+    return path, token
+
+
 class Stopwatch:
     """Seconds by step of one round: `with clock("verify"):` adds the block's time to clock.seconds["verify"]."""
 
@@ -126,12 +138,8 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
             tree, passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens,
                                 None if proposer is None else proposer.expand, lookup, lookup_acceptance)
     with clock("verify"):
-        logits = target.verify(tree)
-        path, token = accept(tree, logits, sampling, context[:-1], rng, proposer)
-        if acceptance is not None:
-            acceptance.observe(tree, path, token, DRAFTED)
-        if lookup_acceptance is not None:
-            lookup_acceptance.observe(tree, path, token, LOOKED_UP)
+        path, token = accept_and_learn(tree, target.verify(tree), sampling, context[:-1], rng, proposer, acceptance,
+                                       lookup_acceptance)
     with clock("commit"):
         target.commit(tree, path)
     with clock("drafter commit"):

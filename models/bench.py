@@ -144,7 +144,7 @@ def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_t
                 grow = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
             lookup = Lookup(Corpus()) if looks else None
             runs.append((method, budget, accept, Decoder(pair.target, drafter, grow, sampling, policy, accept,
-                                                         lookup=lookup)))
+                                                         lookup=lookup, overlap=pair.overlaps)))
         report(f"{label}: {', '.join(_label(m, b, a, accepts) for m, b, a, _ in runs)}; "
                f"{len(prompts)} prompts, each through every row in turn")
         results = _decode_interleaved([decoder for *_, decoder in runs], prompt_tokens, max_tokens, sampling, tick)
@@ -161,7 +161,7 @@ def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_t
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0
     target_file = model_path(pair.spec.target)
-    return {"pair": pair.name, "machine": probe_machine(), "placement": pair.placement,
+    return {"pair": pair.name, "machine": probe_machine(), "placement": pair.placement, "overlap": pair.overlaps,
             "evicted_by": "kernel" if pair.streamed else "edge-spec" if pair.placement == "ssd" else None,
             "target": target_file.name if target_file is not None else None, "prompts": len(prompts),
             "max_tokens": max_tokens, "temperature": sampling.temperature, "sampling": sampling.described(),
@@ -264,6 +264,8 @@ def _row(method: str, budget: int | str | None, stats: Stats, matches_plain: boo
         "plain_rounds": stats.plain_rounds if budget == "auto" else 0,
         "lookup_rounds": stats.lookup_rounds,
         "residual_rounds": stats.residual_rounds,
+        "hidden_s_per_round": figures["hidden_s_per_round"],  # drafting during the target's passes (--overlap)
+        "pregrown_rounds": stats.pregrown_rounds,
         "matches_plain": matches_plain,
     }
 

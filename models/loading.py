@@ -18,6 +18,7 @@ from edge.models.opening import drafter_model, graph_folder, head_ids, materiali
 from edge.models.pair import NESTED, Pair, budget_refused, open_corpus, tree_nodes
 from edge.models.registry import ModelSpec, PairSpec, Registry, Source, load_registry
 from edge.models.sources import model_path
+from edge.offload.plan import AUTO_MAX_BUDGET
 from edge.runtimes import DRAFTERS, ModelOptions, check_name, default_threads, drafts_from, runtime, traits
 
 from edge.chat_template import ChatTemplate
@@ -147,6 +148,7 @@ class PlannedTarget:
 
     gpu_layers: int  # target layers on the GPU (0 without one)
     streamed: bool  # its weights do not fit in RAM: used from the file's mapping (never repacked), read every pass
+    max_tree: int | None = None  # auto's largest tree, where a memory limit leaves room for no larger (None: no bound)
 
 
 def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _quiet,
@@ -163,13 +165,17 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
 
     plan = make_plan(spec, None, models_file, drafts=drafts)
     streamed = plan.target.placement == "ssd"
+    max_tree = plan.tree.n_tokens if spec.budget == "auto" and plan.tree.n_tokens < AUTO_MAX_BUDGET + 1 else None
+    if max_tree is not None:
+        report(f"plan: auto's trees are at most {max_tree} nodes (the logits of larger ones would not fit under the "
+               "memory limit)")
     if streamed:
         report(f"plan: the target does not fit in RAM ({plan.machine.ram_free / 2**30:.1f} GiB free): "
                f"{plan.ssd_bytes / 2**30:.1f} GiB of its weights are read from the drive on every pass")
     if not probe_gpus():
-        return PlannedTarget(0, streamed)
+        return PlannedTarget(0, streamed, max_tree)
     report(f"plan: {plan.target.n_gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
-    return PlannedTarget(plan.target.n_gpu_layers, streamed)
+    return PlannedTarget(plan.target.n_gpu_layers, streamed, max_tree)
 
 
 def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, models_file: Path | None = None,
@@ -198,6 +204,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     draft_threads = drafter_threads(options.threads, options.placement, options.readahead)
     budget = spec.budget if options.budget is None else options.budget
     nodes = tree_nodes(budget)
+    if planned.max_tree is not None:  # a memory limit: no larger batch than the plan fits (or the budget asks)
+        nodes = min(nodes, max(planned.max_tree, 1 if budget == "auto" else int(budget) + 1))
     kind = traits(spec.target.runtime)
     if kind.max_tree is not None and nodes > kind.max_tree:  # refused before anything loads
         raise UserError(budget_refused(spec.name, int(budget), kind.max_tree))
@@ -225,6 +233,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         template = ChatTemplate(info.chat_template, special.bos_text, special.eos_text) if info.chat_template else None
     return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
                 sampling=chat_sampling(target_file, report), load_seconds=times, report=report, streamed=streamed,
+                max_tree=planned.max_tree,
                 corpus=open_corpus(target_file, options.lookup, report))
 
 

@@ -65,6 +65,7 @@ class Pair:
     report: Report = field(default=_quiet, repr=False)
     streamed: bool = False  # the plan put the target on the drive (larger than RAM): the kernel streams it
     corpus: Corpus | None = None  # earlier replies lookup drafts from (None: lookup off); every decoder shares it
+    max_tree: int | None = None  # auto's largest tree where the plan bounds it (a memory limit); None: as measured
     closed: bool = False
     _decoder: Decoder | None = field(default=None, repr=False)
     _decoder_key: tuple | None = field(default=None, repr=False)
@@ -190,9 +191,20 @@ class Pair:
         if budget != "auto":
             self.fit_budget(int(budget))
             return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling,
-                           accept=self.options.accept, lookup=proposer)
+                           accept=self.options.accept, lookup=proposer, overlap=self.overlaps)
         return Decoder(self.target, self.drafter, None, sampling, policy=self.auto_budget(), accept=self.options.accept,
-                       lookup=proposer)
+                       lookup=proposer, overlap=self.overlaps)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the drafter grows during the target's passes (edge/overlap.py): --overlap on, or auto where the
+        target's pass leaves the cores to the drafter (layers on a GPU). A target computing on the CPU's cores shares
+        them with the drafter: from the SSD here, with no read-ahead, overlap slowed its passes from 1.0 to 1.6-1.9 s
+        (docs/performance.md, "Overlapped drafting")."""
+        mode = self.options.overlap
+        if mode != "auto":
+            return mode == "on"
+        return bool(self.options.gpu_layers)
 
     def reused_decoder(self, sampling: SamplingConfig, speculate: bool = True,
                        budget: int | str | None = None) -> Decoder:
@@ -240,7 +252,8 @@ class Pair:
                     self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree)
                     if key is not None:
                         cache.write(_newest({**known, key: {**self.costs.to_json(), "measured": time.time()}}))
-        self.fit_budget(budget_limit(self.costs))  # the larger trees its measured flat passes allow
+        limit = budget_limit(self.costs)  # the larger trees its measured flat passes allow, within the plan's bound
+        self.fit_budget(limit if self.max_tree is None else min(limit, self.max_tree - 1))
         return AutoBudget(self.costs)
 
     def swap_drafter(self, runtime_name: str | None = None, vocab: int | None = None, quantize: str | None = None,
@@ -279,7 +292,8 @@ class Pair:
         streamer = self.target.streamer
         readahead = None if streamer is None else streamer.readahead
         return (f"{machine_key(path)}|{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{self.placement}|"
-                f"readahead {readahead}|drafter threads {self.drafter_threads}|{COSTS_VERSION}")
+                f"readahead {readahead}|drafter threads {self.drafter_threads}|{COSTS_VERSION}"
+                + ("" if self.max_tree is None else f"|trees up to {self.max_tree}"))  # a memory limit's plan
 
 
 PASS_TIMES_KEPT = 64  # pass-times.json keeps the newest entries: one is made per machine, placement and file

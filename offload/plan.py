@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from edge.runtimes import DEFAULT, traits
+from edge.runtimes import DEFAULT, TRAITS, traits
 
 from edge.errors import UserError
 
@@ -44,6 +44,8 @@ RAM_HEADROOM = 2 * GIB  # left to the OS, Python, onnxruntime and logits buffers
 # headroom is for what loading adds besides weights and KV caches: onnxruntime's arenas, llama.cpp's compute graph,
 # and each model's logits (its buffer and the graph's output: 2 x batch x vocabulary x 4 bytes, _logits_bytes).
 CAPPED_HEADROOM = 192 * MIB
+MAX_SEQUENCES = 256  # llama.cpp's sequences per context: its output buffer holds at least as many rows
+CAPPED_MIN_TREE = 17  # under a memory limit, auto's trees may be cut down to this many nodes to fit (budget 16)
 UNKNOWN_VOCAB = 262_144  # a vocabulary models.toml facts do not give: the largest of the common ones (Gemma's)
 GPU_RESERVE = 3 * GIB // 2  # llama.cpp's CUDA context and compute buffers for a batch of a few hundred tokens
 OP_OFFLOAD_MIN_BATCH = 32  # from this batch size llama.cpp computes CPU-resident layers on the GPU (uploading them)
@@ -252,18 +254,23 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
     as many layers on the GPU as fit, the rest in RAM when they fit, else mmap'd from the SSD (`stream`: from the
     SSD even where they would fit, as `--placement ssd` runs them). Without a `drafter` (lookup drafting alone) the
     drafter's plan takes no memory: placement "none"."""
-    n_tree = largest_tree(pair)
     gpu = machine.vram_free > 0
-    vram_left = max(0, machine.vram_free - GPU_RESERVE) if gpu else 0
-    headroom = _headroom(machine, target, drafter, n_tree)
-    ram_left = machine.ram_free - headroom
-    room = f"a {_gib(headroom)} headroom" + (" under this process's memory limit (its cgroup's)" if machine.capped
-                                               else "")
-    draft = _place_drafter(pair, drafter, gpu, vram_left, ram_left, n_tree, room) if drafter is not None else \
-        _no_drafter(pair, target)
-    vram_left -= draft.vram_bytes
-    ram_left -= draft.ram_bytes
-    main = _place_target(pair, target, gpu, vram_left, ram_left, n_tree, room)
+    sizes = _tree_sizes(pair, machine)
+    for n_tree in sizes:  # under a memory limit, auto's largest tree shrinks until the two models' logits fit
+        vram_left = max(0, machine.vram_free - GPU_RESERVE) if gpu else 0
+        headroom = _headroom(machine, target, drafter, n_tree, pair.drafter.runtime)
+        ram_left = machine.ram_free - headroom
+        room = f"a {_gib(headroom)} headroom" + (" under this process's memory limit (its cgroup's)"
+                                                   if machine.capped else "")
+        try:
+            draft = _place_drafter(pair, drafter, gpu, vram_left, ram_left, n_tree, room) if drafter is not None \
+                else _no_drafter(pair, target)
+            main = _place_target(pair, target, gpu, vram_left - draft.vram_bytes, ram_left - draft.ram_bytes, n_tree,
+                                 room)
+            break
+        except UserError:
+            if n_tree == sizes[-1]:
+                raise
     fits = main.placement != "ssd"
     if stream and main.placement == "ram":
         if not traits(main.runtime).streams:
@@ -271,6 +278,9 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
                             "placement")
         main = replace(main, placement="ssd", ram_bytes=main.kv_bytes, repack=False)
     notes = []
+    if n_tree < sizes[0]:
+        notes.append(f"auto's trees are at most {n_tree} nodes here: the logits of larger ones would not fit under the "
+                     "memory limit beside the drafter")
     if main.placement == "ssd":
         why = "streamed as asked (--placement ssd)" if fits else "does not fit in RAM"
         notes.append(f"the target {why}: {_gib(_off_gpu_bytes(main))} of it is read from the drive "
@@ -289,17 +299,42 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
     return replace(plan, notes=tuple(notes))
 
 
-def _headroom(machine: Machine, target: Shape, drafter: Shape | None, n_tree: int) -> int:
+def _headroom(machine: Machine, target: Shape, drafter: Shape | None, n_tree: int,
+              drafter_runtime: str = DEFAULT) -> int:
     """RAM kept free past the weights and KV caches: RAM_HEADROOM on a machine, or under a memory cgroup's limit
     CAPPED_HEADROOM and the logits the two models' batches produce."""
     if not machine.capped:
         return RAM_HEADROOM
-    return CAPPED_HEADROOM + _logits_bytes(target, n_tree + BATCH_EXTRA) + (
-        _logits_bytes(drafter, n_tree) if drafter is not None else 0)
+    # the target: its graph's output (a row per token of its batch) and its output buffer (a row per tree node, but
+    # never fewer than llama.cpp's 256 sequences)
+    target_rows = n_tree + BATCH_EXTRA + max(n_tree, MAX_SEQUENCES)
+    return CAPPED_HEADROOM + _logits_bytes(target, target_rows) // 2 + (
+        _logits_bytes(drafter, n_tree if _batch_logits(drafter_runtime) else _expanded_rows(n_tree))
+        if drafter is not None else 0)
+
+
+def _batch_logits(runtime: str) -> bool:
+    """Whether a drafter on `runtime` holds logits for its whole batch (where the runtime is chosen at load, by the
+    file's architecture, the plan assumes it does)."""
+    return runtime not in TRAITS or traits(runtime).drafter_batch_logits
+
+
+def _expanded_rows(n_tree: int) -> int:
+    """The most nodes one drafter pass expands in growing a tree of n_tree nodes (GrowConfig.for_budget's beams)."""
+    return max(1, (n_tree - 1) // 16)
 
 
 def _logits_bytes(shape: Shape, n_batch: int) -> int:
     return 2 * n_batch * (shape.n_vocab or UNKNOWN_VOCAB) * 4
+
+
+def _tree_sizes(pair: PairSpec, machine: Machine) -> list[int]:
+    """The largest trees the plan tries, largest first: the pair's, and under a memory limit with --budget auto, smaller
+    ones down to CAPPED_MIN_TREE nodes (auto chooses within what the plan sized)."""
+    largest = largest_tree(pair)
+    if not machine.capped or pair.budget != "auto":
+        return [largest]
+    return [largest, *(n + 1 for n in (128, 64, 32) if n + 1 < largest), CAPPED_MIN_TREE]
 
 
 def largest_tree(pair: PairSpec) -> int:

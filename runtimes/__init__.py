@@ -41,6 +41,9 @@ class Traits:
     own_kv: tuple[str, str] | None = None
     # GGUF files it can draft from: "*" any, else a set of general.architecture values (the graph builder's)
     architectures: frozenset[str] | str = "*"
+    # a drafter's logits for every row of its batch (a buffer and the graph's output, sized by the batch); False: its
+    # graph gives each expanded node's top-k, so only the rows a pass expands hold logits
+    drafter_batch_logits: bool = True
 
 
 TRAITS = {
@@ -48,7 +51,7 @@ TRAITS = {
                         providers=False),
     "onnx": Traits(streams=False, splits_layers=False, trims_head=True, shared_cache=True, max_tree=256,
                    providers=True, derives_files=True, own_kv=("q4_0", "q8_0"),
-                   architectures=frozenset({"llama", "qwen2", "gemma3"})),
+                   architectures=frozenset({"llama", "qwen2", "gemma3"}), drafter_batch_logits=False),
 }
 PACKAGES = {name: f"edge.runtimes.{name}" for name in RUNTIMES}  # the package each runtime's functions are in
 

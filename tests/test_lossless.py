@@ -267,6 +267,23 @@ def test_greedy_speculation_with_lookup_equals_plain_decoding(pair: Pair, plain_
             assert_caches_hold_exactly(pair, decoder)
 
 
+def test_greedy_speculation_with_overlap_equals_plain_decoding(pair: Pair, plain_outputs: dict) -> None:
+    """The drafter grows during the target's pass (llama.cpp's decode in a worker thread, the drafter on the main
+    one; edge/overlap.py), and rounds verify the trees grown so: the target's greedy text, token for token, and
+    each cache holds exactly the committed text."""
+    for text in prompts_for(pair)[:2]:
+        tokens = prompt_tokens(pair, text)
+        plain = (plain_outputs.get((pair.name, text)) or generate(pair, tokens, None)[0])[:64]
+        decoder = Decoder(pair.target, pair.drafter, GROW[16], overlap=True)
+        decoder.reset()
+        decoder.load(tokens)
+        steps = list(decoder.generate(len(plain)))
+        assert [s.token for s in steps[:-1]] == plain, f"overlap, on {text!r}"
+        stats = steps[-1].stats
+        assert stats.target_passes == stats.rounds and stats.hidden_s > 0, stats
+        assert_caches_hold_exactly(pair, decoder)
+
+
 def test_sampled_speculation_with_lookup_follows_the_targets_distribution(smollm2: Pair) -> None:
     """Two-token continuations of a conversation whose last question was asked before (so lookup proposes the
     earlier answer), lookup's branches in every tree: beside the drafter's under the residual rule, and alone

@@ -443,3 +443,35 @@ def test_plan_placement_ssd_streams_a_target_that_fits() -> None:
     assert any("streamed as asked" in note for note in streamed["notes"])
     bad = runner.invoke(app, [*args, "--placement", "disk"])
     assert bad.exit_code == 1 and bad.stderr.count("\n") == 1 and "--placement must be ram or ssd" in bad.stderr
+
+
+def test_under_a_memory_limit_a_drafter_graph_holds_only_its_expanded_rows_logits() -> None:
+    """A llama.cpp drafter holds logits for its whole batch (a tree's nodes); an ONNX drafter's graph gives each
+    expanded node's top-k, so the headroom under a memory limit counts the rows one pass expands (15 at 256 nodes)."""
+    from edge.offload.plan import UNKNOWN_VOCAB, _headroom
+
+    pair = load_registry().pair("qwen2.5-coder-1.5b")
+    target, drafter = shapes(pair)
+    capped = replace(parse_machine("ram=1G,disk=3GB/s"), capped=True)
+    row = 2 * (drafter.n_vocab or UNKNOWN_VOCAB) * 4
+    assert _headroom(capped, target, drafter, 256, "llama_cpp") - _headroom(capped, target, drafter, 256, "onnx") \
+        == row * (256 - 15)
+    assert _headroom(capped, target, drafter, 256, "by-architecture") == \
+        _headroom(capped, target, drafter, 256, "llama_cpp")  # chosen at load: assume the larger
+    uncapped = parse_machine("ram=1G,disk=3GB/s")
+    assert _headroom(uncapped, target, drafter, 256, "onnx") == _headroom(uncapped, target, drafter, 256, "llama_cpp")
+
+
+def test_under_a_memory_limit_auto_plans_smaller_trees_until_the_logits_fit() -> None:
+    """The real pair under a 1.2 GiB memory limit: 256-node trees' logits (576 rows x 151,936 floats for the target)
+    leave no room for the drafter, smaller trees do; the plan says how large, and loading sizes the target so.
+    A fixed budget keeps its size (and is refused where it does not fit); with no limit nothing changes."""
+    pair = load_registry().pair("qwen2.5-coder-1.5b")
+    assert pair.budget == "auto"
+    capped = replace(parse_machine("ram=1.2G,disk=3GB/s"), capped=True)
+    plan = plan_pair(pair, *shapes(pair), capped)
+    assert plan.tree.n_tokens in (129, 65, 33, 17) and plan.target.placement == "ssd"
+    assert any(f"at most {plan.tree.n_tokens} nodes" in note for note in plan.notes)
+    assert plan_pair(pair, *shapes(pair), parse_machine("ram=4G,disk=3GB/s")).tree.n_tokens == 256
+    with pytest.raises(UserError, match="memory limit"):
+        plan_pair(replace(pair, budget=255), *shapes(pair), capped)

@@ -240,7 +240,9 @@ class Context:
         params.n_batch = n_batch
         params.n_ubatch = n_batch
         params.n_seq_max = MAX_SEQ
-        params.n_outputs_max = n_outputs  # 0: n_batch rows of logits (a 262k vocabulary makes that large)
+        # 0: n_batch rows of logits (a 262k vocabulary makes that large); never fewer than n_seq_max, which llama.cpp
+        # reserves its output buffer for whatever is asked (and asserts on otherwise)
+        params.n_outputs_max = max(n_outputs, MAX_SEQ) if n_outputs else 0
         params.kv_unified = True  # tree branches share the committed prefix's cells
         params.swa_full = True  # keep sliding-window layers' full history, so rejected branches can be removed
         threads = n_threads or default_threads()
