@@ -234,18 +234,16 @@ class Growth:
         """The kept nodes below `node` (an index in this growth), re-rooted there: its best `budget` nodes, no deeper
         than `max_depth` below it. None where it has no kept child."""
         n = self.n
-        inside = np.zeros(n, bool)
-        inside[node] = True
-        for i in range(node + 1, n):  # parents come before children
-            if self.kept[i] and self.parents[i] >= 0 and inside[self.parents[i]]:
-                inside[i] = self.depth[i] - self.depth[node] <= max_depth
-        if inside.sum() < 2:
-            return None
-        base_depth, base_score = self.depth[node], self.score[node]
-        keep = inside.copy()
-        _keep_best(keep, np.where(inside, self.score[:n], -np.inf), self.depth[:n], self.parents[:n], budget)
-        keep[:node] = False  # _keep_best counts its first kept node as the root
+        keep = np.zeros(n, bool)
         keep[node] = True
+        base_depth, base_score = self.depth[node], self.score[node]
+        deepest = min(base_depth + max_depth, int(self.depth[:n].max()))
+        for d in range(base_depth + 1, deepest + 1):  # a level at a time: parents come first
+            level = np.flatnonzero(self.kept[:n] & (self.depth[:n] == d))
+            keep[level] = keep[self.parents[level]]
+        if keep.sum() < 2:
+            return None
+        _keep_best(keep, self.score[:n], self.depth[:n], self.parents[:n], budget)  # `node` is its first kept node
         index = np.flatnonzero(keep)
         new_index = np.full(n, -1, np.int64)
         new_index[index] = np.arange(len(index))

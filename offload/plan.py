@@ -256,8 +256,8 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
     drafter's plan takes no memory: placement "none"."""
     gpu = machine.vram_free > 0
     sizes = _tree_sizes(pair, machine)
+    vram_left = max(0, machine.vram_free - GPU_RESERVE) if gpu else 0
     for n_tree in sizes:  # under a memory limit, auto's largest tree shrinks until the two models' logits fit
-        vram_left = max(0, machine.vram_free - GPU_RESERVE) if gpu else 0
         headroom = _headroom(machine, target, drafter, n_tree, pair.drafter.runtime)
         ram_left = machine.ram_free - headroom
         room = f"a {_gib(headroom)} headroom" + (" under this process's memory limit (its cgroup's)"

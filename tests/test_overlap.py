@@ -19,20 +19,31 @@ PROMPT = [1, 2, 3, 4]
 
 
 class SlowTarget(TinyModel):
-    """A target whose pass takes `seconds` (a drive, a GPU): time for the drafter to grow on during it."""
+    """A target whose pass lasts until the drafter has grown `steps` more passes (a drive, a GPU: the drafter works
+    meanwhile), or `limit` seconds where growth stops before that (a tiny drafter pass takes well under 1 ms)."""
 
-    def __init__(self, seconds: float = 0.004, **kwargs) -> None:
+    def __init__(self, steps: int = 3, limit: float = 0.05, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.seconds = seconds
+        self.steps, self.limit = steps, limit
+        self.drafter: TinyModel | None = None
 
     def verify(self, tree: TokenTree) -> np.ndarray:
-        time.sleep(self.seconds)
+        if self.drafter is not None:
+            until, deadline = self.drafter.passes + self.steps, time.monotonic() + self.limit
+            while self.drafter.passes < until and time.monotonic() < deadline:
+                time.sleep(0.0005)
         return super().verify(tree)
 
 
 def pair(seed: int = 4, noise: float = 0.6) -> tuple[SlowTarget, TinyModel]:
     target = SlowTarget(n_vocab=16, seed=seed)
-    return target, target.noisy(noise, seed=seed + 1)
+    target.drafter = target.noisy(noise, seed=seed + 1)
+    return target, target.drafter
+
+
+def alone(target: SlowTarget) -> TinyModel:
+    """The same target model for plain decoding (no drafter to wait for)."""
+    return TinyModel(target.n_vocab, table=target.table)
 
 
 def run(target: TinyModel, drafter: TinyModel | None, budget: int | None, n: int, sampling: SamplingConfig,
@@ -46,7 +57,7 @@ def run(target: TinyModel, drafter: TinyModel | None, budget: int | None, n: int
 @pytest.mark.parametrize("budget", [4, 16, 64])
 def test_greedy_output_with_overlap_is_plain_decoding(budget: int) -> None:
     target, drafter = pair()
-    plain, _ = run(target, None, None, 80, SamplingConfig())
+    plain, _ = run(alone(target), None, None, 80, SamplingConfig())
     spec, decoder = run(target, drafter, budget, 80, SamplingConfig(), overlap=True)
     assert spec == plain
     # both caches hold exactly the committed text but its newest token
@@ -62,7 +73,7 @@ def test_trees_grown_during_the_pass_are_used_and_counted() -> None:
     stats = steps[-1].stats
     assert 0 < stats.pregrown_rounds < stats.rounds  # some rounds drafted nothing before their pass, not all
     assert stats.hidden_s > 0 and stats.target_passes == stats.rounds
-    plain, _ = run(target, None, None, 120, SamplingConfig())
+    plain, _ = run(alone(target), None, None, 120, SamplingConfig())
     assert [s.token for s in steps[:-1]] == plain
 
 
@@ -70,7 +81,7 @@ def test_sampled_output_with_a_seed_is_plain_sampling() -> None:
     """Each emitted token still takes exactly one uniform: the seed gives plain sampling's text with overlap on."""
     target, drafter = pair()
     sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=11)
-    plain, _ = run(target, None, None, 60, sampling)
+    plain, _ = run(alone(target), None, None, 60, sampling)
     spec, _ = run(target, drafter, 16, 60, sampling, overlap=True)
     assert spec == plain
 
