@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import functools
 import re
-import signal
 import threading
+import time
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edge.errors import UserError
@@ -36,11 +35,33 @@ def _strftime_now(format_string: str = "%Y-%m-%d %H:%M:%S") -> str:
 # the messages and write their text once; these bounds are orders of magnitude above that.
 MAX_OUTPUT = 4 << 20  # characters a render may write (and a string or list that `*` may build)
 MAX_STEPS = 2_000_000  # items that range() may produce in one render, all loops together
-MAX_SECONDS = 2.0  # a render's wall time, on any thread (_time_limit)
+MAX_SECONDS = 2.0  # a render's wall time, on any thread (_Clock)
 
 
 class _TooBig(Exception):
     pass
+
+
+_RENDER = threading.local()  # this thread's render: its deadline (time.monotonic()) and MAX_SECONDS when it began
+
+
+def _check_time() -> None:
+    deadline = getattr(_RENDER, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise _TooBig(f"it ran for more than {_RENDER.seconds:g} s")
+
+
+class _Clock(jinja2.ext.Extension):
+    """The render's deadline, asked by every loop iteration (and every item a loop's `if` tests) and every call a
+    template makes. A template runs only loops, calls and single operations whose size the sandbox bounds, so a
+    render stops within one such operation of its deadline, on any thread, with no signal or exception injected from
+    outside (an alarm's exception raised inside a gc callback or a __del__ is swallowed there, and the render runs on
+    unbounded). The template cannot reach it: it is an extension, not a name it could rebind."""
+
+    @property
+    def tick(self) -> bool:  # read, not called: a loop pays an attribute read an iteration, not a sandboxed call
+        _check_time()
+        return True
 
 
 _WIDTH = re.compile(r"\d+")
@@ -60,7 +81,23 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset({"*", "**", "%"})
 
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        """The parsed template, with the clock asked at the top of every loop body and before every item a loop's
+        `if` tests."""
+        template = super()._parse(source, name, filename)
+        for loop in list(template.find_all(nodes.For)):
+            loop.body.insert(0, nodes.ExprStmt(self._tick(loop.lineno), lineno=loop.lineno))
+            if loop.test is not None:
+                loop.test = nodes.And(self._tick(loop.lineno), loop.test, lineno=loop.lineno)
+        template.set_environment(self)
+        return template
+
+    @staticmethod
+    def _tick(lineno: int) -> nodes.ExtensionAttribute:
+        return nodes.ExtensionAttribute(_Clock.identifier, "tick", lineno=lineno)
+
     def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_time()  # macro calls recurse: each asks the clock
         method = __obj.__wrapped__ if isinstance(__obj, functools.partial | types.FunctionType) and \
             "__wrapped__" in vars(__obj) else __obj  # the sandbox wraps str.format in a function
         owner = method.__self__ if isinstance(method, types.BuiltinMethodType) else None
@@ -99,65 +136,10 @@ class _Steps:
         return items
 
 
-@contextmanager
-def _time_limit(seconds: float) -> Iterator[None]:
-    """Stop the block after `seconds`: on the main thread by SIGALRM, on any other (a server renders on its worker
-    threads) by an exception a timer thread raises in it (PyThreadState_SetAsyncExc), heard at its next bytecode. A
-    long call into C (one huge string operation) is bounded by the size checks instead."""
-    if threading.current_thread() is not threading.main_thread():
-        with _thread_time_limit(seconds):
-            yield
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        raise _TooBig(f"it ran for more than {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-class _Overtime(BaseException):
-    """Raised in a rendering thread by its timer (a BaseException: no template-level handler may swallow it)."""
-
-
-@contextmanager
-def _thread_time_limit(seconds: float) -> Iterator[None]:
-    import ctypes
-
-    target = ctypes.c_ulong(threading.get_ident())
-    state = {"done": False, "fired": False}
-    lock = threading.Lock()
-
-    def fire() -> None:
-        with lock:
-            if not state["done"]:
-                state["fired"] = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(target, ctypes.py_object(_Overtime))
-
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    except _Overtime:
-        raise _TooBig(f"it ran for more than {seconds:g} s") from None
-    finally:
-        with lock:
-            state["done"] = True
-            timer.cancel()
-            if state["fired"]:  # raised but maybe not yet delivered: withdraw it, it must not land past this block
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(target, None)
-
-
 def _environment() -> ImmutableSandboxedEnvironment:
     # loopcontrols only lets templates using {% break %} compile; it cannot change any other output.
     env = _BoundedSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Clock]
     )
     format_filter = env.filters["format"]
 
@@ -192,15 +174,14 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt for `messages` ([{"role": ..., "content": ...}]), opening the assistant's turn."""
         pieces, written = [], 0
+        _RENDER.deadline, _RENDER.seconds = time.monotonic() + MAX_SECONDS, MAX_SECONDS
         try:
-            with _time_limit(MAX_SECONDS):
-                for piece in self._compiled.generate(messages=messages, bos_token=self.bos_token,
-                                                     eos_token=self.eos_token,
-                                                     add_generation_prompt=add_generation_prompt, range=_Steps().range):
-                    written += len(piece)
-                    if written > MAX_OUTPUT:
-                        raise _TooBig(f"it writes more than {MAX_OUTPUT:,} characters")
-                    pieces.append(piece)
+            for piece in self._compiled.generate(messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
+                                                 add_generation_prompt=add_generation_prompt, range=_Steps().range):
+                written += len(piece)
+                if written > MAX_OUTPUT:
+                    raise _TooBig(f"it writes more than {MAX_OUTPUT:,} characters")
+                pieces.append(piece)
             return "".join(pieces)
         except _TemplateRaised as error:
             raise UserError(f"the model's chat template refused this conversation: {error}") from None
@@ -216,3 +197,5 @@ class ChatTemplate:
             # the template's own expressions ({{ 1/0 }}, an index past a list's end): the template's fault, in one line
             raise UserError(f"the model's chat template failed: {type(error).__name__}: {error}; complete raw text "
                             "instead (--raw, or raw=True in Python)") from None
+        finally:
+            _RENDER.deadline = None

@@ -93,7 +93,7 @@ def test_a_hostile_template_is_stopped_in_bounded_time(source: str, fragment: st
 
 
 def test_a_template_rendered_off_the_main_thread_is_stopped_in_bounded_time() -> None:
-    """The server renders on worker threads, where no SIGALRM can be set: a timer thread stops the render there."""
+    """The server renders on worker threads: the render's own loops ask the clock there as on the main thread."""
     import threading
     import time
 
@@ -114,3 +114,35 @@ def test_a_template_rendered_off_the_main_thread_is_stopped_in_bounded_time() ->
     worker.join(30)
     assert "ran for more than" in str(outcome.get("error")) and float(outcome["seconds"]) < 10, outcome  # type: ignore[arg-type]
     assert ChatTemplate("{{ 'ok' }}", "", "").render(MESSAGES) == "ok"  # nothing left pending on this thread
+
+
+@pytest.mark.parametrize("source", [
+    # a loop whose `if` rejects every item runs no body: the test itself asks the clock
+    "{% for a in 'x' * 4000 %}{% for b in 'x' * 4000 if b == 'y' %}{% endfor %}{% endfor %}",
+    # names a template might rebind to silence a clock it could reach: it cannot reach this one
+    "{% set tick = none %}{% macro _Clock() %}{% endmacro %}{% for a in 'x' * 4000 %}{% for b in 'x' * 4000 %}"
+    "{% endfor %}{% endfor %}",
+])
+def test_the_time_bound_holds_under_collections_and_rebound_names(source: str) -> None:
+    """The bound must hold wherever Python runs code of its own mid-render: an alarm whose exception lands in a gc
+    callback is swallowed there, and the render would run on unbounded (it hung a CI run). Here gc runs a Python
+    callback every few allocations, as a test harness or a profiler may."""
+    import gc
+    import time
+    from unittest.mock import patch
+
+    from edge import chat_template
+
+    collections = []
+    gc.callbacks.append(lambda phase, info: collections.append(phase))
+    threshold = gc.get_threshold()
+    gc.set_threshold(10)
+    start = time.perf_counter()
+    try:
+        with patch.object(chat_template, "MAX_SECONDS", 0.25), \
+                pytest.raises(UserError, match=r"stopped: it ran for more than 0\.25 s"):
+            ChatTemplate(source, "", "").render(MESSAGES)
+    finally:
+        gc.callbacks.pop()
+        gc.set_threshold(*threshold)
+    assert time.perf_counter() - start < 5 and collections
