@@ -78,7 +78,7 @@ class Target(Protocol):
     streamer: Streamer | None  # set where the weights stream from a drive
 
     def prefill(self, tokens: Sequence[int]) -> None: ...
-    def verify(self, tree: TokenTree) -> np.ndarray: ...  # [n_nodes, n_vocab] float32 view, ONE pass
+    def verify(self, tree: TokenTree) -> np.ndarray: ...  # [n_nodes, n_vocab] float32, ONE pass; valid until the next
     def commit(self, tree: TokenTree, path: list[int]) -> None: ...
     def truncate(self, n: int) -> None: ...  # keep the first n tokens of the KV cache
     def prefetch(self) -> None: ...  # a round starts growing its tree: a streamed target reads ahead
