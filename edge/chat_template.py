@@ -42,11 +42,18 @@ class _TooBig(Exception):
     pass
 
 
-_RENDER = threading.local()  # this thread's render: its deadline (time.monotonic()) and MAX_SECONDS when it began
+class _Render(threading.local):
+    """This thread's render: its deadline (time.monotonic()), None between renders, and MAX_SECONDS as it began."""
+
+    deadline: float | None = None
+    seconds: float = MAX_SECONDS
+
+
+_RENDER = _Render()
 
 
 def _check_time() -> None:
-    deadline = getattr(_RENDER, "deadline", None)
+    deadline = _RENDER.deadline
     if deadline is not None and time.monotonic() > deadline:
         raise _TooBig(f"it ran for more than {_RENDER.seconds:g} s")
 
