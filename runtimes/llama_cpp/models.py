@@ -88,7 +88,6 @@ class LlamaTarget(_Runner):
         self.max_tree = min(max_tree, ctx.n_batch)
         self._n_leaves = 0
         self._place = np.zeros(1, np.int64)  # the last tree's node -> its place in the batch (spine_first)
-        self._rows = np.empty((0, 0), np.float32)  # the logits in tree order, reused pass after pass (_in_tree_order)
 
     def resize(self, size: int) -> bool:
         """Verify trees of up to `size` nodes from now on: a new context with a batch and logits that large, over the
@@ -99,7 +98,6 @@ class LlamaTarget(_Runner):
             self.max_tree = min(size, self.ctx.n_batch)
             self.n_past, self._pending, self._n_leaves = 0, [], 0
             self._place = np.zeros(1, np.int64)
-            self._rows = np.empty((0, 0), np.float32)
         return True
 
     def verify(self, tree: TokenTree) -> np.ndarray:
@@ -132,17 +130,9 @@ class LlamaTarget(_Runner):
         self._n_leaves = len(leaves)
         self._place = place
         logits = self.ctx.logits(n)
-        return logits if n == 1 or (order[1:] == np.arange(1, n)).all() else self._in_tree_order(logits, place)
-
-    def _in_tree_order(self, logits: np.ndarray, place: np.ndarray) -> np.ndarray:
-        """The batch's logits rows gathered into tree order, in a buffer kept for the next pass (valid until then, as
-        llama.cpp's own logits are): a fresh [n, n_vocab] array each pass (268 MB for 256 nodes of a 262k
-        vocabulary) cost its page faults, five times the copy itself."""
-        n, n_vocab = logits.shape
-        if self._rows.shape[0] < n or self._rows.shape[1] != n_vocab:
-            self._rows = np.empty((n, n_vocab), np.float32)
-        # mode="clip": "raise" buffers `out` (a second copy); every index is in range here
-        return np.take(logits, place, axis=0, out=self._rows[:n], mode="clip")
+        if n > 1 and not (order[1:] == np.arange(1, n)).all():
+            permute_rows(logits, place)
+        return logits
 
     def commit(self, tree: TokenTree, path: list[int]) -> None:
         """Keep the root and the accepted nodes on the spine (their cells follow the committed ones, in order, in seq
@@ -155,6 +145,26 @@ class LlamaTarget(_Runner):
         self.ctx.seq_rm(0, self.n_past + 1 + kept, -1)
         self.n_past += 1 + kept
         self._pending = tree.path_tokens(path[1 + kept:])
+
+
+def permute_rows(rows: np.ndarray, place: np.ndarray) -> None:
+    """rows[i] = rows[place[i]] for every i, in place (one row of scratch), cycle by cycle: llama.cpp's own logits
+    buffer put in tree order. A gathered copy took as much memory again (155 MB for 256 rows of a 152k vocabulary,
+    under a memory limit that the weights' pages need) and, made fresh each pass, cost its page faults: five times
+    the copy itself on a 262k vocabulary."""
+    done = place == np.arange(len(place))
+    scratch = np.empty(rows.shape[1], rows.dtype)
+    for start in np.flatnonzero(~done):
+        if done[start]:
+            continue
+        scratch[:] = rows[start]
+        at = start
+        while (source := int(place[at])) != start:
+            rows[at] = rows[source]
+            done[at] = True
+            at = source
+        rows[at] = scratch
+        done[at] = True
 
 
 def spine_first(tree: TokenTree) -> np.ndarray:
