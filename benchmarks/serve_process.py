@@ -20,7 +20,10 @@ READY = re.compile(r"serving .* at (http://\S+)/v1")
 class ServerProcess:
     def __init__(self, args: Sequence[str], timeout: float = 300.0, cwd: Path | None = None):
         """Start `edge-spec serve ARGS --port 0` and wait (up to `timeout` s) until it serves."""
-        command = [sys.executable, "-c", "from edge.cli.main import main; main()", "serve", *args, "--port", "0"]
+        # Ctrl-C as a terminal delivers it, even from a suite started in the background (a non-interactive shell
+        # starts `cmd &` with SIGINT ignored, and the child would inherit that: it would stop but exit 0, not 130)
+        command = [sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "from edge.cli.main import main; main()", "serve", *args, "--port", "0"]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                         cwd=cwd)
         self.lines: list[str] = []

@@ -215,3 +215,17 @@ def test_bench_runs_a_budget_of_1024(tmp_path) -> None:
     plain, tree = json.loads(result.stdout)["rows"]
     assert plain["method"] == "plain" and tree["budget"] == 1024 and tree["matches_plain"], tree
     assert tree["tree_nodes_per_round"] > 256, tree
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 256, 1025])
+def test_a_verify_batch_is_put_in_tree_order_in_place(n: int) -> None:
+    """llama.cpp's logits come in batch order (spine first); verify moves the rows into tree order inside that same
+    buffer, cycle by cycle: every permutation, fixed points and one long cycle included, gives the gathered rows."""
+    from edge.runtimes.llama_cpp.models import permute_rows
+
+    rng = np.random.default_rng(n)
+    for place in (rng.permutation(n), np.arange(n), np.roll(np.arange(n), 1)):
+        rows = rng.standard_normal((n, 5)).astype(np.float32)
+        expected = rows[place]
+        permute_rows(rows, place)
+        assert np.array_equal(rows, expected)
