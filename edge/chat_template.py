@@ -43,10 +43,9 @@ class _TooBig(Exception):
 
 
 class _Render(threading.local):
-    """This thread's render: its deadline (time.monotonic()), None between renders, and MAX_SECONDS as it began."""
+    """This thread's render: its deadline (time.monotonic()), None between renders."""
 
     deadline: float | None = None
-    seconds: float = MAX_SECONDS
 
 
 _RENDER = _Render()
@@ -55,7 +54,7 @@ _RENDER = _Render()
 def _check_time() -> None:
     deadline = _RENDER.deadline
     if deadline is not None and time.monotonic() > deadline:
-        raise _TooBig(f"it ran for more than {_RENDER.seconds:g} s")
+        raise _TooBig(f"it ran for more than {MAX_SECONDS:g} s")
 
 
 class _Clock(jinja2.ext.Extension):
@@ -181,7 +180,7 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt for `messages` ([{"role": ..., "content": ...}]), opening the assistant's turn."""
         pieces, written = [], 0
-        _RENDER.deadline, _RENDER.seconds = time.monotonic() + MAX_SECONDS, MAX_SECONDS
+        _RENDER.deadline = time.monotonic() + MAX_SECONDS
         try:
             for piece in self._compiled.generate(messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
                                                  add_generation_prompt=add_generation_prompt, range=_Steps().range):

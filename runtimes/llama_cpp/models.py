@@ -130,7 +130,7 @@ class LlamaTarget(_Runner):
         self._n_leaves = len(leaves)
         self._place = place
         logits = self.ctx.logits(n)
-        if n > 1 and not (order[1:] == np.arange(1, n)).all():
+        if not (order[1:] == np.arange(1, n)).all():
             permute_rows(logits, place)
         return logits
 
@@ -150,8 +150,7 @@ class LlamaTarget(_Runner):
 def permute_rows(rows: np.ndarray, place: np.ndarray) -> None:
     """rows[i] = rows[place[i]] for every i, in place (one row of scratch), cycle by cycle: llama.cpp's own logits
     buffer put in tree order. A gathered copy took as much memory again (155 MB for 256 rows of a 152k vocabulary,
-    under a memory limit that the weights' pages need) and, made fresh each pass, cost its page faults: five times
-    the copy itself on a 262k vocabulary."""
+    under a memory limit that the weights' pages need) and, made fresh each pass, the page faults of a new array."""
     done = place == np.arange(len(place))
     scratch = np.empty(rows.shape[1], rows.dtype)
     for start in np.flatnonzero(~done):
