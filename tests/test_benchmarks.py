@@ -178,6 +178,21 @@ def test_lookup_peer_runs(tmp_path: Path) -> None:
     assert all(row["new_tokens"] > 0 and row["decode_tokens_per_s"] > 0 for row in rows.values()), rows
 
 
+def test_suite_times_compares_the_tests_both_runs_have(tmp_path: Path) -> None:
+    """Two JUnit reports: the tests both have are compared one to one; a test only the newer has counts as added."""
+    def report(name: str, cases: dict[str, float]) -> Path:
+        rows = "".join(f'<testcase classname="tests.test_a" name="{test}" time="{t}"/>' for test, t in cases.items())
+        path = tmp_path / name
+        path.write_text(f'<testsuites><testsuite name="pytest">{rows}</testsuite></testsuites>')
+        return path
+
+    result = json.loads(run_script("suite_times.py", str(report("old.xml", {"one": 2.0, "two[x]": 3.0})),
+                                   str(report("new.xml", {"one": 1.5, "two[x]": 3.0, "three": 4.0})), "--json"))
+    assert result["both"] == {"tests": 2, "old_s": 5.0, "new_s": 4.5}
+    assert result["added"]["tests"] == 1 and result["added"]["s"] == 4.0 and result["new_total_s"] == 8.5
+    assert result["modules"] == {"test_a": [5.0, 4.5]}
+
+
 def test_matmulnbits_runs() -> None:
     out = run_script("matmulnbits.py", "128", "64").splitlines()
     assert out[0].startswith("MatMulNBits [M, 128] x [128, 64]")
