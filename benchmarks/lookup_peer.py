@@ -5,6 +5,7 @@ same target file, prompts and token count, with the target in RAM.
 
     python benchmarks/lookup_peer.py --pair qwen2.5-coder-1.5b --prompts benchmarks/editing-prompts.jsonl -n 128
     python benchmarks/lookup_peer.py --pair smollm2-135m --prompts benchmarks/json-prompts.jsonl -n 32 --json
+    python benchmarks/lookup_peer.py --pair qwen2.5-coder-1.5b --target-dtype q4_0 --json
 
 The peer runs in a child process with llama.cpp's stock kernel switches (edge-spec's K-quant switches are its own:
 runtimes/llama_cpp/kernels.py), on the prompts' token ids as edge-spec renders them in the chat template, once per
@@ -109,6 +110,9 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--pred", default="0,2,10", help="the peer's num_pred_tokens to run (0: its plain decoding)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--target-dtype", default=None,
+                        help="rewrite the target first, as edge-spec's --target-dtype (q4_0, q8_0...); the peer "
+                             "runs the same rewritten file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
@@ -122,13 +126,14 @@ def main() -> None:
     preds = [int(p) for p in args.pred.split(",")]
     texts = read_prompts(args.prompts)
     say = lambda message: print(message, file=sys.stderr)  # noqa: E731
-    with edge.load(args.pair, placement="ram", threads=threads, report=say) as pair:
+    load = {"placement": "ram", "threads": threads, "target_dtype": args.target_dtype, "report": say}
+    with edge.load(args.pair, **load) as pair:
         prompts = [pair.prompt_tokens(text) for text in texts]
         model, ctx, stops = pair.target.path, pair.target.n_ctx, sorted(pair.target.special.stop)
         say(f"edge-spec: plain, then {pair.drafter.runtime if pair.drafter else 'no'} drafter with lookup, auto")
         plain = edge_rows(pair, prompts, args.n, "edge-spec plain", speculate=False)
         both = edge_rows(pair, prompts, args.n, "edge-spec drafter+lookup auto", speculate=True)
-    with edge.load(args.pair, placement="ram", threads=threads, drafter="lookup", report=say) as pair:
+    with edge.load(args.pair, drafter="lookup", **load) as pair:
         say("edge-spec: lookup alone, auto")
         alone = edge_rows(pair, prompts, args.n, "edge-spec lookup auto", speculate=True)
     say(f"llama-cpp-python: num_pred_tokens {args.pred}")
@@ -143,8 +148,8 @@ def main() -> None:
     base = results[0]["decode_tokens_per_s"]
     for row in results:
         row["vs_edge_plain"] = round(row["decode_tokens_per_s"] / base, 3)
-    out = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads,
-           "machine": probe_machine()["cpu"], "rows": results}
+    out = {"pair": args.pair, "target_dtype": args.target_dtype, "prompts": str(args.prompts), "n": args.n,
+           "threads": threads, "machine": probe_machine()["cpu"], "rows": results}
     if args.json:
         print(json.dumps(out, indent=2))
         return

@@ -111,6 +111,10 @@ class Costs:
     def target_s(self, n: float) -> float:
         return _interpolate(self.target_ms, n) / 1000
 
+    def pass_size(self, n: int) -> int:
+        """The smallest measured target pass of at least n tokens (n itself past the largest)."""
+        return min((size for size in self.target_ms if size >= n), default=n)
+
     def drafter_s(self, nodes: float) -> float:
         return _interpolate(self.drafter_ms, nodes) / 1000
 
@@ -197,6 +201,8 @@ class AutoBudget:
 
     def __post_init__(self) -> None:
         self.max_budget = self.max_budget or budget_limit(self.costs)
+        self._pass_ms: dict[int, float] = {}  # pass_s's measured times by size (seconds)
+        self._plain_scale = self.plain_scale()
 
     def choose(self, max_nodes: int) -> GrowConfig | None:
         if self.plain_for > 0:  # plain decoding won a moment ago: only plain rounds' timing has changed since
@@ -243,6 +249,7 @@ class AutoBudget:
         if config is None:
             predicted = self.costs.target_s(len(result.tokens))
             self.plain_ratios.append(result.verify_s / predicted)
+            self._plain_scale = statistics.median(self.plain_ratios)  # asked for many sizes a round: kept
             return
         self.plain_streak = 0
         budget = config.budget
@@ -265,8 +272,14 @@ class AutoBudget:
         return min(budget + 1.0, self.tokens[base] + slope * math.log2((1 + budget) / (1 + base)))
 
     def pass_s(self, tokens: int) -> float:
-        """A target pass over `tokens` tokens, as plain passes have lately run against the measured costs."""
-        return self.plain_scale() * self.costs.target_s(tokens)
+        """A target pass over `tokens` tokens, as plain passes have lately run against the measured costs: the time of
+        the smallest measured size that holds them. Between measured sizes the time is not a line: CPU kernels take
+        tokens in groups (llama.cpp's repacked Q4_0 GEMM four rows at a time, the rest one by one: here 9 tokens
+        cost 194 ms, 8 cost 165 and 11 cost 243), so a lookup tree sized to a measured pass pays what was measured."""
+        measured = self._pass_ms.get(tokens)
+        if measured is None:
+            measured = self._pass_ms[tokens] = self.costs.target_s(self.costs.pass_size(tokens))
+        return self._plain_scale * measured
 
     def round_s(self, budget: int) -> float:
         """Predicted seconds of one round: growth plus the target pass (plain: the pass alone)."""

@@ -22,7 +22,7 @@ from edge.sampling import SamplingConfig
 from edge.speculative import RoundResult, speculative_round
 
 PLAIN = RoundPlan(None)
-LOOKUP_BRANCHES = 32  # continuations lookup proposes a round, at most (the round's budget takes the likeliest)
+LOOKUP_BRANCHES = 64  # continuations lookup proposes a round, at most (the round's budget takes the likeliest)
 
 
 @dataclass

@@ -281,7 +281,7 @@ def _add_branches(branches: list, tokens: np.ndarray, parents: np.ndarray, depth
         i += 1
         node_of[index] = i
         tokens[i], parents[i], depth[i] = branch.token, parent, depth[parent] + 1
-        draft[i] = np.log(branch.probability)
+        draft[i] = np.log(branch.confidence)
         rank[i] = int(any(b.parent == branch.parent and b.probability > branch.probability for b in branches))
         source[i] = LOOKED_UP
         gain = draft[i] if acceptance is None else acceptance.log_accept(np.array([draft[i]]), depth[i], rank[i])[0]

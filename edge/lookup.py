@@ -98,6 +98,14 @@ class Branch:
     probability: float
     match: int  # the matched length its path continues (longer: surer)
 
+    @property
+    def confidence(self) -> float:
+        """What the target's acceptance of this branch is learned by (edge/acceptance.py bins it like a draft
+        probability): the counts' chance, discounted by how short the match is. A continuation of a 2-token match is
+        a guess, one of a 40-token match a copy, and the counts alone say 1.0 for both. The rates binned by it are
+        measured, so only its order matters."""
+        return self.probability * self.match / (self.match + 1)
+
 
 @dataclass
 class LookupTree:

@@ -24,6 +24,7 @@ from edge.options import ACCEPT_RULES
 from edge.residual import AutoRule
 from edge.sampling import SamplingConfig
 from edge.speculative import RULES, RoundResult
+from edge.tree import LOOKED_UP, TokenTree
 
 GREEDY_DRAFT_TEMPERATURE = 0.5  # measured: tokens per pass 5.7 -> 6.3 at budget 64 (docs/performance.md)
 
@@ -58,6 +59,9 @@ class RoundPlan:
     rule: str = "match"  # "match" (sample-and-match) or "residual"
     lookup: LookupTree | None = None  # lookup branches to merge into the tree (edge/lookup.py)
     drafting: bool = False  # the drafter grows the tree (else its nodes are the lookup branches alone)
+    # lookup's proposal where the round decodes plainly: its first tokens are checked against the target's token, so
+    # lookup's measured rates keep learning while no tree of its own runs (one early miss would stop them for good)
+    unverified: LookupTree | None = None
 
 
 class RoundPolicy:
@@ -114,7 +118,7 @@ class RoundPolicy:
             most = room - 1 if self.max_lookup is None else min(room - 1, self.max_lookup)
             size = 0 if lookup is None or most < 1 else self._lookup_size(lookup, most)
             if not size:
-                return RoundPlan(None)
+                return RoundPlan(None, unverified=lookup)
             config = GrowConfig(budget=size, beams=1, width=1, max_depth=max(wanted - 1, 1), max_steps=0)
             return RoundPlan(config, "match", lookup, drafting=False)
         rule = self.rule()
@@ -133,7 +137,7 @@ class RoundPolicy:
         take: the count whose expected tokens per second of target pass is best, 0 where none beats a plain pass. A
         budget policy that has not measured passes (a fixed tree) takes all it has room for."""
         parents = [branch.parent for branch in lookup.branches]
-        probability = np.array([branch.probability for branch in lookup.branches])
+        probability = np.array([branch.confidence for branch in lookup.branches])
         depth = np.ones(len(lookup), np.int64)
         best_sibling: dict[int, float] = {}
         for i, (parent, p) in enumerate(zip(parents, probability.tolist(), strict=True)):  # parents come first
@@ -157,5 +161,21 @@ class RoundPolicy:
     def observe(self, plan: RoundPlan, result: RoundResult) -> None:
         if plan.drafting or plan.grow is None:  # a tree of lookup branches alone says nothing of the drafter's
             self.budget.observe(plan.grow, result)
+        if plan.unverified is not None and result.tokens:
+            self.lookup_acceptance.observe(_first_tokens(plan.unverified), [0], result.tokens[0], LOOKED_UP)
         if plan.drafting and self.accept == "auto" and not self.sampling.greedy:
             self.auto_rule.observe(plan.rule, result.tree, result.path)
+
+
+def _first_tokens(lookup: LookupTree) -> TokenTree:
+    """The first tokens of lookup's branches under a root (whose token does not matter here), as a tree for
+    Acceptance.observe: what a plain round's token says of them."""
+    first = [branch for branch in lookup.branches if branch.parent < 0]
+    confidence = np.array([branch.confidence for branch in first], np.float32)
+    n = len(first) + 1
+    rank = np.concatenate([[0], confidence < confidence.max(initial=0.0)]).astype(np.int32)
+    return TokenTree(np.array([0, *(branch.token for branch in first)], np.int32),
+                     np.array([-1, *[0] * len(first)], np.int32), np.minimum(np.arange(n), 1).astype(np.int32),
+                     np.zeros(n, np.float32), np.log(np.concatenate([[1.0], confidence])).astype(np.float32), rank,
+                     np.array([0, *[LOOKED_UP] * len(first)], np.uint8))
+

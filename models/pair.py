@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 Report = Callable[[str], None]
 
 NESTED = "· "  # load_seconds keys of phases that ran inside the one before (their times overlap)
-COSTS_VERSION = "costs 5"  # bumped when what the cached pass times measure changes (tree shapes, eviction, sizes)
+COSTS_VERSION = "costs 6"  # bumped when what the cached pass times measure changes (tree shapes, eviction, sizes)
 # Timing passes for --budget auto needs some context; what it says does not matter.
 CALIBRATION_TEXT = "The committee met on Tuesday to review the budget, and after a long discussion it agreed to"
 

@@ -16,12 +16,13 @@ from edge.tree import TokenTree
 
 SLOW_PASS_S = 1.0  # pass_ms: a pass this long is timed once (its noise is small against its length)
 LONG_PASS_S = 10.0  # pass_ms: after a pass this long, larger sizes are extrapolated from the two measured
-# Chains timed, in this order. 2 and 4 tokens: a pass over a few tokens is not on the line through 1 and 16 where the
-# kernels change past one token (the real pair's exact K-quant kernels in RAM here: 39 ms for one token, 81 ms for
-# two, where that line says 62; docs/performance.md), and a lookup tree of 2-4 nodes is chosen by those costs. 16
-# comes before them, so a pass over LONG_PASS_S (a 70B from the drive) still stops after 1 and 16 and extrapolates
-# the rest from those.
-PASS_SIZES = (1, 16, 2, 4, 64, 256)
+# Chains timed, in this order. 2, 4, 8 and 32 tokens: a pass over a few tokens is not on the line through 1 and 16
+# where the kernels change past one token (the real pair's exact K-quant kernels in RAM here: 39 ms for one token,
+# 81 ms for two, where that line says 62; docs/performance.md), and kernels that take tokens in groups make sizes
+# between two measured ones cost more than a line says (AutoBudget.pass_s): lookup trees are sized to these passes.
+# 16 comes before them, so a pass over LONG_PASS_S (a 70B from the drive) still stops after 1 and 16 and
+# extrapolates the rest from those.
+PASS_SIZES = (1, 16, 2, 4, 8, 32, 64, 256)
 
 
 def measure_costs(target: Target, drafter: Drafter | None, prefix: list[int], max_tree: int) -> Costs:

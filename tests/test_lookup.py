@@ -7,12 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edge.budget import AutoBudget, Costs
 from edge.generate import Decoder
 from edge.grow import GrowConfig, grow
 from edge.lookup import Branch, Corpus, Lookup, LookupTree, SuffixAutomaton, continuations, merge
 from edge.policy import FixedBudget, RoundPolicy
 from edge.sampling import SamplingConfig
-from edge.tree import DRAFTED, LOOKED_UP
+from edge.speculative import RoundResult
+from edge.tree import DRAFTED, LOOKED_UP, TokenTree
 from tests.oracles import chi_square, first_tokens_distribution
 from tests.tiny import TinyModel, generate_tokens
 
@@ -194,6 +196,54 @@ def test_lookup_alone_takes_at_most_a_fixed_budget() -> None:
     lookup.set_text([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2])
     plan = policy.plan(room=100, wanted=50, lookup=lookup.propose(32))
     assert plan.grow is not None and plan.grow.budget == 4 and not plan.drafting
+
+
+def test_a_longer_match_is_a_surer_branch() -> None:
+    """The counts say 1.0 for a continuation seen once after a 2-token match and after a 40-token one; the rates
+    are learned by a confidence that tells them apart."""
+    short, long = Branch(7, -1, 1.0, match=2), Branch(7, -1, 1.0, match=40)
+    assert short.confidence < long.confidence < 1.0
+    assert Branch(7, -1, 0.5, match=40).confidence < long.confidence
+
+
+def test_plain_rounds_teach_lookups_rates() -> None:
+    """Where auto decodes plainly, the token each plain pass gives is checked against lookup's first proposals, so
+    one early miss does not keep lookup's trees off for good (they are learned from again once they would hit)."""
+    costs = Costs({1: 30.0, 2: 60.0, 4: 120.0, 16: 480.0}, {})  # every token of a pass costs one plain pass
+    policy = RoundPolicy(AutoBudget(costs), drafts=False)
+    lookup = Lookup()
+    lookup.set_text([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2])
+    proposed = lookup.propose(32)
+    plan = policy.plan(room=100, wanted=50, lookup=proposed)
+    assert plan.grow is None and plan.unverified is proposed  # trees cannot pay here: plain, lookup kept aside
+    first = proposed.branches[0]
+    before = policy.lookup_acceptance.rate(first.confidence)
+    for _ in range(20):
+        policy.observe(plan, RoundResult([first.token], TokenTree.root(2), [0], 0, {"verify": 0.03}))
+    assert policy.lookup_acceptance.rate(first.confidence) > before
+    assert policy.lookup_acceptance.seen.sum() > 0
+
+
+def test_lookup_trees_are_sized_to_measured_passes() -> None:
+    """A pass between two measured sizes is priced at the larger one (kernels take tokens in groups), so a lookup
+    tree fills a measured pass: 15 sure branches make a 16-token pass, never 12 priced on a line."""
+    budget = AutoBudget(Costs({1: 30.0, 2: 56.0, 4: 83.0, 8: 146.0, 16: 228.0, 32: 449.0}, {}))
+    assert budget.pass_s(9) == budget.pass_s(16) == pytest.approx(0.228)
+    assert budget.pass_s(3) == budget.pass_s(4)
+    policy = RoundPolicy(budget, drafts=False)
+    chain = LookupTree([Branch(10 + i, i - 1, 1.0, match=60 + i) for i in range(20)])
+    for _ in range(30):  # the target took every branch so far
+        policy.lookup_acceptance.observe(_chain_tree(chain), list(range(21)), 99, LOOKED_UP)
+    plan = policy.plan(room=100, wanted=50, lookup=chain)
+    assert plan.grow is not None and plan.grow.budget == 15
+
+
+def _chain_tree(chain: LookupTree) -> TokenTree:
+    n = len(chain) + 1
+    return TokenTree(np.array([0, *(b.token for b in chain.branches)], np.int32), np.arange(-1, n - 1, dtype=np.int32),
+                     np.arange(n, dtype=np.int32), np.zeros(n, np.float32),
+                     np.log([1.0, *(b.confidence for b in chain.branches)]).astype(np.float32), np.zeros(n, np.int32),
+                     np.array([0, *[LOOKED_UP] * len(chain)], np.uint8))
 
 
 def lookup_counts(sampling: SamplingConfig, accept: str, drafts: bool, runs: int) -> dict[tuple[int, ...], int]:
