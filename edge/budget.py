@@ -202,7 +202,7 @@ class AutoBudget:
     def __post_init__(self) -> None:
         self.max_budget = self.max_budget or budget_limit(self.costs)
         self._pass_ms: dict[int, float] = {}  # pass_s's measured times by size (seconds)
-        self._plain_scale = self.plain_scale()
+        self._plain_scale = 1.0  # plain_scale(): the median is taken once per plain round, asked for many times
 
     def choose(self, max_nodes: int) -> GrowConfig | None:
         if self.plain_for > 0:  # plain decoding won a moment ago: only plain rounds' timing has changed since
@@ -249,7 +249,7 @@ class AutoBudget:
         if config is None:
             predicted = self.costs.target_s(len(result.tokens))
             self.plain_ratios.append(result.verify_s / predicted)
-            self._plain_scale = statistics.median(self.plain_ratios)  # asked for many sizes a round: kept
+            self._plain_scale = statistics.median(self.plain_ratios)
             return
         self.plain_streak = 0
         budget = config.budget
@@ -274,8 +274,9 @@ class AutoBudget:
     def pass_s(self, tokens: int) -> float:
         """A target pass over `tokens` tokens, as plain passes have lately run against the measured costs: the time of
         the smallest measured size that holds them. Between measured sizes the time is not a line: CPU kernels take
-        tokens in groups (llama.cpp's repacked Q4_0 GEMM four rows at a time, the rest one by one: here 9 tokens
-        cost 194 ms, 8 cost 165 and 11 cost 243), so a lookup tree sized to a measured pass pays what was measured."""
+        tokens in groups (llama.cpp's repacked Q4_0 kernels here: 146 / 167 / 210 ms for 8 / 9 / 11 tokens, where the
+        line through 8 and 16 says 174 for 11; docs/performance.md), so a lookup tree sized to a measured pass pays
+        what was measured."""
         measured = self._pass_ms.get(tokens)
         if measured is None:
             measured = self._pass_ms[tokens] = self.costs.target_s(self.costs.pass_size(tokens))
@@ -293,8 +294,8 @@ class AutoBudget:
 
     def plain_scale(self) -> float:
         """Measured / predicted plain pass time: the median of the last PLAIN_WINDOW plain rounds (one stalled
-        pass on a shared machine must not make trees look good)."""
-        return statistics.median(self.plain_ratios) if self.plain_ratios else 1.0
+        pass on a shared machine must not make trees look good); kept up to date by observe()."""
+        return self._plain_scale
 
     def _verify_s(self, tokens: float, grow_s: float) -> float:
         return self.costs.verify_s(tokens, grow_s)

@@ -273,6 +273,9 @@ def _add_branches(branches: list, tokens: np.ndarray, parents: np.ndarray, depth
     """Lookup branches as nodes 1..k (their parents come first, -1: the root), but none below a stop token (the
     reply ends there); returns k."""
     node_of = {-1: 0}  # branch index -> its node
+    best: dict[int, float] = {}  # the likeliest branch under each parent: the others are runner-ups (rank 1)
+    for branch in branches:
+        best[branch.parent] = max(best.get(branch.parent, 0.0), branch.probability)
     i = 0
     for index, branch in enumerate(branches):
         parent = node_of.get(branch.parent)
@@ -282,10 +285,12 @@ def _add_branches(branches: list, tokens: np.ndarray, parents: np.ndarray, depth
         node_of[index] = i
         tokens[i], parents[i], depth[i] = branch.token, parent, depth[parent] + 1
         draft[i] = np.log(branch.confidence)
-        rank[i] = int(any(b.parent == branch.parent and b.probability > branch.probability for b in branches))
+        rank[i] = branch.probability < best[branch.parent]
         source[i] = LOOKED_UP
-        gain = draft[i] if acceptance is None else acceptance.log_accept(np.array([draft[i]]), depth[i], rank[i])[0]
-        score[i] = score[parent] + gain
+    added = slice(1, i + 1)
+    gains = draft[added] if acceptance is None else acceptance.log_accept(draft[added], depth[added], rank[added])
+    for node, gain in enumerate(gains.tolist(), 1):  # parents come first
+        score[node] = score[parents[node]] + gain
     return i
 
 

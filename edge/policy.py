@@ -178,4 +178,3 @@ def _first_tokens(lookup: LookupTree) -> TokenTree:
                      np.array([-1, *[0] * len(first)], np.int32), np.minimum(np.arange(n), 1).astype(np.int32),
                      np.zeros(n, np.float32), np.log(np.concatenate([[1.0], confidence])).astype(np.float32), rank,
                      np.array([0, *[LOOKED_UP] * len(first)], np.uint8))
-
