@@ -35,7 +35,8 @@ BIN_EDGES = np.array([0.0, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0
 DEPTH_EDGES = np.array([1, 2, 4, 8, 16, 32, 64])  # depth buckets: 1, 2-3, 4-7, ..., 64 and deeper
 PRIOR = 0.5  # pseudo-observations at the prior rate (Acceptance.prior)
 DEPTH_PRIOR = 2.0  # precision of a depth bucket's log-odds offset around 0
-DEPTH_STEPS = 8  # Newton steps per round for the depth offsets, from the previous round's
+DEPTH_STEPS = 8  # Newton steps per round for the depth offsets, at most, from the previous round's
+DEPTH_TOLERANCE = 1e-4  # ... stopping once no offset moves more (a round's few counts: one or two steps)
 DECAY = 0.995  # weight of the previous rounds' counts after one more round (about the last 200 rounds count)
 FLOOR = 1e-4
 
@@ -52,6 +53,14 @@ class Acceptance:
         self.seen = np.zeros_like(self.hits)
         self.depth_offset = np.zeros(len(DEPTH_EDGES))
         self._update_table()
+
+    @property
+    def table(self) -> np.ndarray:
+        """log rates by [depth bucket, rank, probability bin], brought up to date with the counts when first read
+        after a round (a plain round's counts are often followed by another before any tree is scored)."""
+        if self._stale:
+            self._update_table()
+        return self._table
 
     def log_accept(self, log_probs: np.ndarray, depth: np.ndarray | int, rank: np.ndarray | int) -> np.ndarray:
         """Calibrated log chance that the target accepts a child at `depth` (its parent reached), given the
@@ -94,7 +103,7 @@ class Acceptance:
         self.seen *= DECAY
         np.add.at(self.hits, cells, hit)
         np.add.at(self.seen, cells, 1.0)
-        self._update_table()
+        self._stale = True
 
     def _update_table(self) -> None:
         hits, seen = self.hits.sum(axis=0), self.seen.sum(axis=0)  # [rank, bin]
@@ -105,10 +114,14 @@ class Acceptance:
             rate = _sigmoid(base + offset[:, None, None])  # [depth bucket, rank, bin]
             gradient = (self.hits - self.seen * rate).sum(axis=(1, 2)) - DEPTH_PRIOR * offset
             curvature = (self.seen * rate * (1 - rate)).sum(axis=(1, 2)) + DEPTH_PRIOR
-            offset = offset + gradient / curvature
+            step = gradient / curvature
+            offset = offset + step
+            if np.abs(step).max() < DEPTH_TOLERANCE:
+                break
         self.depth_offset = offset
         rate = _sigmoid(base + offset[:, None, None])
-        self.table = np.log(np.clip(rate, FLOOR, 1 - FLOOR)).astype(np.float32)
+        self._table = np.log(np.clip(rate, FLOOR, 1 - FLOOR)).astype(np.float32)
+        self._stale = False
 
 
 def _logit(p: np.ndarray) -> np.ndarray:

@@ -64,6 +64,7 @@ class Costs:
     read_ahead_ms: float = 0.0  # SSD with readahead: reading the weights, which drafting can hide
     warm_ms: dict[int, float] | None = None  # SSD with readahead: passes once the weights are read ahead
     overlap_ms: dict[int, float] | None = None  # SSD with readahead: passes started with the reading
+    window_ms: float | None = None  # a windowed readahead (offload/window.py): the reading its window holds
 
     def verify_s(self, tokens: float, grow_s: float) -> float:
         """A pass over `tokens` after `grow_s` of drafting. Without readahead: the pass as measured back to back.
@@ -73,7 +74,8 @@ class Costs:
         if self.warm_ms is None:
             return self.target_s(tokens)
         warm = _interpolate(self.warm_ms, tokens) / 1000
-        left = max(self.read_ahead_ms / 1000 - grow_s, 0.0)
+        ahead = grow_s if self.window_ms is None else min(grow_s, self.window_ms / 1000)  # read during growth
+        left = max(self.read_ahead_ms / 1000 - ahead, 0.0)
         if self.overlap_ms is None:  # costs cached before the tail was measured: no overlap at all
             return warm + left
         tail = min(max(_interpolate(self.overlap_ms, tokens) - self.read_ahead_ms, 0.0) / 1000, warm)
@@ -85,7 +87,7 @@ class Costs:
 
         return {"target_ms": json_table(self.target_ms), "drafter_ms": json_table(self.drafter_ms),
                 "read_ahead_ms": self.read_ahead_ms, "warm_ms": optional(self.warm_ms),
-                "overlap_ms": optional(self.overlap_ms)}
+                "overlap_ms": optional(self.overlap_ms), "window_ms": self.window_ms}
 
     @classmethod
     def from_json(cls, data: dict) -> Costs:
@@ -105,8 +107,11 @@ class Costs:
         read_ahead = float(data.get("read_ahead_ms", 0.0))
         if not math.isfinite(read_ahead) or read_ahead < 0:
             raise ValueError(f"read_ahead_ms is {read_ahead}")
+        window = data.get("window_ms")
+        if window is not None and (not isinstance(window, int | float) or not math.isfinite(window) or window < 0):
+            raise ValueError(f"window_ms is {window!r:.40}")
         return cls(table(data["target_ms"]), table(data["drafter_ms"], empty=True), read_ahead,
-                   table(data.get("warm_ms")), table(data.get("overlap_ms")))
+                   table(data.get("warm_ms")), table(data.get("overlap_ms")), None if window is None else float(window))
 
     def target_s(self, n: float) -> float:
         return _interpolate(self.target_ms, n) / 1000

@@ -16,6 +16,7 @@ MAX_CORPUS tokens it is rebuilt from the newest replies.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ import numpy as np
 COUNT_STEPS = 64  # a new position counts in at most this many states up its suffix links (lower bounds past)
 REWALK = 256  # tokens of the text's end matched again against a rebuilt corpus (longer matches are rare)
 MAX_CORPUS = 1 << 17  # tokens of earlier replies an index keeps (about 20 MB): the newest replies are kept
+ANCHOR = 8  # a match this long says the text is being copied from where it first occurred (Lookup: the copy)
+FOLLOW = 16  # tokens a copy is followed past an edit with no token agreeing before it is given up
 
 
 class SuffixAutomaton:
@@ -35,6 +38,7 @@ class SuffixAutomaton:
         self.link: list[int] = [-1]
         self.length: list[int] = [0]  # the longest string of the state
         self.count: list[int] = [0]  # how many positions its strings end at (capped walks: a lower bound)
+        self.first: list[int] = [-1]  # where its strings first end: the index of their last token in the text
         self.last = 0  # the state of the whole text so far
         self.size = 0  # tokens appended
 
@@ -46,6 +50,7 @@ class SuffixAutomaton:
         link.append(0)
         length.append(length[self.last] + 1)
         count.append(0)
+        self.first.append(self.size)
         state = self.last
         while state != -1 and token not in nxt[state]:
             nxt[state][token] = current
@@ -60,6 +65,7 @@ class SuffixAutomaton:
                 link.append(link[target])
                 length.append(length[state] + 1)
                 count.append(count[target])
+                self.first.append(self.first[target])
                 while state != -1 and nxt[state].get(token) == target:
                     nxt[state][token] = clone
                     state = link[state]
@@ -124,22 +130,27 @@ def continuations(automaton: SuffixAutomaton, state: int, matched: int, budget: 
     tree = LookupTree()
     if state <= 0 or matched == 0:
         return tree
-    frontier: list[tuple[float, int, int, int]] = [(1.0, state, -1, matched)]  # (path chance, state, branch, match)
-    nxt, count = automaton.next, automaton.count
-    while frontier and len(tree) < budget:
-        frontier.sort(key=lambda item: -item[0])
-        chance, node, parent, depth = frontier.pop(0)
-        total = sum(count[child] for child in nxt[node].values())
+    frontier = [(-1.0, 0, state, -1, matched)]  # a heap of (-path chance, order, state, branch, match length)
+    nxt, count, branches = automaton.next, automaton.count, tree.branches
+    while frontier and len(branches) < budget:
+        negative, _, node, parent, depth = heapq.heappop(frontier)
+        children = nxt[node]
+        if len(children) == 1:  # most states of a text that repeats: one follower, nothing to rank
+            ranked = list(children.items())
+            total = count[ranked[0][1]]
+        else:
+            ranked = sorted(children.items(), key=lambda item: -count[item[1]])
+            total = sum(count[child] for _, child in ranked)
         if total <= 0:
             continue
-        for token, child in sorted(nxt[node].items(), key=lambda item: -count[item[1]]):
+        for token, child in ranked:
             if token < 0:  # a reply's end (Corpus's separator): nothing follows there
                 continue
             probability = count[child] / total
-            if chance * probability < min_probability or len(tree) >= budget:
+            if -negative * probability < min_probability or len(branches) >= budget:
                 break
-            tree.branches.append(Branch(token, parent, probability, depth))
-            frontier.append((chance * probability, child, len(tree) - 1, depth + 1))
+            branches.append(Branch(token, parent, probability, depth))
+            heapq.heappush(frontier, (negative * probability, len(branches), child, len(branches) - 1, depth + 1))
     return tree
 
 
@@ -153,6 +164,7 @@ class Lookup:
         self._own = SuffixAutomaton()
         self._corpus_state = (0, 0)  # the matching walk's (state, matched length) over the corpus
         self._walked: SuffixAutomaton | None = None  # the corpus automaton that state belongs to
+        self._copy = Copy()
 
     def set_text(self, tokens: Sequence[int]) -> None:
         """The text is now `tokens`: extended where it extends the last one (a decode, a chat's next turn), indexed
@@ -162,7 +174,7 @@ class Lookup:
         head = min(known, 8)
         if known and not (len(tokens) >= known and tokens[known - 1] == self.text[-1]
                           and list(tokens[:head]) == self.text[:head]):
-            self.text, self._own, self._corpus_state = [], SuffixAutomaton(), (0, 0)
+            self.text, self._own, self._corpus_state, self._copy = [], SuffixAutomaton(), (0, 0), Copy()
             known = 0
         self.append(tokens[known:])
 
@@ -174,16 +186,25 @@ class Lookup:
     def append(self, tokens: Sequence[int]) -> None:
         for token in tokens:
             token = int(token)
+            self._copy.follow(self.text, token)
             self.text.append(token)
             self._own.append(token)
             if self.corpus is not None and self._walked is self.corpus.automaton:
                 self._corpus_state = self.corpus.automaton.walk(*self._corpus_state, token)
 
     def propose(self, budget: int) -> LookupTree:
-        """Continuations of the text's end: from its own earlier occurrences first, then from earlier replies."""
+        """Continuations of the text's end: from its own earlier occurrences first (and, where an edit has cut the
+        match short, from the text being copied: Copy), then from earlier replies."""
         own = self._own
         match = own.link[own.last]
-        tree = continuations(own, match, own.length[match] if match > 0 else 0, budget)
+        matched = own.length[match] if match > 0 else 0
+        if matched >= ANCHOR:
+            self._copy.anchor(own.first[match] + 1)
+        if matched < ANCHOR and self._copy.sources:  # an edit broke the match, not the copy: its continuation first
+            followed = self._copy.propose(self.text, budget // 2)
+            tree = merge(followed, continuations(own, match, matched, budget - len(followed)))
+        else:
+            tree = continuations(own, match, matched, budget)
         if self.corpus is not None and len(tree) < budget:
             if self._walked is not self.corpus.automaton:  # rebuilt (bounded) since: walk the text's end again
                 self._corpus_state, self._walked = (0, 0), self.corpus.automaton
@@ -193,6 +214,51 @@ class Lookup:
             if self.corpus.automaton.size and matched:
                 more = continuations(self.corpus.automaton, state, matched, budget - len(tree))
                 tree = merge(tree, more)
+        return tree
+
+
+class Copy:
+    """Where the text is being copied from, followed past edits. A reply that edits code copies most of it, and each
+    edit (a renamed name, an added argument) ends the suffix match: the matches find the copy again only some tokens
+    later, once the suffix after the edit is long enough to be unique. Meanwhile the copy's own continuation is the
+    likely one. Two hypotheses are kept for where it goes on after tokens that differ from it: the edit inserted them
+    (the copy waits at the token it had next) or replaced as many (it moves on with them); a token that agrees with
+    either keeps that one alone.
+
+    `sources` are indices into the text: the token each hypothesis says comes next."""
+
+    def __init__(self) -> None:
+        self.sources: list[int] = []
+        self.agreed = 0  # tokens agreeing since the last edit (or the anchor)
+        self.astray = 0  # tokens since one last agreed
+
+    def anchor(self, source: int) -> None:
+        """A long match: the text goes on as it did after its first occurrence, at text[source]."""
+        self.sources, self.astray = [source], 0
+
+    def follow(self, text: Sequence[int], token: int) -> None:
+        """`token` comes after `text`."""
+        if not self.sources:
+            return
+        agreeing = [source for source in self.sources if source < len(text) and text[source] == token]
+        if agreeing:
+            self.sources, self.agreed, self.astray = [agreeing[0] + 1], self.agreed + 1, 0
+            return
+        self.agreed, self.astray = 0, self.astray + 1
+        inserted, replaced = self.sources[0], self.sources[-1] + 1
+        self.sources = [] if self.astray > FOLLOW else list(dict.fromkeys((inserted, replaced)))
+
+    def propose(self, text: Sequence[int], budget: int) -> LookupTree:
+        """Each hypothesis's continuation as a chain (surer the longer it has agreed since the edit), in `budget`
+        branches."""
+        tree = LookupTree()
+        share = budget // len(self.sources)
+        for source in self.sources:
+            parent = -1
+            for depth, token in enumerate(text[source : min(source + share, len(text))]):
+                chance = 1.0 / len(self.sources) if parent < 0 else 1.0
+                tree.branches.append(Branch(int(token), parent, chance, self.agreed + depth + 1))
+                parent = len(tree.branches) - 1
         return tree
 
 

@@ -26,6 +26,8 @@ from edge.sampling import SamplingConfig
 from edge.speculative import RULES, RoundResult
 from edge.tree import LOOKED_UP, TokenTree
 
+# a lookup branch less likely than this to be reached and taken adds too little to price a pass for
+MIN_REACH = 0.01
 GREEDY_DRAFT_TEMPERATURE = 0.5  # measured: tokens per pass 5.7 -> 6.3 at budget 64 (docs/performance.md)
 
 
@@ -153,6 +155,9 @@ class RoundPolicy:
         taken = np.sort(reach)[::-1][:most]  # a child's reach is below its parent's: the best k are a tree
         if self.budget.pass_s(1) is None:
             return len(taken)
+        taken = taken[taken >= MIN_REACH]
+        if not len(taken):
+            return 0
         expected = 1.0 + np.cumsum(taken)
         rates = [expected[k] / self.budget.pass_s(k + 2) for k in range(len(taken))]
         best = int(np.argmax(rates))

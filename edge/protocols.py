@@ -10,7 +10,7 @@ A runtime's models subclass ModelDefaults for what most need not do themselves (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -45,6 +45,7 @@ class Streamer(Protocol):
     """Reads a target's weights from its file ahead of a pass (offload/ssd.py), for a target streamed from a drive."""
 
     readahead: bool
+    window: int | None  # bytes the read-ahead may hold past the pass's last layer (None: the whole file)
 
     def prefetch(self) -> None: ...  # start reading the next pass's weights in the background
     def read_ahead_now(self) -> None: ...  # drop them from RAM, then read all of them before returning
@@ -62,6 +63,10 @@ class ModelDefaults:
     def resize(self, size: int) -> bool:
         """Room for trees of `size` nodes (a target) or `size` expansions a round (a drafter), its caches emptied;
         False where the size is fixed."""
+        return False
+
+    def follow_layers(self, listener: Callable[[int], None]) -> bool:
+        """Have listener(i) called as each layer of a pass is computed; False where the runtime cannot say."""
         return False
 
 
@@ -83,6 +88,7 @@ class Target(Protocol):
     def truncate(self, n: int) -> None: ...  # keep the first n tokens of the KV cache
     def prefetch(self) -> None: ...  # a round starts growing its tree: a streamed target reads ahead
     def resize(self, size: int) -> bool: ...  # verify trees of `size` nodes from now on (caches emptied)
+    def follow_layers(self, listener: Callable[[int], None]) -> bool: ...  # listener(i) as a pass computes layer i
     def close(self) -> None: ...  # free native memory; the model is unusable afterwards
 
 
@@ -158,6 +164,9 @@ class TargetWrapper:
 
     def resize(self, size: int) -> bool:
         return self.inner.resize(size)
+
+    def follow_layers(self, listener: Callable[[int], None]) -> bool:
+        return self.inner.follow_layers(listener)
 
     def close(self) -> None:
         self.inner.close()

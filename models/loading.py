@@ -224,6 +224,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
                 if drafter is not None:
                     drafter.close()
                 raise
+        elif streamed and options.readahead:
+            target = streamed_in_window(target, target_file, report)
         if target.n_ctx != spec.ctx:
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
     warning = runtime(spec.target.runtime).lossless_guarantee(info.weight_types, spec.target.kv_type,
@@ -302,6 +304,16 @@ def drafter_threads(threads: int | None, placement: str, readahead: bool) -> int
     if threads is not None or placement != "ssd" or not readahead:
         return threads
     return max(1, default_threads() - 1)
+
+
+def streamed_in_window(target: Target, path: Path, report: Report = _quiet) -> Target:
+    """A target the plan streams (it does not fit beside the rest): read ahead in a window that follows its passes
+    (offload/window.py), sized by the memory left now that both models are loaded."""
+    from edge.offload.window import WindowedTarget, free_memory, window_bytes
+
+    window = window_bytes(free_memory())
+    report(f"plan: while a tree grows, the target is read ahead up to {window / 2**20:.0f} MiB past its pass")
+    return WindowedTarget(target, path, window)
 
 
 def on_ssd(target: Target, path: Path, readahead: bool) -> Target:

@@ -291,6 +291,8 @@ class Pair:
         drafter = "lookup" if self.drafter is None else f"{type(self.drafter).__name__}:{self.drafter.vocab}"
         streamer = self.target.streamer
         readahead = None if streamer is None else streamer.readahead
+        if streamer is not None and streamer.window is not None:  # offload/window.py: read ahead within a window
+            readahead = f"{readahead} window {streamer.window >> 20} MiB"
         return (f"{machine_key(path)}|{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{self.placement}|"
                 f"readahead {readahead}|drafter threads {self.drafter_threads}|{COSTS_VERSION}"
                 + ("" if self.max_tree is None else f"|trees up to {self.max_tree}"))  # a memory limit's plan

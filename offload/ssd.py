@@ -134,6 +134,7 @@ class SsdStreamer:
     def __init__(self, path: Path, readahead: bool = True):
         self.path = Path(path)
         self.readahead = readahead
+        self.window: int | None = None  # the whole file is read ahead (offload/window.py: a window of it)
         self._fd = os.open(self.path, os.O_RDONLY)
         self._maps = mapped_ranges(self.path)  # the target is loaded: its mapping stays put from here on
         order = pass_order(self.path) if readahead else []
@@ -270,9 +271,9 @@ class SsdTarget(TargetWrapper):
     starts growing its tree) reads the weights for the next pass while the drafter works.
     """
 
-    def __init__(self, target: Target, path: Path, readahead: bool = True):
+    def __init__(self, target: Target, path: Path, readahead: bool = True, streamer: SsdStreamer | None = None):
         super().__init__(target)
-        self.ssd = SsdStreamer(path, readahead)
+        self.ssd = streamer or SsdStreamer(path, readahead)
         self.ssd.evict()
 
     @property

@@ -39,7 +39,10 @@ def measure_costs(target: Target, drafter: Drafter | None, prefix: list[int], ma
         read_ahead = streamer.time_read_ahead()
         warm = pass_ms(target, prefix, sizes, repeats=3, before=streamer.read_ahead_now)
         overlap = pass_ms(target, prefix, sizes, repeats=3, before=streamer.prefetch)  # the reading starts with it
-        costs = Costs(cold, drafter_ms, round(1000 * read_ahead, 3), warm, overlap)
+        # a windowed read-ahead reads at most its window before the pass: the time that takes, at the same rate
+        window = None if streamer.window is None else round(
+            1000 * read_ahead * min(streamer.window / max(target.path.stat().st_size, 1), 1.0), 3)
+        costs = Costs(cold, drafter_ms, round(1000 * read_ahead, 3), warm, overlap, window)
     if not is_flat(costs) or not fit_trees(target, drafter, LARGE[-1] + 1):
         return costs
     cold.update(pass_ms(target, prefix, LARGE, repeats=3))

@@ -206,6 +206,47 @@ def test_a_longer_match_is_a_surer_branch() -> None:
     assert Branch(7, -1, 0.5, match=40).confidence < long.confidence
 
 
+def chain(tree: LookupTree, first: int) -> list[int]:
+    """The tokens of the chain of `tree`'s branches that starts at the root with `first` (each node's first child)."""
+    tokens, parent = [], -1
+    while True:
+        child = next((i for i, b in enumerate(tree.branches) if b.parent == parent
+                      and (parent >= 0 or b.token == first)), None)
+        if child is None:
+            return tokens
+        tokens.append(tree.branches[child].token)
+        parent = child
+
+
+@pytest.mark.parametrize("edit", ["replaced", "inserted"])
+def test_a_copy_is_followed_past_an_edit(edit: str) -> None:
+    """A reply that copies the prompt's code with an edit: right after the edited tokens, where the suffix matches
+    have lost the copy, lookup proposes the copy's continuation (the source moved on by the edit's length, or
+    waiting at the token it had next), not only whatever followed the edit's tokens elsewhere."""
+    source = list(range(100, 140))  # the code in the prompt: 40 distinct tokens
+    lookup = Lookup()
+    lookup.set_text([1, 2, *source, 3, *source[:20]])  # the reply has copied 20 of them
+    assert lookup.propose(16).branches[0].token == source[20]  # a long match: the copy goes on
+    new = [900] if edit == "replaced" else [900, 901, 902]
+    lookup.append(new)  # the edit: 900 in place of source[20], or three new tokens before it
+    proposed = lookup.propose(32)
+    following = source[21:] if edit == "replaced" else source[20:]
+    assert chain(proposed, following[0])[:8] == following[:8]
+    lookup.append(following[:2])  # the copy agrees again: one hypothesis is kept, surer for it
+    again = lookup.propose(32)
+    assert chain(again, following[2])[:8] == following[2:10]
+    assert len({b.token for b in again.branches if b.parent < 0}) == 1
+
+
+def test_a_copy_is_given_up_once_the_text_goes_elsewhere() -> None:
+    source = list(range(100, 140))
+    lookup = Lookup()
+    lookup.set_text([*source, 3, *source[:20]])
+    lookup.propose(16)
+    lookup.append(range(500, 520))  # new text, nothing like the copy
+    assert not lookup.propose(32).branches
+
+
 def test_plain_rounds_teach_lookups_rates() -> None:
     """Where auto decodes plainly, the token each plain pass gives is checked against lookup's first proposals, so
     one early miss does not keep lookup's trees off for good (they are learned from again once they would hit)."""

@@ -17,7 +17,7 @@ from edge.runtimes.llama_cpp._native import (
     supports_gpu_offload,
 )
 from edge.runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee, prefer_tiled
-from edge.runtimes.llama_cpp.models import PENDING_ROOM, LlamaDrafter, LlamaTarget
+from edge.runtimes.llama_cpp.models import PENDING_ROOM, LayerListener, LlamaDrafter, LlamaTarget
 
 __all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "default_threads", "keeps_repacking",
            "load_drafter", "load_target", "lossless_guarantee", "open_drafter", "open_shared", "open_target",
@@ -35,6 +35,9 @@ class RunOptions:
     # False: every weight is used from the file's mapping, never copied into llama.cpp's repacked buffers (its
     # faster Q4_0 kernels on x86 need such a RAM copy): a target streamed from the drive, which cannot fit in RAM.
     repack: bool = True
+    # a target's passes say as each layer is computed (LlamaTarget.follow_layers): a streamed target's read-ahead
+    # follows them; it costs one synchronization a layer, so only a streamed target has it
+    layer_progress: bool = False
 
 
 def _load_model(path: Path, options: RunOptions) -> Model:
@@ -47,10 +50,11 @@ def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ) -> Lla
     """A target verifying trees of up to `max_tree` nodes a pass. Its logits take max_tree rows of the vocabulary
     (2049 x 262144 float32 are 2 GB), so size it for the budget the run uses (LlamaTarget.resize grows it)."""
     model = _load_model(path, options)
+    layers = LayerListener() if options.layer_progress else None
     # The batch also carries the previous round's accepted tokens (see LlamaTarget); only tree nodes output.
     ctx = Context(model, options.n_ctx, n_batch=max_tree + PENDING_ROOM, kv_type=options.kv_type,
-                  n_threads=options.n_threads, flash_attn=True, n_outputs=max_tree)
-    return LlamaTarget(model, ctx, max_tree)
+                  n_threads=options.n_threads, flash_attn=True, n_outputs=max_tree, on_layer=layers)
+    return LlamaTarget(model, ctx, max_tree, layers)
 
 
 def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ - 1) -> LlamaDrafter:
@@ -64,7 +68,8 @@ def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ
 
 def _run_options(options: ModelOptions) -> RunOptions:
     return RunOptions(n_ctx=options.n_ctx, kv_type=options.kv_type, n_threads=options.threads,
-                      n_gpu_layers=options.gpu_layers, use_mlock=options.mlock, repack=not options.streamed)
+                      n_gpu_layers=options.gpu_layers, use_mlock=options.mlock, repack=not options.streamed,
+                      layer_progress=options.streamed)
 
 
 def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget:

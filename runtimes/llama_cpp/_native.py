@@ -8,10 +8,12 @@ and numpy arrays.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import llama_cpp.llama_cpp as ll
 import numpy as np
@@ -74,6 +76,34 @@ def _init_backend() -> None:
         ll.llama_log_set(_quiet_log, ctypes.c_void_p(0))
         ll.llama_backend_init()
         _backend_ready = True
+
+
+LAYER_OUTPUT = b"l_out-"  # llama.cpp's name for a layer's output tensor ("l_out-12"): the layer is computed
+
+
+@functools.cache
+def _tensor_name() -> Callable[[int], bytes]:
+    """ggml_get_name from llama-cpp-python's own ggml library (the one its llama library runs on)."""
+    lib = ctypes.CDLL(str(Path(ll.__file__).parent / "lib" / "libggml-base.so"))
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    return lib.ggml_get_name
+
+
+def layer_callback(on_layer: Callable[[int], None]) -> Any:
+    """A ggml eval callback that calls on_layer(i) as each layer's output is computed during a pass, and leaves the
+    rest of the graph alone: ggml computes the nodes between two layer outputs in one go, as without a callback (one
+    synchronization a layer). A streamed target's read-ahead follows the pass with it (offload/ssd.py)."""
+    name = _tensor_name()
+
+    def callback(tensor: int, ask: bool, user_data: int) -> bool:
+        if not ask:
+            label = name(tensor)
+            on_layer(int(label[len(LAYER_OUTPUT):]))
+            return True  # go on computing
+        return name(tensor).startswith(LAYER_OUTPUT)  # observe this node: compute up to it, then call back
+
+    return ll.ggml_backend_sched_eval_callback(callback)
 
 
 def _cpu_has_amx() -> bool:
@@ -233,7 +263,7 @@ class Context:
 
     def __init__(self, model: Model, n_ctx: int, n_batch: int, kv_type: str = "f16",
                  n_threads: int | None = None, flash_attn: bool | None = None, op_offload: bool = True,
-                 n_outputs: int = 0):
+                 n_outputs: int = 0, on_layer: Callable[[int], None] | None = None):
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         # One tree must be one micro-batch, or an offloaded target streams its weights once per micro-batch.
@@ -251,12 +281,17 @@ class Context:
         params.type_k = params.type_v = KV_TYPES[kv_type]
         params.op_offload = op_offload
         params.no_perf = True
+        # on_layer(i) as each layer of a pass is computed (layer_callback); kept referenced while the context lives
+        self._callback = None if on_layer is None else layer_callback(on_layer)
+        if self._callback is not None:
+            params.cb_eval = self._callback
         if flash_attn is not None:
             enabled, disabled = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED, ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
             params.flash_attn_type = enabled if flash_attn else disabled
         self.model = model
         self._settings = {"n_ctx": n_ctx, "n_batch": n_batch, "kv_type": kv_type, "n_threads": n_threads,
-                          "flash_attn": flash_attn, "op_offload": op_offload, "n_outputs": n_outputs}
+                          "flash_attn": flash_attn, "op_offload": op_offload, "n_outputs": n_outputs,
+                          "on_layer": on_layer}
         self._ptr = ll.llama_init_from_model(model.ptr, params)
         if not self._ptr:
             raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "

@@ -9,7 +9,7 @@ llama.cpp's 256 sequences, not its nodes: those are bounded by the batch and the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from edge.runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model
@@ -70,6 +70,23 @@ class _Runner(ModelDefaults):
         self.model.close()
 
 
+class LayerListener:
+    """What a context's layer callback calls (edge.runtimes.llama_cpp._native.layer_callback): the listener set
+    since, if any. The callback is fixed when the context is made; the listener (a streamer) comes later. An error
+    in it must not reach ggml (ctypes would print it and stop the pass): it is kept and raised after the pass."""
+
+    def __init__(self) -> None:
+        self.listener: Callable[[int], None] | None = None
+        self.error: BaseException | None = None
+
+    def __call__(self, layer: int) -> None:
+        if self.listener is not None and self.error is None:
+            try:
+                self.listener(layer)
+            except BaseException as problem:  # raised again after the pass (LlamaTarget._decode)
+                self.error = problem
+
+
 class LlamaTarget(_Runner):
     """Verifies a whole tree in one llama_decode.
 
@@ -83,9 +100,10 @@ class LlamaTarget(_Runner):
     cache.
     """
 
-    def __init__(self, model: Model, ctx: Context, max_tree: int):
+    def __init__(self, model: Model, ctx: Context, max_tree: int, layers: LayerListener | None = None):
         super().__init__(model, ctx)
         self.max_tree = min(max_tree, ctx.n_batch)
+        self._layers = layers  # its context's passes call it as each layer is computed (RunOptions.layer_progress)
         self._n_leaves = 0
         self._place = np.zeros(1, np.int64)  # the last tree's node -> its place in the batch (spine_first)
 
@@ -98,6 +116,18 @@ class LlamaTarget(_Runner):
             self.max_tree = min(size, self.ctx.n_batch)
             self.n_past, self._pending, self._n_leaves = 0, [], 0
             self._place = np.zeros(1, np.int64)
+        return True
+
+    def _decode(self) -> None:
+        super()._decode()
+        if self._layers is not None and self._layers.error is not None:
+            error, self._layers.error = self._layers.error, None
+            raise error
+
+    def follow_layers(self, listener: Callable[[int], None]) -> bool:
+        if self._layers is None:
+            return False
+        self._layers.listener = listener
         return True
 
     def verify(self, tree: TokenTree) -> np.ndarray:

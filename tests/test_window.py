@@ -1,0 +1,115 @@
+"""A streamed target read ahead in a window that follows its passes (offload/window.py), on the real SmolLM2 target
+rewritten to F16: llama.cpp says as each layer is computed without changing a logit, and the read-ahead holds no more
+than its window past the pass."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from edge.models.opening import materialize
+from edge.models.registry import load_registry
+from edge.offload.ssd import resident_fraction
+from edge.offload.window import WindowedStreamer, WindowedTarget
+from edge.runtimes.llama_cpp import RunOptions, load_target
+
+from edge.tree import TokenTree
+
+
+@pytest.fixture(scope="module")
+def f16_file():
+    spec = load_registry().pair("smollm2-135m")
+    return materialize(replace(spec.target, quantize="f16"), lambda message: None)
+
+
+def chain(tokens: list[int]) -> TokenTree:
+    n = len(tokens)
+    return TokenTree(np.array(tokens, np.int32), np.arange(-1, n - 1, dtype=np.int32), np.arange(n, dtype=np.int32),
+                     np.zeros(n, np.float32))
+
+
+def test_a_pass_says_each_layer_and_its_logits_do_not_change(f16_file) -> None:
+    plain = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16"))
+    try:
+        plain.prefill([1, 2, 3, 4])
+        expected = plain.verify(chain([5, 6, 7])).copy()
+        assert not plain.follow_layers(lambda layer: None)  # no callback unless asked for: it costs a sync a layer
+    finally:
+        plain.close()
+    followed = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16", layer_progress=True))
+    try:
+        layers: list[int] = []
+        assert followed.follow_layers(layers.append)
+        followed.prefill([1, 2, 3, 4])
+        layers.clear()
+        assert np.array_equal(followed.verify(chain([5, 6, 7])), expected)
+        assert layers == list(range(30))  # SmolLM2-135M's 30 layers, in order, once each
+
+        def broken(layer: int) -> None:
+            raise OSError("a listener that fails")
+
+        followed.follow_layers(broken)
+        followed.truncate(4)
+        with pytest.raises(OSError, match="fails"):  # raised after the pass, not lost inside ggml
+            followed.verify(chain([5, 6, 7]))
+    finally:
+        followed.close()
+
+
+def test_the_read_ahead_follows_the_pass_within_its_window(f16_file) -> None:
+    size = f16_file.stat().st_size
+    window = size // 4
+    inner = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16", repack=False, layer_progress=True))
+    in_ram = None
+    try:
+        inner.prefill([1, 2, 3, 4])
+        in_ram = inner.verify(chain([5, 6, 7])).copy()
+        inner.truncate(0)
+        target = WindowedTarget(inner, f16_file, window)
+        streamer = target.streamer
+        assert isinstance(streamer, WindowedStreamer) and streamer.readahead and streamer.window == window
+        target.prefill([1, 2, 3, 4])
+        streamer.wait_evicted()
+        table = max(span.size for span in streamer.spans)  # the tied token table is held through the pass
+        largest = max(span.size for span in streamer.spans if span.size < table)
+        seen: list[float] = []
+        followed = streamer.on_layer
+
+        def watch(layer: int) -> None:
+            followed(layer)
+            seen.append(resident_fraction(f16_file) * size)
+
+        inner.follow_layers(watch)
+        target.prefetch()  # a tree is grown: the window is read ahead, then follows the pass
+        logits = target.verify(chain([5, 6, 7]))
+        assert np.array_equal(logits, in_ram)
+        assert len(seen) == 30
+        assert max(seen) <= window + table + 8 * largest  # never the whole file: a window past the layer done
+        streamer.wait_evicted()
+        assert resident_fraction(f16_file) < 0.05  # dropped after the pass
+
+        target.truncate(4)
+        seen.clear()
+        target.verify(chain([5, 6, 7]))  # plain: no prefetch, the kernel's faults alone, nothing dropped mid-pass
+        assert seen[-1] > 0.6 * size  # every layer (the tied table, a fifth of the file, is read by the head after)
+        target.close()
+    finally:
+        if in_ram is None:
+            inner.close()
+
+
+def test_auto_prices_a_pass_by_what_the_window_let_growth_read() -> None:
+    """--budget auto's pass time after `grow_s` of drafting: reading the file takes 400 ms, the window holds 100 ms of
+    it, so growth hides at most 100 ms of the reading, however long it takes (the rest is read during the pass)."""
+    from edge.budget import Costs
+
+    windowed = Costs({1: 900.0}, {}, read_ahead_ms=400.0, warm_ms={1: 100.0}, overlap_ms={1: 410.0}, window_ms=100.0)
+    whole = Costs({1: 900.0}, {}, read_ahead_ms=400.0, warm_ms={1: 100.0}, overlap_ms={1: 410.0})
+    assert windowed.verify_s(1, 0.0) == whole.verify_s(1, 0.0) == pytest.approx(0.41)
+    assert windowed.verify_s(1, 0.05) == pytest.approx(0.36)
+    assert windowed.verify_s(1, 0.3) == windowed.verify_s(1, 1.0) == pytest.approx(0.31)  # the window's 100 ms
+    assert whole.verify_s(1, 1.0) == pytest.approx(0.1)  # the whole file read during growth: the compute alone
+    assert Costs.from_json(windowed.to_json()) == windowed
+    with pytest.raises(ValueError, match="window_ms"):
+        Costs.from_json({**windowed.to_json(), "window_ms": -1})
