@@ -162,15 +162,16 @@ class SsdStreamer:
                 libc.madvise(start, end - start, MADV_DONTNEED)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def after_pass(self) -> None:
-        """From a thread: evict the weights now, then read them ahead once `prefetch()` says a tree is being
-        grown (plain decoding never waits on it: a pass racing its own readahead ran slower here)."""
+    def after_pass(self, evict: bool = True) -> None:
+        """From a thread: evict the weights now (unless told not to: the kernel keeps what it can), then read them
+        ahead once `prefetch()` says a tree is being grown (plain decoding never waits on it: a pass racing its own
+        readahead ran slower here)."""
         self._cancel_readahead()
         self._stop.clear()
         self._go.clear()
         self._evicted.clear()
         self.timeline.append({"evicted": time.perf_counter()})
-        self._thread = threading.Thread(target=self._evict_then_read, args=(self.timeline[-1],),
+        self._thread = threading.Thread(target=self._evict_then_read, args=(self.timeline[-1], evict),
                                         name="edge-spec-readahead", daemon=True)
         self._thread.start()
 
@@ -193,8 +194,9 @@ class SsdStreamer:
             if 0 <= token < rows:
                 os.posix_fadvise(self._fd, offset + int(token) * row_bytes, row_bytes, os.POSIX_FADV_WILLNEED)
 
-    def _evict_then_read(self, stamps: dict[str, float]) -> None:
-        self._drop_pages()
+    def _evict_then_read(self, stamps: dict[str, float], evict: bool = True) -> None:
+        if evict:
+            self._drop_pages()
         stamps["evicted_end"] = time.perf_counter()
         self._evicted.set()
         self._go.wait()

@@ -14,7 +14,8 @@ bytes past the layer the pass has computed last:
   reads the next ones;
 - a plain pass (no tree grown, no prefetch) is left to the kernel, as in the SSD regime.
 
-Every pass ends with the weights dropped (the next pass reads them again whatever happens: the file does not fit).
+A pass that was read ahead ends with its weights dropped (the next pass reads them again whatever happens: the file
+does not fit); a plain pass leaves them to the kernel, which keeps what the memory holds for the next one.
 """
 
 from __future__ import annotations
@@ -88,12 +89,15 @@ class WindowedStreamer(SsdStreamer):
             self._ask_ahead()
             self._moved.notify_all()
 
-    def after_pass(self) -> None:
+    def after_pass(self, evict: bool = True) -> None:
+        """After a pass that was read ahead, its pages go (as in the SSD regime); after a plain one the kernel keeps
+        what the memory holds of them, as it would without edge-spec (the next plain pass finds some)."""
         self._cancel_readahead()
         with self._moved:
+            followed = self._following
             self._reset()
             self._following = False
-        super().after_pass()
+        super().after_pass(evict and followed)
 
     def read_ahead_now(self) -> None:
         """Drop the weights, then read what a long growth reads before its pass (the window's worth), and follow the

@@ -69,8 +69,10 @@ def test_the_read_ahead_follows_the_pass_within_its_window(f16_file) -> None:
         target = WindowedTarget(inner, f16_file, window)
         streamer = target.streamer
         assert isinstance(streamer, WindowedStreamer) and streamer.readahead and streamer.window == window
-        target.prefill([1, 2, 3, 4])
+        target.prefill([1, 2, 3, 4])  # a plain pass: its pages are left to the kernel
         streamer.wait_evicted()
+        assert resident_fraction(f16_file) > 0.6
+        streamer.evict()  # as under a memory limit smaller than the file, whose passes find nothing left
         table = max(span.size for span in streamer.spans)  # the tied token table is held through the pass
         largest = max(span.size for span in streamer.spans if span.size < table)
         seen: list[float] = []
@@ -93,6 +95,8 @@ def test_the_read_ahead_follows_the_pass_within_its_window(f16_file) -> None:
         seen.clear()
         target.verify(chain([5, 6, 7]))  # plain: no prefetch, the kernel's faults alone, nothing dropped mid-pass
         assert seen[-1] > 0.6 * size  # every layer (the tied table, a fifth of the file, is read by the head after)
+        streamer.wait_evicted()
+        assert resident_fraction(f16_file) > 0.6  # nor after: the kernel keeps what the memory holds
         target.close()
     finally:
         if in_ram is None:
