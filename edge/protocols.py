@@ -65,8 +65,9 @@ class ModelDefaults:
         False where the size is fixed."""
         return False
 
-    def follow_layers(self, listener: Callable[[int], None]) -> bool:
-        """Have listener(i) called as each layer of a pass is computed; False where the runtime cannot say."""
+    def follow_layers(self, listener: Callable[[int], None], active: Callable[[], bool] | None = None) -> bool:
+        """Have listener(i) called as each layer of a pass is computed, in the passes where active() says so (None:
+        every pass); False where the runtime cannot say."""
         return False
 
 
@@ -88,7 +89,8 @@ class Target(Protocol):
     def truncate(self, n: int) -> None: ...  # keep the first n tokens of the KV cache
     def prefetch(self) -> None: ...  # a round starts growing its tree: a streamed target reads ahead
     def resize(self, size: int) -> bool: ...  # verify trees of `size` nodes from now on (caches emptied)
-    def follow_layers(self, listener: Callable[[int], None]) -> bool: ...  # listener(i) as a pass computes layer i
+    # listener(i) as a pass computes layer i, in passes where active() (None: all); False: the runtime cannot say
+    def follow_layers(self, listener: Callable[[int], None], active: Callable[[], bool] | None = None) -> bool: ...
     def close(self) -> None: ...  # free native memory; the model is unusable afterwards
 
 
@@ -165,8 +167,8 @@ class TargetWrapper:
     def resize(self, size: int) -> bool:
         return self.inner.resize(size)
 
-    def follow_layers(self, listener: Callable[[int], None]) -> bool:
-        return self.inner.follow_layers(listener)
+    def follow_layers(self, listener: Callable[[int], None], active: Callable[[], bool] | None = None) -> bool:
+        return self.inner.follow_layers(listener, active)
 
     def close(self) -> None:
         self.inner.close()

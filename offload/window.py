@@ -77,6 +77,10 @@ class WindowedStreamer(SsdStreamer):
             self._following = True
         super().prefetch()
 
+    def following(self) -> bool:
+        """Whether the pass about to run (or running) is read ahead: only those are followed layer by layer."""
+        return self._following
+
     def on_layer(self, layer: int) -> None:
         """From the pass (the target's runtime): `layer` is computed. Its pages go, and the read-ahead moves on."""
         with self._moved:
@@ -177,7 +181,7 @@ class WindowedTarget(SsdTarget):
 
     def __init__(self, target: Target, path: Path, window: int):
         streamer = WindowedStreamer(path, window)
-        streamer.readahead = target.follow_layers(streamer.on_layer)
+        streamer.readahead = target.follow_layers(streamer.on_layer, streamer.following)
         super().__init__(target, path, streamer=streamer)
 
 

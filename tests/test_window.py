@@ -45,6 +45,10 @@ def test_a_pass_says_each_layer_and_its_logits_do_not_change(f16_file) -> None:
         layers.clear()
         assert np.array_equal(followed.verify(chain([5, 6, 7])), expected)
         assert layers == list(range(30))  # SmolLM2-135M's 30 layers, in order, once each
+        layers.clear()
+        followed.follow_layers(layers.append, active=lambda: False)  # a pass nobody follows: not split by layer
+        followed.truncate(4)
+        assert np.array_equal(followed.verify(chain([5, 6, 7])), expected) and layers == []
 
         def broken(layer: int) -> None:
             raise OSError("a listener that fails")

@@ -77,7 +77,11 @@ class LayerListener:
 
     def __init__(self) -> None:
         self.listener: Callable[[int], None] | None = None
+        self.following: Callable[[], bool] = _never  # whether the pass about to run is followed
         self.error: BaseException | None = None
+
+    def active(self) -> bool:
+        return self.listener is not None and self.following()
 
     def __call__(self, layer: int) -> None:
         if self.listener is not None and self.error is None:
@@ -124,10 +128,10 @@ class LlamaTarget(_Runner):
             error, self._layers.error = self._layers.error, None
             raise error
 
-    def follow_layers(self, listener: Callable[[int], None]) -> bool:
+    def follow_layers(self, listener: Callable[[int], None], active: Callable[[], bool] | None = None) -> bool:
         if self._layers is None:
             return False
-        self._layers.listener = listener
+        self._layers.listener, self._layers.following = listener, active or _always
         return True
 
     def verify(self, tree: TokenTree) -> np.ndarray:
@@ -337,3 +341,11 @@ def top_k_log_probs(logits: np.ndarray, k: int, window: float = 20.0) -> tuple[n
     mass = np.bincount(near_rows, weights=np.exp(logits[near_rows, near_cols] - peak[near_rows, 0]),
                        minlength=len(logits))
     return ids.astype(np.int32), (top - peak - np.log(mass)[:, None]).astype(np.float32)
+
+
+def _never() -> bool:
+    return False
+
+
+def _always() -> bool:
+    return True
