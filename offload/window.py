@@ -43,8 +43,8 @@ class Span:
 
     start: int
     end: int
-    offset: int
-    size: int
+    offset: int  # the file offset of `start` (page-aligned, as the mapping is)
+    size: int  # the tensor's bytes
     layer: int  # dropped once this layer is computed; the head and a tied token table: n_layers (at the pass's end)
 
 
@@ -68,7 +68,8 @@ class WindowedStreamer(SsdStreamer):
         n_layers = 1 + max((layer for layer in layers if layer is not None), default=-1)
         spans = []
         for tensor, layer, (start, end) in zip(order, layers, self._address_ranges(order), strict=True):
-            spans.append(Span(start, end, tensor.offset, tensor.size, n_layers if layer is None else layer))
+            offset = tensor.offset - tensor.offset % mmap.PAGESIZE
+            spans.append(Span(start, end, offset, tensor.size, n_layers if layer is None else layer))
         return spans
 
     def prefetch(self) -> None:
@@ -135,8 +136,7 @@ class WindowedStreamer(SsdStreamer):
                 if span.layer > self._done + 1 and self._held() + span.size > self.window:
                     return
                 self._read.add(self._asked)
-                offset = span.offset - span.offset % mmap.PAGESIZE
-                os.posix_fadvise(self._fd, offset, span.end - span.start, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(self._fd, span.offset, span.end - span.start, os.POSIX_FADV_WILLNEED)
             self._asked += 1
 
     def _read_ahead(self, wait: bool = True) -> None:
@@ -191,12 +191,11 @@ def _regions(spans: list[Span]) -> dict[int, list[tuple[int, int, int]]]:
     regions: dict[int, list[tuple[int, int, int]]] = {}
     for span in sorted(spans, key=lambda span: span.start):
         runs = regions.setdefault(span.layer, [])
-        offset = span.offset - span.offset % mmap.PAGESIZE  # the file offset of `start` (mappings are page-aligned)
         if runs and span.start <= runs[-1][1] + mmap.PAGESIZE:
-            start, _, first = runs[-1]
-            runs[-1] = (start, max(span.end, runs[-1][1]), first)
+            start, end, offset = runs[-1]
+            runs[-1] = (start, max(span.end, end), offset)
         else:
-            runs.append((span.start, span.end, offset))
+            runs.append((span.start, span.end, span.offset))
     return regions
 
 

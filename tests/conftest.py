@@ -64,3 +64,16 @@ def prompts_for(pair: Pair) -> list[str]:
 
 def prompt_tokens(pair: Pair, text: str) -> list[int]:
     return pair.prompt_tokens(text)
+
+
+@pytest.fixture(scope="session")
+def f16_file() -> Path:
+    """SmolLM2-135M's target rewritten to F16 (cached beside it): a file whose passes read every byte from the mapping
+    (no repacked copy), for the streaming tests."""
+    from dataclasses import replace
+
+    from edge.models.opening import materialize
+    from edge.models.registry import load_registry
+
+    spec = load_registry().pair("smollm2-135m")
+    return materialize(replace(spec.target, quantize="f16"), lambda message: None)

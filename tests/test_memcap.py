@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +20,6 @@ PROMPT = [1, 504, 3458, 28, 2]
 
 reason = memcap.unavailable()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"no memory cgroups here: {reason}")
-
-
-@pytest.fixture(scope="module")
-def f16_file() -> Path:
-    from edge.models.opening import materialize
-    from edge.models.registry import load_registry
-
-    spec = load_registry().pair("smollm2-135m")
-    return materialize(replace(spec.target, quantize="f16"), lambda message: None)
 
 
 def greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[int]]:

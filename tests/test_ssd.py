@@ -20,12 +20,6 @@ from edge.errors import UserError
 from edge.tree import TokenTree
 
 
-@pytest.fixture(scope="module")
-def f16_file():
-    spec = load_registry().pair("smollm2-135m")
-    return materialize(replace(spec.target, quantize="f16"), lambda message: None)
-
-
 def chain(tokens: list[int]) -> TokenTree:
     n = len(tokens)
     return TokenTree(np.array(tokens, np.int32), np.arange(-1, n - 1, dtype=np.int32), np.arange(n, dtype=np.int32),

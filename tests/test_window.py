@@ -4,29 +4,13 @@ than its window past the pass."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
-from edge.models.opening import materialize
-from edge.models.registry import load_registry
 from edge.offload.ssd import resident_fraction
 from edge.offload.window import WindowedStreamer, WindowedTarget
 from edge.runtimes.llama_cpp import RunOptions, load_target
 
-from edge.tree import TokenTree
-
-
-@pytest.fixture(scope="module")
-def f16_file():
-    spec = load_registry().pair("smollm2-135m")
-    return materialize(replace(spec.target, quantize="f16"), lambda message: None)
-
-
-def chain(tokens: list[int]) -> TokenTree:
-    n = len(tokens)
-    return TokenTree(np.array(tokens, np.int32), np.arange(-1, n - 1, dtype=np.int32), np.arange(n, dtype=np.int32),
-                     np.zeros(n, np.float32))
+from tests.test_ssd import chain
 
 
 def test_a_pass_says_each_layer_and_its_logits_do_not_change(f16_file) -> None:
