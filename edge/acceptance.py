@@ -25,6 +25,8 @@ target's whatever the tree's shape. The alternatives tried, with their figures: 
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 
 from edge.tree import DRAFTED, TokenTree
@@ -39,6 +41,8 @@ DEPTH_STEPS = 8  # Newton steps per round for the depth offsets, at most, from t
 DEPTH_TOLERANCE = 1e-4  # ... stopping once no offset moves more (a round's few counts: one or two steps)
 DECAY = 0.995  # weight of the previous rounds' counts after one more round (about the last 200 rounds count)
 FLOOR = 1e-4
+_BIN_EDGES = BIN_EDGES.tolist()  # the same edges for plain Python's bisect (a few nodes: numpy's calls cost more)
+_DEPTH_EDGES = DEPTH_EDGES.tolist()
 
 
 class Acceptance:
@@ -52,6 +56,7 @@ class Acceptance:
         self.hits = np.zeros((len(DEPTH_EDGES), 2, len(self.middle)))  # [depth bucket, runner-up, probability bin]
         self.seen = np.zeros_like(self.hits)
         self.depth_offset = np.zeros(len(DEPTH_EDGES))
+        self._rates: list | None = None  # rate()'s table as nested lists, made again after the counts change
         self._update_table()
 
     @property
@@ -79,7 +84,26 @@ class Acceptance:
         return gain.astype(np.float32)
 
     def rate(self, p: float, depth: int = 1, rank: int = 0) -> float:
-        return float(np.exp(self.log_accept(np.array([np.log(max(p, 1e-30))]), depth, rank)[0]))
+        """The chance that the target accepts one child (the table's rate, in plain Python: policy.py asks it for
+        each of a few dozen lookup branches every round, where numpy's per-call cost would show)."""
+        table = self.table  # brought up to date first, which drops the lists if the counts changed
+        if self._rates is None:
+            self._rates = np.exp(table).tolist()
+        return self._rates[_depth_cell(depth)][min(rank, 1)][_bin_cell(p)]
+
+    def count(self, depth: int, rank: int, p: float, hit: bool) -> None:
+        """One child seen, and whether the target took it: what observe() does for each child of a tree, for the
+        few children a plain round checks (policy.py: lookup's first tokens against the target's token). Call
+        fade() once for the round first."""
+        cell = (_depth_cell(depth), min(rank, 1), _bin_cell(p))
+        self.hits[cell] += hit
+        self.seen[cell] += 1.0
+        self._stale = True
+
+    def fade(self) -> None:
+        """Older rounds count less by DECAY: once a round, before its counts."""
+        self.hits *= DECAY
+        self.seen *= DECAY
 
     def observe(self, tree: TokenTree, path: list[int], token: int, source: int | None = None) -> None:
         """One verified round: `path` the accepted node ids (root first), `token` the target's draw at its end.
@@ -99,8 +123,7 @@ class Acceptance:
         hit = tree.tokens[children] == taken[tree.parents[children]]
         rank = np.zeros(len(children), np.int64) if tree.rank is None else np.minimum(tree.rank[children], 1)
         cells = (_depth_bucket(tree.depth[children]), rank, _bin(np.exp(tree.draft[children])))
-        self.hits *= DECAY
-        self.seen *= DECAY
+        self.fade()
         np.add.at(self.hits, cells, hit)
         np.add.at(self.seen, cells, 1.0)
         self._stale = True
@@ -121,6 +144,7 @@ class Acceptance:
         self.depth_offset = offset
         rate = _sigmoid(base + offset[:, None, None])
         self._table = np.log(np.clip(rate, FLOOR, 1 - FLOOR)).astype(np.float32)
+        self._rates = None
         self._stale = False
 
 
@@ -134,6 +158,14 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
 
 def _bin(p: np.ndarray) -> np.ndarray:
     return np.clip(np.searchsorted(BIN_EDGES, p, side="right") - 1, 0, len(BIN_EDGES) - 2)
+
+
+def _bin_cell(p: float) -> int:
+    return min(max(bisect_right(_BIN_EDGES, p) - 1, 0), len(_BIN_EDGES) - 2)
+
+
+def _depth_cell(depth: int) -> int:
+    return min(max(bisect_right(_DEPTH_EDGES, depth) - 1, 0), len(_DEPTH_EDGES) - 1)
 
 
 def _depth_bucket(depth: np.ndarray | int) -> np.ndarray:

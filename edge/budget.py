@@ -235,8 +235,8 @@ class AutoBudget:
         includes the drafter catching up on the tokens decoded plainly meanwhile (one batched pass, but on a CPU
         with a small target in RAM it alone costs more than that share: there a tree is never tried again)."""
         self.plain_streak += 1
-        if self.plain_streak < self.probe_every:
-            return None
+        if self.plain_streak < self.probe_every or (self.plain_streak - self.probe_every) % FIRST_PROBE:
+            return None  # not yet; and a try that could not pay is asked again FIRST_PROBE rounds later, not each
         plain_s = self.round_s(0)
         catch_up = self.costs.drafter_s(self.plain_streak)
         hopeful = {b: rate for b in budgets if (rate := self._optimistic_rate(b)) > (plain_rate or 1 / plain_s)

@@ -15,14 +15,13 @@ from edge.errors import ContextFull, Interrupted, UserError
 from edge.grow import GrowConfig
 from edge.lookup import Lookup
 from edge.overlap import Overlap, overlapped_round
-from edge.policy import BudgetPolicy, FixedBudget, RoundPlan, RoundPolicy
+from edge.policy import LOOKUP_BRANCHES, BudgetPolicy, FixedBudget, RoundPlan, RoundPolicy
 from edge.protocols import Drafter, Target
 from edge.residual import AutoRule
 from edge.sampling import SamplingConfig
 from edge.speculative import RoundResult, speculative_round
 
 PLAIN = RoundPlan(None)
-LOOKUP_BRANCHES = 64  # continuations lookup proposes a round, at most (the round's budget takes the likeliest)
 
 
 @dataclass

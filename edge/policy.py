@@ -14,8 +14,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from edge.acceptance import Acceptance
 from edge.errors import UserError
 from edge.grow import GrowConfig
@@ -24,10 +22,10 @@ from edge.options import ACCEPT_RULES
 from edge.residual import AutoRule
 from edge.sampling import SamplingConfig
 from edge.speculative import RULES, RoundResult
-from edge.tree import LOOKED_UP, TokenTree
 
 # a lookup branch less likely than this to be reached and taken adds too little to price a pass for
 MIN_REACH = 0.01
+LOOKUP_BRANCHES = 64  # continuations lookup proposes a round, at most (the round's budget takes the likeliest)
 GREEDY_DRAFT_TEMPERATURE = 0.5  # measured: tokens per pass 5.7 -> 6.3 at budget 64 (docs/performance.md)
 
 
@@ -79,6 +77,7 @@ class RoundPolicy:
             raise UserError(f"accept must be one of {', '.join(ACCEPT_RULES)} (got {accept!r})", "accept")
         self.budget, self.accept, self.drafts, self.uses_lookup = budget, accept, drafts, lookup
         self.max_lookup = max_lookup
+        self._price: float | None = None  # _node_price()
         self.sampling = SamplingConfig()
         self._reset_rates()
 
@@ -137,49 +136,68 @@ class RoundPolicy:
     def _lookup_size(self, lookup: LookupTree, most: int) -> int:
         """How many of the lookup branches (the likeliest, by their measured acceptance) a tree of their own should
         take: the count whose expected tokens per second of target pass is best, 0 where none beats a plain pass. A
-        budget policy that has not measured passes (a fixed tree) takes all it has room for."""
-        parents = [branch.parent for branch in lookup.branches]
-        probability = np.array([branch.confidence for branch in lookup.branches])
-        depth = np.ones(len(lookup), np.int64)
-        best_sibling: dict[int, float] = {}
-        for i, (parent, p) in enumerate(zip(parents, probability.tolist(), strict=True)):  # parents come first
-            best_sibling[parent] = max(best_sibling.get(parent, 0.0), p)
-            if parent >= 0:
-                depth[i] = depth[parent] + 1
-        rank = (probability < np.array([best_sibling[parent] for parent in parents])).astype(np.int64)
-        rates = np.exp(self.lookup_acceptance.log_accept(np.log(np.maximum(probability, 1e-30)), depth, rank))
-        reach = rates.tolist()  # the chance that the target accepts each branch's whole path
-        for i, parent in enumerate(parents):
-            if parent >= 0:
-                reach[i] *= reach[parent]
-        taken = np.sort(reach)[::-1][:most]  # a child's reach is below its parent's: the best k are a tree
+        budget policy that has not measured passes (a fixed tree) takes all it has room for.
+
+        It runs every round that decodes plainly, so it is plain Python (numpy's per-call cost had made it a third
+        of auto's own time in such a round) and gives up early: no node of a tree is likelier to be reached than its
+        first token, so where the likeliest first token could not pay for a node at the cheapest price a larger pass
+        charges per node, no tree of them can."""
         if self.budget.pass_s(1) is None:
-            return len(taken)
-        taken = taken[taken >= MIN_REACH]
-        if not len(taken):
+            return min(len(lookup), most)
+        rate = self.lookup_acceptance.rate
+        first = [branch.confidence for branch in lookup.branches if branch.parent < 0]
+        top = max(first, default=0.0)
+        if max((rate(c, 1, int(c < top)) for c in first), default=0.0) <= self._node_price():
             return 0
-        expected = 1.0 + np.cumsum(taken)
-        rates = [expected[k] / self.budget.pass_s(k + 2) for k in range(len(taken))]
-        best = int(np.argmax(rates))
-        return best + 1 if rates[best] > 1.0 / self.budget.pass_s(1) else 0
+        best_sibling: dict[int, float] = {}
+        for branch in lookup.branches:  # the likeliest branch under each parent: the others are runner-ups (rank 1)
+            best_sibling[branch.parent] = max(best_sibling.get(branch.parent, 0.0), branch.confidence)
+        depth: list[int] = []
+        reach: list[float] = []  # the chance that the target accepts each branch's whole path
+        for branch in lookup.branches:  # parents come first
+            below = branch.parent >= 0
+            depth.append(depth[branch.parent] + 1 if below else 1)
+            if below and reach[branch.parent] < MIN_REACH:  # below a parent too unlikely to take: so is it
+                reach.append(0.0)
+                continue
+            confidence = branch.confidence
+            r = rate(confidence, depth[-1], int(confidence < best_sibling[branch.parent]))
+            reach.append(r * reach[branch.parent] if below else r)
+        taken = sorted(reach, reverse=True)[:most]  # a child's reach is below its parent's: the best k are a tree
+        best, best_rate, expected = 0, 1.0 / self.budget.pass_s(1), 1.0
+        for k, r in enumerate(taken, 1):
+            if r < MIN_REACH:
+                break
+            expected += r
+            if (k_rate := expected / self.budget.pass_s(k + 1)) > best_rate:
+                best, best_rate = k, k_rate
+        return best
+
+    def _node_price(self) -> float:
+        """The least a node of a lookup tree costs, in plain passes: min over k of (t(k + 1) / t(1) - 1) / k, for the
+        tree sizes lookup proposes (a tree of k nodes pays only if its expected accepted tokens, at most k times its
+        likeliest first token's chance, exceed that). The measured pass times' scale cancels: computed once."""
+        if self._price is None:
+            plain_s = self.budget.pass_s(1)
+            self._price = min((self.budget.pass_s(k + 1) / plain_s - 1) / k for k in range(1, LOOKUP_BRANCHES + 1))
+        return self._price
 
     def observe(self, plan: RoundPlan, result: RoundResult) -> None:
         if plan.drafting or plan.grow is None:  # a tree of lookup branches alone says nothing of the drafter's
             self.budget.observe(plan.grow, result)
         if plan.unverified is not None and result.tokens:
-            self.lookup_acceptance.observe(_first_tokens(plan.unverified), [0], result.tokens[0], LOOKED_UP)
+            _observe_first_tokens(self.lookup_acceptance, plan.unverified, result.tokens[0])
         if plan.drafting and self.accept == "auto" and not self.sampling.greedy:
             self.auto_rule.observe(plan.rule, result.tree, result.path)
 
 
-def _first_tokens(lookup: LookupTree) -> TokenTree:
-    """The first tokens of lookup's branches under a root (whose token does not matter here), as a tree for
-    Acceptance.observe: what a plain round's token says of them."""
+def _observe_first_tokens(acceptance: Acceptance, lookup: LookupTree, token: int) -> None:
+    """What a plain round's token says of lookup's first tokens, counted as Acceptance.observe counts the children
+    of a tree's root (their draft probability: their confidence; rank 1 below the likeliest)."""
     first = [branch for branch in lookup.branches if branch.parent < 0]
-    confidence = np.array([branch.confidence for branch in first], np.float32)
-    n = len(first) + 1
-    rank = np.concatenate([[0], confidence < confidence.max(initial=0.0)]).astype(np.int32)
-    return TokenTree(np.array([0, *(branch.token for branch in first)], np.int32),
-                     np.array([-1, *[0] * len(first)], np.int32), np.minimum(np.arange(n), 1).astype(np.int32),
-                     np.zeros(n, np.float32), np.log(np.concatenate([[1.0], confidence])).astype(np.float32), rank,
-                     np.array([0, *[LOOKED_UP] * len(first)], np.uint8))
+    if not first:
+        return
+    top = max(branch.confidence for branch in first)
+    acceptance.fade()
+    for branch in first:
+        acceptance.count(1, int(branch.confidence < top), branch.confidence, branch.token == token)
