@@ -146,6 +146,28 @@ def test_lookup_and_drafter_branches_share_one_tree() -> None:
     assert other in first_level and first_level[other] & LOOKED_UP
 
 
+def test_a_lookup_branch_the_drafter_overrules_gives_way() -> None:
+    """Where the drafter expands a node and does not offer lookup's child there (a copy meeting an edit), the lookup
+    branch is scored no higher than a child below the drafter's least offered one, and the drafter's likelier
+    children take the budget; a lookup branch the drafter agrees with stays shared."""
+    target = TinyModel(n_vocab=9, seed=5)
+    drafter = target.noisy(0.3)
+    drafter.prefill([1, 2])
+    probs = np.log(np.array([0.9, 0.05, 0.03, 0.02], np.float32))
+
+    def sure(tree, nodes, width):  # the drafter is sure of token 1 everywhere, 7 is not among its top 4
+        rows = (len(nodes), 1)
+        return np.tile(np.arange(1, width + 1, dtype=np.int32), rows), np.tile(probs[:width], rows)
+
+    copy = LookupTree([Branch(7, i - 1, 1.0, 40) for i in range(20)])  # a long, sure-looking copy of token 7
+    tree, _ = grow(drafter, 3, GrowConfig.for_budget(16), expand=sure, lookup=copy)
+    assert int((tree.source == LOOKED_UP).sum()) <= 1  # at most the first token stays, as a runner-up would
+    assert tree.depth[tree.tokens == 1].max() >= 8  # the drafter's chain has the budget
+    agreed = LookupTree([Branch(1, i - 1, 1.0, 40) for i in range(20)])  # the same copy, of the drafter's token
+    tree, _ = grow(drafter, 3, GrowConfig.for_budget(16), expand=sure, lookup=agreed)
+    assert (tree.source[1:] & LOOKED_UP).sum() >= 10
+
+
 def test_no_branch_runs_below_a_node_the_drafter_did_not_run() -> None:
     """Lookup proposes what followed earlier, a chat's end-of-turn token included: nothing below a stop token joins
     the tree, and the drafter runs a node only when it ran its parent (its keys must be in the drafter's cache; an
