@@ -41,6 +41,10 @@ DEPTH_STEPS = 8  # Newton steps per round for the depth offsets, at most, from t
 DEPTH_TOLERANCE = 1e-4  # ... stopping once no offset moves more (a round's few counts: one or two steps)
 DECAY = 0.995  # weight of the previous rounds' counts after one more round (about the last 200 rounds count)
 FLOOR = 1e-4
+# rate() answers from a table that may lag this many rounds of counts (a plain round counts lookup's few first tokens,
+# and refitting the table for each such round had cost as much as the rest of the round's bookkeeping): at DECAY 0.995
+# a round, a few rounds move a rate by far less than the measured rates' own noise
+RATE_LAG = 8
 _BIN_EDGES = BIN_EDGES.tolist()  # the same edges for plain Python's bisect (a few nodes: numpy's calls cost more)
 _DEPTH_EDGES = DEPTH_EDGES.tolist()
 
@@ -56,7 +60,8 @@ class Acceptance:
         self.hits = np.zeros((len(DEPTH_EDGES), 2, len(self.middle)))  # [depth bucket, runner-up, probability bin]
         self.seen = np.zeros_like(self.hits)
         self.depth_offset = np.zeros(len(DEPTH_EDGES))
-        self._rates: list | None = None  # rate()'s table as nested lists, made again after the counts change
+        self._rates: list | None = None  # rate()'s table as nested lists (made again: RATE_LAG)
+        self._unread = 0  # rounds counted since the lists were made
         self._update_table()
 
     @property
@@ -86,9 +91,9 @@ class Acceptance:
     def rate(self, p: float, depth: int = 1, rank: int = 0) -> float:
         """The chance that the target accepts one child (the table's rate, in plain Python: policy.py asks it for
         each of a few dozen lookup branches every round, where numpy's per-call cost would show)."""
-        table = self.table  # brought up to date first, which drops the lists if the counts changed
-        if self._rates is None:
-            self._rates = np.exp(table).tolist()
+        if self._rates is None or self._unread >= RATE_LAG:  # else the lists may lag a few plain rounds' counts
+            table = self.table
+            self._rates, self._unread = np.exp(table).tolist(), 0
         return self._rates[_depth_cell(depth)][min(rank, 1)][_bin_cell(p)]
 
     def count(self, depth: int, rank: int, p: float, hit: bool) -> None:
@@ -104,6 +109,7 @@ class Acceptance:
         """Older rounds count less by DECAY: once a round, before its counts."""
         self.hits *= DECAY
         self.seen *= DECAY
+        self._unread += 1
 
     def observe(self, tree: TokenTree, path: list[int], token: int, source: int | None = None) -> None:
         """One verified round: `path` the accepted node ids (root first), `token` the target's draw at its end.
@@ -126,7 +132,7 @@ class Acceptance:
         self.fade()
         np.add.at(self.hits, cells, hit)
         np.add.at(self.seen, cells, 1.0)
-        self._stale = True
+        self._stale, self._rates = True, None  # a verified tree: rate() answers from the new counts
 
     def _update_table(self) -> None:
         hits, seen = self.hits.sum(axis=0), self.seen.sum(axis=0)  # [rank, bin]
@@ -144,8 +150,7 @@ class Acceptance:
         self.depth_offset = offset
         rate = _sigmoid(base + offset[:, None, None])
         self._table = np.log(np.clip(rate, FLOOR, 1 - FLOOR)).astype(np.float32)
-        self._rates = None
-        self._stale = False
+        self._stale, self._rates = False, None
 
 
 def _logit(p: np.ndarray) -> np.ndarray:

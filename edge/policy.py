@@ -25,6 +25,13 @@ from edge.speculative import RULES, RoundResult
 
 # a lookup branch less likely than this to be reached and taken adds too little to price a pass for
 MIN_REACH = 0.01
+# Lookup's rates are measured branch by branch, but its trees' tokens are not the sum of independent chances (a copy
+# that breaks breaks every branch below): the expected tokens are scaled by what lookup's trees have yielded against
+# what was expected of them, a running ratio (YIELD_SMOOTHING: the newest tree's weight), never above 1 and no lower
+# than MIN_YIELD, and drawn back towards 1 by YIELD_RECOVERY a plain round, so that trees are tried again later.
+YIELD_SMOOTHING = 0.25
+MIN_YIELD = 0.05
+YIELD_RECOVERY = 0.01
 LOOKUP_BRANCHES = 64  # continuations lookup proposes a round, at most (the round's budget takes the likeliest)
 GREEDY_DRAFT_TEMPERATURE = 0.5  # measured: tokens per pass 5.7 -> 6.3 at budget 64 (docs/performance.md)
 
@@ -62,6 +69,7 @@ class RoundPlan:
     # lookup's proposal where the round decodes plainly: its first tokens are checked against the target's token, so
     # lookup's measured rates keep learning while no tree of its own runs (one early miss would stop them for good)
     unverified: LookupTree | None = None
+    expected: float = 0.0  # a tree of lookup's alone: the tokens its pass was expected to yield
 
 
 class RoundPolicy:
@@ -84,6 +92,7 @@ class RoundPolicy:
     def _reset_rates(self) -> None:
         self.acceptances = {rule: Acceptance(greedy=self.sampling.greedy) for rule in RULES}
         self.lookup_acceptance = Acceptance(greedy=self.sampling.greedy)
+        self.lookup_yield = 1.0  # lookup trees' tokens beyond the target's own, measured / expected: _lookup_size
         self.auto_rule = AutoRule()
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
@@ -117,11 +126,11 @@ class RoundPolicy:
         config = self.budget.choose(room) if self.drafts else None
         if config is None:
             most = room - 1 if self.max_lookup is None else min(room - 1, self.max_lookup)
-            size = 0 if lookup is None or most < 1 else self._lookup_size(lookup, most)
+            size, expected = (0, 1.0) if lookup is None or most < 1 else self._lookup_size(lookup, most)
             if not size:
                 return RoundPlan(None, unverified=lookup)
             config = GrowConfig(budget=size, beams=1, width=1, max_depth=max(wanted - 1, 1), max_steps=0)
-            return RoundPlan(config, "match", lookup, drafting=False)
+            return RoundPlan(config, "match", lookup, drafting=False, expected=expected)
         rule = self.rule()
         # top-k scores sharpened to the target's temperature (sharper still when greedy); residual q already is at it
         draft_temperature = 1.0 if rule == "residual" else (
@@ -133,22 +142,24 @@ class RoundPolicy:
             config = dataclasses.replace(config, budget=room - 1)
         return RoundPlan(config, rule, lookup, drafting=True)
 
-    def _lookup_size(self, lookup: LookupTree, most: int) -> int:
+    def _lookup_size(self, lookup: LookupTree, most: int) -> tuple[int, float]:
         """How many of the lookup branches (the likeliest, by their measured acceptance) a tree of their own should
-        take: the count whose expected tokens per second of target pass is best, 0 where none beats a plain pass. A
-        budget policy that has not measured passes (a fixed tree) takes all it has room for.
+        take, and the tokens its pass is expected to yield: the count whose expected tokens per second of target pass
+        is best, 0 where none beats a plain pass. A budget policy that has not measured passes (a fixed tree) takes
+        all it has room for. The branches' rates are scaled by what lookup's trees have yielded against what was
+        expected of them (`lookup_yield`).
 
         It runs every round that decodes plainly, so it is plain Python (numpy's per-call cost had made it a third
         of auto's own time in such a round) and gives up early: no node of a tree is likelier to be reached than its
         first token, so where the likeliest first token could not pay for a node at the cheapest price a larger pass
         charges per node, no tree of them can."""
         if self.budget.pass_s(1) is None:
-            return min(len(lookup), most)
-        rate = self.lookup_acceptance.rate
+            return min(len(lookup), most), 1.0
+        rate, scale = self.lookup_acceptance.rate, self.lookup_yield
         first = [branch.confidence for branch in lookup.branches if branch.parent < 0]
         top = max(first, default=0.0)
-        if max((rate(c, 1, int(c < top)) for c in first), default=0.0) <= self._node_price():
-            return 0
+        if scale * max((rate(c, 1, int(c < top)) for c in first), default=0.0) <= self._node_price():
+            return 0, 1.0
         best_sibling: dict[int, float] = {}
         for branch in lookup.branches:  # the likeliest branch under each parent: the others are runner-ups (rank 1)
             best_sibling[branch.parent] = max(best_sibling.get(branch.parent, 0.0), branch.confidence)
@@ -164,14 +175,14 @@ class RoundPolicy:
             r = rate(confidence, depth[-1], int(confidence < best_sibling[branch.parent]))
             reach.append(r * reach[branch.parent] if below else r)
         taken = sorted(reach, reverse=True)[:most]  # a child's reach is below its parent's: the best k are a tree
-        best, best_rate, expected = 0, 1.0 / self.budget.pass_s(1), 1.0
+        best, best_rate, best_expected, expected = 0, 1.0 / self.budget.pass_s(1), 1.0, 1.0
         for k, r in enumerate(taken, 1):
             if r < MIN_REACH:
                 break
-            expected += r
+            expected += scale * r
             if (k_rate := expected / self.budget.pass_s(k + 1)) > best_rate:
-                best, best_rate = k, k_rate
-        return best
+                best, best_rate, best_expected = k, k_rate, expected
+        return best, best_expected
 
     def _node_price(self) -> float:
         """The least a node of a lookup tree costs, in plain passes: min over k of (t(k + 1) / t(1) - 1) / k, for the
@@ -187,6 +198,11 @@ class RoundPolicy:
             self.budget.observe(plan.grow, result)
         if plan.unverified is not None and result.tokens:
             _observe_first_tokens(self.lookup_acceptance, plan.unverified, result.tokens[0])
+            self.lookup_yield += (1.0 - self.lookup_yield) * YIELD_RECOVERY
+        if plan.expected > 1.0:  # a tree of lookup's alone: what it yielded against what it was expected to
+            got = (len(result.tokens) - 1) / (plan.expected - 1.0)  # already scaled: the yield moves by this ratio
+            blended = self.lookup_yield * (1 - YIELD_SMOOTHING + YIELD_SMOOTHING * got)
+            self.lookup_yield = min(max(blended, MIN_YIELD), 1.0)
         if plan.drafting and self.accept == "auto" and not self.sampling.greedy:
             self.auto_rule.observe(plan.rule, result.tree, result.path)
 
