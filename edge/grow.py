@@ -153,6 +153,8 @@ class Growth:
         self.expanded[1:n] = np.isin(self.tokens[1:n], self.stops)
         self.children = {(int(self.parents[i]), int(self.tokens[i])): i for i in range(1, n)}  # lookup's nodes
         self.looked_up = n  # nodes 1..looked_up - 1 are lookup's
+        self.lookup_parents = frozenset(self.parents[1:n].tolist())
+        self._lookup_mask: np.ndarray | None = None  # _overruled's, made when first needed
         self.n = n
         _keep_best(self.kept[:n], self.score[:n], self.depth[:n], self.parents[:n], config.budget)
         self.expand_room = room
@@ -217,32 +219,28 @@ class Growth:
 
     def _overruled(self, nodes: np.ndarray, log_probs: np.ndarray) -> None:
         """Lookup's children of the nodes just expanded that the drafter did not offer among its top `width`: the
-        drafter gives each less than its last offered child, so each is scored no higher than such a runner-up
+        drafter gives each less than its least offered child, so each is scored no higher than such a runner-up
         would be, and its lookup branch below it loses as much. Where a copy meets an edit, lookup goes on with the
         old text and the drafter with the edit: a lookup branch scored by its own rate alone would keep budget the
         drafter's likelier children need. (A child the drafter offered shares its node: scored by the likelier.)"""
-        score, parents, end = self.score, self.parents, self.looked_up
-        lookup_parents = set(parents[1:end].tolist())
+        score, end = self.score, self.looked_up
         for row, node in enumerate(nodes.tolist()):
-            if node not in lookup_parents:
+            if node not in self.lookup_parents:
                 continue
-            listed = {int(self.tokens[i]) for i in range(1, end) if parents[i] == node and self.source[i] & DRAFTED}
+            kids = np.flatnonzero(self.parents[1:end] == node) + 1
+            kids = kids[self.source[kids] & DRAFTED == 0]  # not offered: the offered ones share their node
             given = log_probs[row][np.isfinite(log_probs[row])]
-            if len(given) == 0:
+            if len(kids) == 0 or len(given) == 0:
                 continue
             below = given.min(keepdims=True)  # what the drafter leaves an unlisted token: less than any it offered
             gain = below if self.acceptance is None else self.acceptance.log_accept(below, self.depth[node] + 1, 1)
-            cap = float(score[node] + gain[0])
-            for child in range(1, end):
-                if parents[child] != node or int(self.tokens[child]) in listed or score[child] <= cap:
-                    continue
-                delta = cap - score[child]
-                lowered = {child}
-                score[child] = cap
-                for i in range(child + 1, end):  # its branch below (lookup's nodes: parents come first)
-                    if parents[i] in lowered:
-                        lowered.add(i)
-                        score[i] += delta
+            cap = score[node] + gain[0]
+            over = kids[score[kids] > cap]
+            if len(over):
+                if self._lookup_mask is None:  # [i, j]: j is i or an ancestor of i, among lookup's nodes
+                    self._lookup_mask = TokenTree(self.tokens[:end], self.parents[:end], self.depth[:end],
+                                                  score[:end]).ancestor_mask()
+                score[:end] += self._lookup_mask[:, over] @ (cap - score[over])  # the siblings' branches are apart
 
     def tree(self) -> tuple[TokenTree, np.ndarray]:
         """The kept tree, and the index in this growth of each of its nodes."""
