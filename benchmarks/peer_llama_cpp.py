@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -165,7 +166,12 @@ def edge_job(job: dict) -> dict:
         out |= {"prompts": prompts, "target": str(pair.target.path), "placement": pair.placement,
                 "drafter": None if pair.drafter is None else str(pair.drafter.path),
                 "stops": sorted(pair.target.special.stop), "ctx": pair.target.n_ctx, "overlap": pair.overlaps}
-        for label, speculate in (("edge-spec plain", False), ("edge-spec auto", True)):
+        runs = [("edge-spec plain", False, None)] + [
+            ("edge-spec auto" if rule == "auto" else f"edge-spec auto, accept {rule}", True, rule)
+            for rule in (job["accept"] if job["temperature"] else ["auto"])]
+        for label, speculate, rule in runs:
+            if rule is not None:
+                pair.options = dataclasses.replace(pair.options, accept=rule)
             decoder = pair.decoder(sampling(job["temperature"]), speculate=speculate,
                                    budget="auto" if speculate else None)
             rows = []
@@ -177,7 +183,9 @@ def edge_job(job: dict) -> dict:
                 rows.append({"tokens": [s.token for s in steps[:-1] if s.token is not None],
                              "decode_s": stats.decode_s, "passes": stats.target_passes,
                              "hidden_s": stats.hidden_s, "pregrown_rounds": stats.pregrown_rounds,
-                             "rounds": stats.rounds, "draft_s": stats.draft_s, "verify_s": stats.verify_s})
+                             "rounds": stats.rounds, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
+                             "plain_rounds": stats.plain_rounds, "residual_rounds": stats.residual_rounds,
+                             "budget_sum": stats.budget_sum})
             out["rows"][label] = rows
     return out
 
@@ -194,7 +202,10 @@ def summary(label: str, rows: list[dict], reference: list[list[int]] | None) -> 
                 "draft_s_per_round": round(sum(r["draft_s"] for r in rows) / rounds, 4),
                 "verify_s_per_round": round(sum(r["verify_s"] for r in rows) / rounds, 4),
                 "hidden_s_per_round": round(sum(r["hidden_s"] for r in rows) / rounds, 4),
-                "pregrown_rounds": sum(r["pregrown_rounds"] for r in rows), "rounds": rounds}
+                "pregrown_rounds": sum(r["pregrown_rounds"] for r in rows), "rounds": rounds,
+                "plain_rounds": sum(r["plain_rounds"] for r in rows),
+                "residual_rounds": sum(r["residual_rounds"] for r in rows),
+                "mean_budget": round(sum(r["budget_sum"] for r in rows) / rounds, 2)}
     if "draft_n" in rows[0]:
         drafted, accepted = sum(r["draft_n"] for r in rows), sum(r["draft_accepted"] for r in rows)
         row |= {"drafted": drafted, "accepted": accepted,
@@ -211,6 +222,8 @@ def main() -> None:
     parser.add_argument("--cap-mb", type=int, default=None, help="run each side under a memory cap of this size")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled at this temperature")
+    parser.add_argument("--accept", default="auto",
+                        help="edge-spec's acceptance rules when sampling, an auto row each (match,residual,auto)")
     parser.add_argument("--edge-only", action="store_true", help="edge-spec's rows alone (no llama.cpp)")
     parser.add_argument("--build-only", action="store_true", help="build the peer's binaries and stop")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -228,7 +241,7 @@ def main() -> None:
     threads = args.threads or default_threads()
     cap = None if args.cap_mb is None else args.cap_mb << 20
     job = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads,
-           "temperature": args.temperature}
+           "temperature": args.temperature, "accept": [r for r in args.accept.split(",") if r]}
     say(f"edge-spec: plain and auto{'' if cap is None else f', under a {args.cap_mb} MB cap'}")
     if cap is None:
         ours = edge_job(job)

@@ -11,7 +11,11 @@ Sequoia's idea (hardware-aware trees) done online. For each candidate budget b:
                 weights is done, and no sooner than the reading left after growth plus the compute after the last
                 byte (Costs.verify_s); scaled likewise
 
-and the round runs the best of them, plain decoding included. Every round that runs a tree of b nodes also
+and the round runs the best of them, plain decoding included. Tokens per pass are kept for each acceptance rule
+apart (the policy says which rule a round runs): under `--accept auto` both rules run, and sample-and-match's
+trees yield fewer tokens when the target samples (at T=0.8 under a memory cap, one table for both chose trees of
+6 nodes on average and yielded 2.20 tokens a pass, where the residual rule's own table chose 18 and yielded 3.65:
+docs/performance.md). Every round that runs a tree of b nodes also
 says what any smaller budget would have yielded, for free: best-first growth keeps the best-scoring nodes,
 so the tree of budget b' < b is (nearly) the b' best nodes of this one, and the accepted path's prefix
 that lies among them is what it would have accepted. Budgets above the largest tree seen are extrapolated
@@ -194,7 +198,8 @@ class AutoBudget:
 
     costs: Costs
     max_budget: int = 0  # 0: budget_limit(costs)
-    tokens: dict[int, float] = field(default_factory=dict)  # budget -> running tokens per pass
+    # acceptance rule -> budget -> running tokens per pass (rounds of one rule say nothing of the other's yield)
+    tokens: dict[str, dict[int, float]] = field(default_factory=dict)
     passes: dict[int, float] = field(default_factory=dict)  # budget -> running drafter passes per round
     grow_scale: float = 1.0  # measured / predicted growth time
     verify_scale: float = 1.0  # measured / predicted verify time with a tree (SSD: readahead overlaps growth)
@@ -208,28 +213,30 @@ class AutoBudget:
         self.max_budget = self.max_budget or budget_limit(self.costs)
         self._pass_ms: dict[int, float] = {}  # pass_s's measured times by size (seconds)
         self._plain_scale = 1.0  # plain_scale(): the median is taken once per plain round, asked for many times
+        self._plain_rule = "match"  # the rule whose trees plain decoding last beat (plain_for counts down for it)
 
-    def choose(self, max_nodes: int) -> GrowConfig | None:
-        if self.plain_for > 0:  # plain decoding won a moment ago: only plain rounds' timing has changed since
-            self.plain_for -= 1
-            best = self._probe([b for b in CANDIDATES if b <= min(self.max_budget, max_nodes - 1)], None)
+    def choose(self, max_nodes: int, rule: str = "match") -> GrowConfig | None:
+        """The next round's tree (None: plain decoding), for a round verified by `rule`."""
+        if self.plain_for > 0 and rule == self._plain_rule:  # plain decoding won a moment ago, against trees of
+            self.plain_for -= 1  # this rule: only plain rounds' timing has changed since
+            best = self._probe([b for b in CANDIDATES if b <= min(self.max_budget, max_nodes - 1)], None, rule)
         else:
-            best = self._best(max_nodes)
+            best = self._best(max_nodes, rule)
         self.chosen.append(best or 0)
         return None if best is None else _config(best)
 
-    def _best(self, max_nodes: int) -> int | None:
+    def _best(self, max_nodes: int, rule: str) -> int | None:
         budgets = [b for b in CANDIDATES if b <= min(self.max_budget, max_nodes - 1)]
-        rates = {b: self.expected_tokens(b) / self.round_s(b) for b in budgets}
+        rates = {b: self.expected_tokens(b, rule) / self.round_s(b, rule) for b in budgets}
         plain_rate = 1 / self.round_s(0)
         best = max(rates, key=rates.get) if rates else None
         if best is None or rates[best] <= plain_rate:
-            self.plain_for = REVIEW_PLAIN
-            return self._probe(budgets, plain_rate)
+            self.plain_for, self._plain_rule = REVIEW_PLAIN, rule
+            return self._probe(budgets, plain_rate, rule)
         self.probe_every = FIRST_PROBE  # trees pay (again)
         return best
 
-    def _probe(self, budgets: list[int], plain_rate: float | None) -> int | None:
+    def _probe(self, budgets: list[int], plain_rate: float | None, rule: str) -> int | None:
         """Plain decoding pays: try a tree now and then (backing off), if it could pay with twice the tokens per
         pass measured so far, and if the try costs at most 1/PROBE_SHARE of the plain decoding before it. The try
         includes the drafter catching up on the tokens decoded plainly meanwhile (one batched pass, but on a CPU
@@ -239,18 +246,19 @@ class AutoBudget:
             return None  # not yet; and a try that could not pay is asked again FIRST_PROBE rounds later, not each
         plain_s = self.round_s(0)
         catch_up = self.costs.drafter_s(self.plain_streak)
-        hopeful = {b: rate for b in budgets if (rate := self._optimistic_rate(b)) > (plain_rate or 1 / plain_s)
-                   and self.plain_streak * plain_s >= PROBE_SHARE * (self.round_s(b) + catch_up)}
+        hopeful = {b: rate for b in budgets if (rate := self._optimistic_rate(b, rule)) > (plain_rate or 1 / plain_s)
+                   and self.plain_streak * plain_s >= PROBE_SHARE * (self.round_s(b, rule) + catch_up)}
         if not hopeful:
             return None
         self.plain_streak = 0
         self.probe_every = min(2 * self.probe_every, MAX_PROBE)
         return max(hopeful, key=hopeful.get)
 
-    def _optimistic_rate(self, budget: int) -> float:
-        return min(budget + 1.0, 2 * self.expected_tokens(budget)) / self.round_s(budget)
+    def _optimistic_rate(self, budget: int, rule: str = "match") -> float:
+        return min(budget + 1.0, 2 * self.expected_tokens(budget, rule)) / self.round_s(budget, rule)
 
-    def observe(self, config: GrowConfig | None, result: RoundResult) -> None:
+    def observe(self, config: GrowConfig | None, result: RoundResult, rule: str = "match") -> None:
+        """What a round verified by `rule` took and yielded (config None: it decoded plainly)."""
         if config is None:
             predicted = self.costs.target_s(len(result.tokens))
             self.plain_ratios.append(result.verify_s / predicted)
@@ -263,18 +271,20 @@ class AutoBudget:
         verified = result.tree_size + len(result.tokens) - 1  # about: the previous round's accepted tokens ran too
         self.verify_scale = _blend(self.verify_scale, result.verify_s / self._verify_s(verified, result.grow_s))
         if result.tree is not None and result.path is not None:
+            table = self.tokens.setdefault(rule, {})
             for b, tokens in tokens_by_budget(result.tree, result.path, CANDIDATES).items():
-                self.tokens[b] = _blend(self.tokens.get(b), tokens)
+                table[b] = _blend(table.get(b), tokens)
 
-    def expected_tokens(self, budget: int) -> float:
-        if budget in self.tokens:
-            return self.tokens[budget]
-        seen = [b for b in self.tokens if b < budget]
+    def expected_tokens(self, budget: int, rule: str = "match") -> float:
+        table = self.tokens.get(rule, {})
+        if budget in table:
+            return table[budget]
+        seen = [b for b in table if b < budget]
         if not seen:
             return prior_tokens(budget)
         base = max(seen)  # extrapolate from the largest budget seen, at the slope the acceptance so far gives
-        slope = PRIOR_SLOPE * max(self.tokens[base] - 1, 0.1) / (prior_tokens(base) - 1)
-        return min(budget + 1.0, self.tokens[base] + slope * math.log2((1 + budget) / (1 + base)))
+        slope = PRIOR_SLOPE * max(table[base] - 1, 0.1) / (prior_tokens(base) - 1)
+        return min(budget + 1.0, table[base] + slope * math.log2((1 + budget) / (1 + base)))
 
     def pass_s(self, tokens: int) -> float:
         """A target pass over `tokens` tokens, as plain passes have lately run against the measured costs: the time of
@@ -287,13 +297,13 @@ class AutoBudget:
             measured = self._pass_ms[tokens] = self.costs.target_s(self.costs.pass_size(tokens))
         return self._plain_scale * measured
 
-    def round_s(self, budget: int) -> float:
+    def round_s(self, budget: int, rule: str = "match") -> float:
         """Predicted seconds of one round: growth plus the target pass (plain: the pass alone)."""
         if budget == 0:
             return self.plain_scale() * self.costs.target_s(1)
         config = _config(budget)
         steps = self.passes.get(budget, config.max_steps)
-        rerun = self.expected_tokens(budget) - 1  # the previous round's accepted tokens run again
+        rerun = self.expected_tokens(budget, rule) - 1  # the previous round's accepted tokens run again
         grow = self.grow_scale * self._grow_s(config, steps)
         return grow + self.verify_scale * self._verify_s(budget + 1 + rerun, grow)
 

@@ -39,8 +39,9 @@ GREEDY_DRAFT_TEMPERATURE = 0.5  # measured: tokens per pass 5.7 -> 6.3 at budget
 class BudgetPolicy(Protocol):
     """Chooses each round's tree shape (None: plain decoding) and learns from the round that ran."""
 
-    def choose(self, max_nodes: int) -> GrowConfig | None: ...  # a tree of at most max_nodes nodes, root included
-    def observe(self, config: GrowConfig | None, result: RoundResult) -> None: ...
+    # a tree of at most max_nodes nodes, root included, for a round that `rule` verifies
+    def choose(self, max_nodes: int, rule: str = "match") -> GrowConfig | None: ...
+    def observe(self, config: GrowConfig | None, result: RoundResult, rule: str = "match") -> None: ...
     def pass_s(self, tokens: int) -> float | None: ...  # a target pass over so many tokens, where measured
 
 
@@ -50,10 +51,10 @@ class FixedBudget:
 
     config: GrowConfig | None
 
-    def choose(self, max_nodes: int) -> GrowConfig | None:
+    def choose(self, max_nodes: int, rule: str = "match") -> GrowConfig | None:
         return self.config
 
-    def observe(self, config: GrowConfig | None, result: RoundResult) -> None:
+    def observe(self, config: GrowConfig | None, result: RoundResult, rule: str = "match") -> None:
         pass
 
     def pass_s(self, tokens: int) -> float | None:
@@ -123,7 +124,8 @@ class RoundPolicy:
         proposes now; they join the drafter's tree, and where the budget policy decodes plainly they may make a tree
         of their own, where their expected tokens pay for the larger pass."""
         lookup = lookup if self.uses_lookup and lookup else None
-        config = self.budget.choose(room) if self.drafts else None
+        rule = self.rule() if self.drafts else "match"  # the budget's measured yield is the rule's own
+        config = self.budget.choose(room, rule) if self.drafts else None
         if config is None:
             most = room - 1 if self.max_lookup is None else min(room - 1, self.max_lookup)
             size, expected = (0, 1.0) if lookup is None or most < 1 else self._lookup_size(lookup, most)
@@ -131,7 +133,6 @@ class RoundPolicy:
                 return RoundPlan(None, unverified=lookup)
             config = GrowConfig(budget=size, beams=1, width=1, max_depth=max(wanted - 1, 1), max_steps=0)
             return RoundPlan(config, "match", lookup, drafting=False, expected=expected)
-        rule = self.rule()
         # top-k scores sharpened to the target's temperature (sharper still when greedy); residual q already is at it
         draft_temperature = 1.0 if rule == "residual" else (
             GREEDY_DRAFT_TEMPERATURE if self.sampling.greedy else self.sampling.temperature)
@@ -195,7 +196,7 @@ class RoundPolicy:
 
     def observe(self, plan: RoundPlan, result: RoundResult) -> None:
         if plan.drafting or plan.grow is None:  # a tree of lookup branches alone says nothing of the drafter's
-            self.budget.observe(plan.grow, result)
+            self.budget.observe(plan.grow, result, plan.rule)
         if plan.unverified is not None and result.tokens:
             _observe_first_tokens(self.lookup_acceptance, plan.unverified, result.tokens[0])
             self.lookup_yield += (1.0 - self.lookup_yield) * YIELD_RECOVERY

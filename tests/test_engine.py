@@ -98,10 +98,10 @@ def test_no_tree_reaches_past_the_replys_last_token() -> None:
         def __init__(self, config: GrowConfig):
             self.config = config
 
-        def choose(self, max_nodes: int) -> GrowConfig:
+        def choose(self, max_nodes: int, rule: str = "match") -> GrowConfig:
             return self.config
 
-        def observe(self, config: GrowConfig | None, result) -> None:
+        def observe(self, config: GrowConfig | None, result, rule: str = "match") -> None:
             depths.append(int(result.tree.depth.max()))
 
     decoder = Decoder(target, target, policy=Recorder(GrowConfig.chain(16)))  # the target drafts itself: all taken

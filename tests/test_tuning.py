@@ -113,6 +113,27 @@ def test_bad_acceptance_moves_the_choice_down_to_plain_then_probes_back() -> Non
     assert second >= 2 * FIRST_PROBE - 1  # ... less often after each try that did not pay
 
 
+def test_each_rule_keeps_its_own_yield() -> None:
+    """Under --accept auto both rules run: sample-and-match's short walks must not shrink the residual rule's trees.
+    A slow streamed target, where the residual rule's chains are taken to their leaf and match's stop at once: after
+    rounds of both, match decodes plainly, and the residual rule still expects its measured yield and grows trees."""
+    policy = AutoBudget(flat_costs(target_ms=200, drafter_ms=2))
+    for _ in range(40):
+        for rule, yields in (("match", False), ("residual", True)):
+            config = policy.choose(256, rule)
+            if config is None:
+                assert rule == "match"
+                policy.observe(None, round_result(None, 1, None, [0], 0.0, 0.2), rule)
+                continue
+            chain = scored_tree(list(range(-1, config.budget)), [-0.01 * i for i in range(config.budget + 1)])
+            path = list(range(config.budget + 1)) if yields else [0]
+            policy.observe(config, round_result(config, len(path), chain, path, 0.002, 0.2), rule)
+    assert policy.expected_tokens(8, "residual") == pytest.approx(9, rel=0.01)
+    assert policy.expected_tokens(8, "match") == pytest.approx(1, rel=0.01)
+    assert policy.choose(256, "match") is None
+    assert policy.choose(256, "residual").budget >= 8
+
+
 def test_no_probing_where_trees_cannot_pay() -> None:
     """A small target in RAM: even twice the prior's tokens per pass loses, so auto never tries a tree."""
     policy = AutoBudget(Costs({1: 7, 16: 68, 64: 264, 256: 1156}, {1: 7, 8: 19, 32: 68}))
