@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=Path("benchmarks/editing-prompts.jsonl"))
     parser.add_argument("--budgets", default="16,64", help="fixed tree budgets to run the drafter at")
     parser.add_argument("-n", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--drafter-vocab", type=int, default=None,
+                        help="an onnx drafter's head cut to this many frequent tokens (VocabTrim; 0: the full head)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
@@ -72,12 +74,13 @@ def main() -> None:
     import edge
 
     say = lambda message: print(message, file=sys.stderr)  # noqa: E731
-    with edge.load(args.pair, placement="ram", lookup="off", report=say) as pair:
+    with edge.load(args.pair, placement="ram", lookup="off", drafter_vocab=args.drafter_vocab, report=say) as pair:
         if pair.drafter is None:
             raise SystemExit(f"{args.pair} has no drafter model: the ceiling compares lookup with one")
         prompts = [pair.prompt_tokens(text) for text in read_prompts(args.prompts)]
         rows = [ceiling(pair, prompts, int(b), args.n) for b in args.budgets.split(",")]
-    out = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "rows": rows}
+    out = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "drafter_vocab": args.drafter_vocab,
+           "rows": rows}
     if args.json:
         print(json.dumps(out, indent=2))
         return
