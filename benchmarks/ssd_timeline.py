@@ -36,11 +36,11 @@ class _Recorder:
         self.config, self.streamer, self.rows = config, streamer, []
         self._start = None
 
-    def choose(self, max_nodes: int) -> GrowConfig | None:
+    def choose(self, max_nodes: int, rule: str = "match") -> GrowConfig | None:
         self._start = time.perf_counter()
         return self.config
 
-    def observe(self, config, result) -> None:
+    def observe(self, config, result, rule: str = "match") -> None:
         end = time.perf_counter()
         # this round's stamps: the eviction after the previous pass (the entry before the one this pass started)
         stamps = self.streamer.timeline[-2] if len(self.streamer.timeline) > 1 else {}

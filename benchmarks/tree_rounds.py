@@ -45,7 +45,7 @@ class ChainBeside:
         self.rounds: list[tuple[int, int, int]] = []
         self._chain_accepted = self._wanted = 0
 
-    def choose(self, max_nodes: int) -> GrowConfig:
+    def choose(self, max_nodes: int, rule: str = "match") -> GrowConfig:
         self._wanted = self.target.tokens_left
         config = self.chain_config.within_reply(self._wanted)
         chain, _ = grow(self.drafter, self.target.root, config, None, self.target.special.stop)
@@ -53,7 +53,7 @@ class ChainBeside:
         self.drafter.truncate(self.target.n_past)  # forget the chain's slots; the tree grows from the root again
         return self.tree_config
 
-    def observe(self, config: GrowConfig | None, result: RoundResult) -> None:
+    def observe(self, config: GrowConfig | None, result: RoundResult, rule: str = "match") -> None:
         assert result.tree is not None and result.path is not None
         accepted = min(len(result.path) - 1, self._wanted)  # nothing past the reply's end counts
         self.rounds.append((accepted, self._chain_accepted, top_depth(result.tree)))

@@ -52,10 +52,10 @@ class Row:
         self.stats = Stats()
         self.depths: list[int] = []
 
-    def choose(self, max_nodes: int) -> GrowConfig:
+    def choose(self, max_nodes: int, rule: str = "match") -> GrowConfig:
         return self.config  # the Decoder fits it to the room and the reply left, as a fixed budget
 
-    def observe(self, config: GrowConfig | None, result: RoundResult) -> None:
+    def observe(self, config: GrowConfig | None, result: RoundResult, rule: str = "match") -> None:
         assert result.tree is not None
         self.depths.append(int(result.tree.depth.max()))
 
