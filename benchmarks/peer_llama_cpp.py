@@ -5,6 +5,7 @@ settings, then each `--draft-max`), beside edge-spec's plain decoding and `--bud
     python benchmarks/peer_llama_cpp.py -m qwen2.5-coder-1.5b -n 64 --json                    # in RAM
     python benchmarks/peer_llama_cpp.py -m qwen2.5-coder-1.5b -n 64 --cap-mb 1000 --json      # under a memory cap
     python benchmarks/peer_llama_cpp.py -m qwen2.5-coder-1.5b -n 64 --cap-mb 1000 --temperature 0.8 --edge-only --json
+    ... --temperature 0.8 --accept auto,residual    # sampled: an auto row per acceptance rule (default: auto alone)
 
 Greedy by default; --temperature T samples at T alone (no top-k, top-p or min-p) on both sides, prompt i with seed
 1 + i (each side draws its own: only greedy rows are compared with edge-spec's plain tokens).
@@ -17,8 +18,8 @@ template), start each prompt from an empty cache, and stop at the target's end-o
 target larger than the cap is read from the drive by the kernel on every pass, on both sides alike.
 
 Per row: decode tokens/s (llama-server's own `predicted_per_second`; edge-spec's decode time, the prompt's pass
-excluded), the drafts llama.cpp made and accepted, edge-spec's tokens per pass, and whether the tokens are edge-spec's
-plain decoding's.
+excluded), the drafts llama.cpp made and accepted, edge-spec's tokens per pass, mean budget and plain and residual
+rounds, and whether the tokens are edge-spec's plain decoding's.
 """
 
 from __future__ import annotations
