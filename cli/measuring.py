@@ -48,7 +48,7 @@ def bench(
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     accept: Annotated[str, typer.Option(
-        help="acceptance rules to compare when sampling, comma-separated: match, residual, auto")] = "auto",
+        help="acceptance rules to compare when sampling, comma-separated: match, residual, coupled, auto")] = "auto",
     seed: SeedOpt = 0,
     raw: RawOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,

@@ -55,7 +55,9 @@ BudgetOpt = Annotated[str | None, typer.Option(
 AcceptOpt = Annotated[str, typer.Option(
     help="how a sampled reply accepts draft tokens: match (sample-and-match: a seed gives --no-spec's exact text), "
          "residual (drafts drawn from the drafter's distribution, accepted with probability min(1, p/q): more tokens "
-         "per pass when sampling), or auto (the one measured to yield more); greedy decoding is the same with all")]
+         "per pass when sampling), coupled (sample-and-match on noise the drafter ranks its drafts by: a seed gives "
+         "--no-spec --accept coupled's exact text), or auto (the one measured to yield more); greedy decoding is the "
+         "same with all")]
 PlacementOpt = Annotated[str, typer.Option(
     help="where the target's weights live: ram, or ssd (mmap'd and read from the disk every pass, as for a model "
          "larger than RAM)")]

@@ -110,8 +110,10 @@ class Chat:
             return f"{rule} (greedy: sample-and-match)"
         if rule == "auto" and decoder.auto_rule.choice is not None:
             auto = decoder.auto_rule
+            running = "coupled" if auto.coupled_choice else auto.choice
+            coupled = f", {auto.rate('coupled'):.0%} under coupled" if auto.coupled_choice is not None else ""
             return (f"auto (walks went on at {auto.rate('residual'):.0%} of nodes under residual, "
-                    f"{auto.rate('match'):.0%} under match; running {auto.choice})")
+                    f"{auto.rate('match'):.0%} under match{coupled}; running {running})")
         return rule
 
 

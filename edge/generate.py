@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge.acceptance import Acceptance
+from edge.coupled import Noise
 from edge.errors import ContextFull, Interrupted, UserError
 from edge.grow import GrowConfig
 from edge.lookup import Lookup
@@ -129,7 +130,7 @@ class Decoder:
     Each round does what `rounds` (edge.policy.RoundPolicy) plans: a tree of some shape, or none (plain decoding),
     and its acceptance rule. Without one it is made from the other arguments: `grow_config`'s tree every round, or
     what a budget `policy` (`--budget auto`) chooses round by round; `accept` is the rule when sampling ("match",
-    "residual" or "auto"). `caches` says who last loaded the models' KV caches (a pair's decoders share one).
+    "residual", "coupled" or "auto"). `caches` says who last loaded the models' KV caches (a pair's decoders share one).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, grow_config: GrowConfig | None = None,
@@ -227,6 +228,9 @@ class Decoder:
         round and after each token yielded: when it says so, the reply ends there ("interrupted")."""
         stop_tokens = self.target.special.stop if stop_tokens is None else stop_tokens
         stats = Stats(prompt_tokens=len(self.context))
+        # a coupled reply's key: drawn from the seeded generator, so a seed gives the same reply with or without a tree
+        self.rounds.start_reply()
+        noise = Noise(int(self.rng.integers(1 << 63))) if self.rounds.coupled else None
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         finish = None
         while finish is None:
@@ -252,7 +256,8 @@ class Decoder:
                 self._forget_pregrown()
                 result = speculative_round(self.target, self.drafter if plan.drafting else None, self.context,
                                            plan.grow, self.sampling, self.rng, self.rounds.acceptances[plan.rule],
-                                           stop_tokens, plan.rule, self.draft_rng, plan.lookup, lookup_acceptance)
+                                           stop_tokens, plan.rule, self.draft_rng, plan.lookup, lookup_acceptance,
+                                           noise)
             if self.drafter is not None and not plan.drafting:  # it catches up on the tokens at its next tree
                 self.drafter.commit(result.tree, result.path)
             self.rounds.observe(plan, result)

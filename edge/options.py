@@ -10,7 +10,9 @@ from pathlib import Path
 from edge.errors import UserError
 from edge.grow import MAX_BUDGET
 
-ACCEPT_RULES = ("match", "residual", "auto")  # sample-and-match, multi-candidate speculative sampling, measured
+# sample-and-match, multi-candidate speculative sampling, sample-and-match on noise the drafter shares
+# (edge/coupled.py), measured
+ACCEPT_RULES = ("match", "residual", "coupled", "auto")
 
 PLACEMENTS = ("ram", "ssd")
 TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
@@ -32,7 +34,7 @@ class LoadOptions:
     models_file: Path | None = None  # models.toml to read pairs from (default: the packaged one)
     ctx: int | None = None  # context size in tokens (default: the pair's)
     budget: int | str | None = None  # draft nodes per tree, or "auto" (default: the pair's, auto unless it says)
-    accept: str = "auto"  # acceptance rule when sampling: "match", "residual" or "auto" (edge/residual.py)
+    accept: str = "auto"  # acceptance rule when sampling: "match", "residual", "coupled" or "auto" (edge/policy.py)
     threads: int | None = None  # CPU threads (default: all; the drafter one fewer while an SSD target reads ahead)
     gpu_layers: int | None = None  # target layers on a GPU (default: the plan's where a GPU is visible, else 0)
     provider: str | None = None  # onnxruntime execution provider for ONNX models (default: models.toml's)

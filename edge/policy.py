@@ -2,10 +2,11 @@
 rule that accepts it.
 
 Two parts make the choice: a budget policy (a fixed tree every round, or edge.budget.AutoBudget for `--budget auto`)
-and the acceptance rule ("match", "residual", or edge.residual.AutoRule for `--accept auto`). Greedy decoding is
-always sample-and-match (at temperature 0 the rules are the same), decided here and nowhere else. The policy also
-keeps the measured acceptance rates growth ranks nodes by (edge/acceptance.py), one table per rule: they depend on
-how the target samples, so they start over when that changes.
+and the acceptance rule ("match", "residual", "coupled", or edge.residual.AutoRule for `--accept auto`). Greedy
+decoding is always sample-and-match (at temperature 0 the rules are the same), decided here and nowhere else.
+"coupled" is a reply's rule, not a round's: every round of the reply draws by its noise (edge/coupled.py). The
+policy also keeps the measured acceptance rates growth ranks nodes by (edge/acceptance.py), one table per rule: they
+depend on how the target samples, so they start over when that changes.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class FixedBudget:
 @dataclass(frozen=True)
 class RoundPlan:
     grow: GrowConfig | None  # None: plain decoding
-    rule: str = "match"  # "match" (sample-and-match) or "residual"
+    rule: str = "match"  # "match" (sample-and-match), "residual" or "coupled"
     lookup: LookupTree | None = None  # lookup branches to merge into the tree (edge/lookup.py)
     drafting: bool = False  # the drafter grows the tree (else its nodes are the lookup branches alone)
     # lookup's proposal where the round decodes plainly: its first tokens are checked against the target's token, so
@@ -75,7 +76,7 @@ class RoundPlan:
 
 class RoundPolicy:
     """The Decoder's one source of each round's plan. `budget` chooses trees; `accept` is the rule when sampling:
-    "match", "residual" or "auto" (the one measured to yield more)."""
+    "match", "residual", "coupled" or "auto" (the one measured to yield more)."""
 
     def __init__(self, budget: BudgetPolicy, accept: str = "match", drafts: bool = True, lookup: bool = True,
                  max_lookup: int | None = None) -> None:
@@ -95,6 +96,7 @@ class RoundPolicy:
         self.lookup_acceptance = Acceptance(greedy=self.sampling.greedy)
         self.lookup_yield = 1.0  # lookup trees' tokens beyond the target's own, measured / expected: _lookup_size
         self.auto_rule = AutoRule()
+        self.reply_coupled = False  # `--accept auto` chose coupled sampling for the reply under way
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
         """The rates the target accepts at (and so the measured rates and `auto`'s choice) depend on how it samples,
@@ -109,9 +111,21 @@ class RoundPolicy:
         asks, and auto counts it; otherwise what it runs now)."""
         if self.sampling.greedy or self.accept == "match":
             return "match"
-        if self.accept == "residual":
-            return "residual"
+        if self.accept in ("residual", "coupled"):
+            return self.accept
+        if self.reply_coupled:
+            return "coupled"
         return (self.auto_rule.choose() if choose else self.auto_rule.choice) or "match"
+
+    def start_reply(self) -> None:
+        """A reply begins: under `--accept auto`, whether it is coupled (AutoRule.reply), chosen before its noise."""
+        self.reply_coupled = (self.accept == "auto" and self.drafts and not self.sampling.greedy
+                              and self.auto_rule.reply())
+
+    @property
+    def coupled(self) -> bool:
+        """Every round of the reply draws by the reply's noise (edge/coupled.py), plain rounds included."""
+        return not self.sampling.greedy and (self.accept == "coupled" or self.reply_coupled)
 
     @property
     def acceptance(self) -> Acceptance:
@@ -133,8 +147,9 @@ class RoundPolicy:
                 return RoundPlan(None, unverified=lookup)
             config = GrowConfig(budget=size, beams=1, width=1, max_depth=max(wanted - 1, 1), max_steps=0)
             return RoundPlan(config, "match", lookup, drafting=False, expected=expected)
-        # top-k scores sharpened to the target's temperature (sharper still when greedy); residual q already is at it
-        draft_temperature = 1.0 if rule == "residual" else (
+        # top-k scores sharpened to the target's temperature (sharper still when greedy); residual q already is at it,
+        # and coupled growth scores by the noisy keys' shares (edge/coupled.py)
+        draft_temperature = 1.0 if rule in ("residual", "coupled") else (
             GREEDY_DRAFT_TEMPERATURE if self.sampling.greedy else self.sampling.temperature)
         config = dataclasses.replace(config, draft_temperature=draft_temperature).within_reply(wanted)
         if config.budget + 1 > room:

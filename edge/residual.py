@@ -140,6 +140,12 @@ class AutoRule:
     went on more often, trying the other every REVISIT rounds so that a change in the text can turn it round.
     Greedy decoding never asks (it is sample-and-match).
 
+    Coupled sampling (edge/coupled.py) is chosen per reply, never per round (a reply draws one way throughout, or the
+    choice, made from trees grown on the noise of later positions, would bias the draws): `reply()` says, before the
+    reply's noise is drawn, whether the reply is coupled, from what earlier replies measured. The first replies run the
+    two rules above until both are measured, the next is coupled until it is, and from then on a reply is coupled
+    where coupled walks went on more often than the better of the two, the other way every REVISIT_REPLIES replies.
+
     A round's walk down its tree goes on at every node of the accepted path but the last, and stops at the last
     if the tree offered children there; a last node without children (the tree's depth, which the reply's end
     also caps, or a stop token) says nothing. The rule's rate, went-on / (went-on + stopped), is what sets
@@ -150,22 +156,37 @@ class AutoRule:
 
     TRIALS = 3  # tree rounds of each rule before choosing
     REVISIT = 24
+    REVISIT_REPLIES = 6
     DECAY = 0.95  # weight of a rule's earlier rounds after one more of its rounds (about its last 20 count)
+    ROUND_RULES = ("match", "residual")  # chosen round by round
 
     def __init__(self) -> None:
-        self.went_on = {"match": 0.0, "residual": 0.0}  # decayed counts over each rule's tree rounds
-        self.stopped = {"match": 0.0, "residual": 0.0}
-        self.tried = {"match": 0, "residual": 0}
+        rules = (*self.ROUND_RULES, "coupled")
+        self.went_on = dict.fromkeys(rules, 0.0)  # decayed counts over each rule's tree rounds
+        self.stopped = dict.fromkeys(rules, 0.0)
+        self.tried = dict.fromkeys(rules, 0)
         self.asked = 0
+        self.replies = 0
 
     def choose(self) -> str:
+        """The rule of a round of a reply that is not coupled."""
         self.asked += 1
-        if min(self.tried.values()) < self.TRIALS:
+        if min(self.tried[rule] for rule in self.ROUND_RULES) < self.TRIALS:
             return "match" if self.tried["match"] <= self.tried["residual"] else "residual"
-        best = max(self.went_on, key=self.rate)
+        best = self._best_round_rule()
         if self.asked % self.REVISIT == 0:
             return "residual" if best == "match" else "match"
         return best
+
+    def reply(self) -> bool:
+        """Whether the reply about to start is coupled (asked once per sampled reply, before its noise is drawn)."""
+        self.replies += 1
+        if min(self.tried[rule] for rule in self.ROUND_RULES) < self.TRIALS:
+            return False
+        if self.tried["coupled"] < self.TRIALS:
+            return True
+        coupled = self.rate("coupled") > self.rate(self._best_round_rule())
+        return not coupled if self.replies % self.REVISIT_REPLIES == 0 else coupled
 
     def observe(self, rule: str, tree: TokenTree, path: list[int]) -> None:
         """One tree round of `rule`: the tree it verified and its accepted path (node ids, root first)."""
@@ -179,9 +200,19 @@ class AutoRule:
         seen = self.went_on[rule] + self.stopped[rule]
         return self.went_on[rule] / seen if seen else 0.0
 
+    def _best_round_rule(self) -> str:
+        return max(self.ROUND_RULES, key=self.rate)
+
     @property
     def choice(self) -> str | None:
-        """The rule it runs now, once both are measured."""
+        """The rule it runs now in a reply that is not coupled, once both are measured."""
+        if min(self.tried[rule] for rule in self.ROUND_RULES) < self.TRIALS:
+            return None
+        return self._best_round_rule()
+
+    @property
+    def coupled_choice(self) -> bool | None:
+        """Whether replies are coupled now (the periodic other way aside), once all three rules are measured."""
         if min(self.tried.values()) < self.TRIALS:
             return None
-        return max(self.went_on, key=self.rate)
+        return self.rate("coupled") > self.rate(self._best_round_rule())

@@ -15,6 +15,8 @@ The tree must not depend on those draws, and it does not: growth uses the drafte
 The residual rule (edge/residual.py, `rule="residual"`) draws each expanded node's children from the drafter's
 distribution q instead of taking its top-k, and at each node of the path tests them against the target's p
 (accept x with probability min(1, p(x)/q(x)), else go on with the residual); its token has p's distribution too.
+Coupled sampling (edge/coupled.py, `rule="coupled"`) is sample-and-match whose draws come from noise fixed by each
+token's position, the noise the drafter ranks its children on too.
 Which rule a round uses, and its tree's shape, is the round policy's choice (edge/policy.py).
 """
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge.acceptance import Acceptance
+from edge.coupled import CoupledProposer, Noise, coupled_draw
 from edge.errors import ModelFault
 from edge.grow import GrowConfig, grow
 from edge.lookup import LookupTree
@@ -36,15 +39,17 @@ from edge.residual import Proposer, residual_draw
 from edge.sampling import SamplingConfig, distribution, draw
 from edge.tree import DRAFTED, LOOKED_UP, TokenTree
 
-RULES = ("match", "residual")
+RULES = ("match", "residual", "coupled")
 
 
 def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, history: Sequence[int],
-           rng: np.random.Generator, proposer: Proposer | None = None) -> tuple[list[int], int]:
+           rng: np.random.Generator, proposer: Proposer | None = None,
+           noise: Noise | None = None) -> tuple[list[int], int]:
     """logits: [n_nodes, n_vocab]. Returns the accepted path (node ids, root first) and the target's next token.
 
     Touches only the rows on one path; `history` is the committed text before the root, for penalties. With a
-    `proposer` (the residual rule), a node whose children were drawn from q tests them first.
+    `proposer` (the residual rule), a node whose children were drawn from q tests them first. With `noise` (coupled
+    sampling, edge/coupled.py) the target draws by the noise of each token's position instead of from `rng`.
     """
     path = [0]
     seen = [*history, int(tree.tokens[0])]
@@ -55,7 +60,7 @@ def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, histor
                              "while loaded; download it again (edge-spec rm, then pull)")
         proposal = None if proposer is None else proposer.at(seen[len(history):])
         if proposal is None:
-            token = draw(row, sampling, seen, rng)
+            token = draw(row, sampling, seen, rng) if noise is None else coupled_draw(row, sampling, seen, noise)
         else:
             token = residual_draw(*distribution(row, sampling, seen), proposal, rng)
         child = tree.child(path[-1], token)
@@ -67,9 +72,9 @@ def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, histor
 
 def accept_and_learn(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, history: Sequence[int],
                      rng: np.random.Generator, proposer: Proposer | None, acceptance: Acceptance | None,
-                     lookup_acceptance: Acceptance | None) -> tuple[list[int], int]:
+                     lookup_acceptance: Acceptance | None, noise: Noise | None = None) -> tuple[list[int], int]:
     """accept(), then each measured rate learns from the round: the drafter's nodes, and lookup's."""
-    path, token = accept(tree, logits, sampling, history, rng, proposer)
+    path, token = accept(tree, logits, sampling, history, rng, proposer, noise)
     if acceptance is not None:
         acceptance.observe(tree, path, token, DRAFTED)
     if lookup_acceptance is not None:
@@ -121,13 +126,16 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
                       sampling: SamplingConfig, rng: np.random.Generator,
                       acceptance: Acceptance | None = None, stop_tokens: frozenset[int] = frozenset(),
                       rule: str = "match", draft_rng: np.random.Generator | None = None,
-                      lookup: LookupTree | None = None, lookup_acceptance: Acceptance | None = None) -> RoundResult:
+                      lookup: LookupTree | None = None, lookup_acceptance: Acceptance | None = None,
+                      noise: Noise | None = None) -> RoundResult:
     """context: every committed token; its last one is the root. Without a grow config, or with neither a drafter nor
     lookup branches, this is plain decoding. `acceptance` (optional) ranks the drafter's nodes by measured acceptance
     and learns from this round, `lookup_acceptance` the lookup branches'; the tree grows nothing past `stop_tokens`.
     `rule`: "match" or "residual" (whose children are drawn with `draft_rng`: the target's draws must not depend on
-    them). A lookup branch is accepted whenever the target's own draw lands on it, under either rule."""
-    clock, proposer, passes = Stopwatch(), None, 0
+    them) or "coupled", which needs the reply's `noise`: the target draws by it in every round, plain ones included,
+    and the drafter's children are ranked on it (edge/coupled.py). A lookup branch is accepted whenever the target's
+    own draw lands on it, under any rule."""
+    clock, proposer, expand, passes = Stopwatch(), None, None, 0
     with clock("grow"):
         tree = TokenTree.root(context[-1])
         if grow_config is not None and (drafter is not None or lookup):
@@ -135,11 +143,14 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
                 target.prefetch()  # a streamed target reads its weights while we draft
                 if rule == "residual":
                     proposer = Proposer(drafter, sampling, context[:-1], draft_rng or np.random.default_rng())
-            tree, passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens,
-                                None if proposer is None else proposer.expand, lookup, lookup_acceptance)
+                    expand = proposer.expand
+                elif rule == "coupled" and noise is not None and not sampling.greedy:
+                    expand = CoupledProposer(drafter, sampling, context[:-1], noise).expand
+            tree, passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens, expand, lookup,
+                                lookup_acceptance)
     with clock("verify"):
         path, token = accept_and_learn(tree, target.verify(tree), sampling, context[:-1], rng, proposer, acceptance,
-                                       lookup_acceptance)
+                                       lookup_acceptance, noise)
     with clock("commit"):
         target.commit(tree, path)
     with clock("drafter commit"):

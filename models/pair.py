@@ -187,7 +187,8 @@ class Pair:
         budget = self.budget if budget is None else budget
         proposer = None if self.corpus is None else Lookup(self.corpus)
         if not speculate or (self.drafter is None and proposer is None):
-            return Decoder(self.target, None, None, sampling)
+            # the rule still says how a sampled reply draws (coupled: as the pair's trees would)
+            return Decoder(self.target, None, None, sampling, accept=self.options.accept)
         if budget != "auto":
             self.fit_budget(int(budget))
             return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling,

@@ -86,7 +86,7 @@ def test_broken_inputs_get_one_line(tmp_path: Path) -> None:
     (["--threads", "0"], "--threads must be at least 1"),
     (["--threads", "1000000"], "--threads must be at most"),
     (["--gpu-layers", "-5"], "--gpu-layers must be 0 or more"),
-    (["--accept", "best"], "--accept must be one of match, residual, auto"),
+    (["--accept", "best"], "--accept must be one of match, residual, coupled, auto"),
 ])
 def test_invalid_sampling_values(smollm2: Pair, flags: list[str], fragment: str) -> None:
     assert_one_line_error(run("generate", "hi", *flags), fragment)
@@ -107,7 +107,7 @@ def test_base_model_needs_raw(gemma3: Pair) -> None:
 def test_bad_bench_budgets(smollm2: Pair) -> None:
     assert_one_line_error(run("bench", "--budgets", "1,x"), "--budgets")
     assert_one_line_error(run("bench", "--methods", "plain,beam"), "--methods")
-    assert_one_line_error(run("bench", "--accept", "match,best"), "--accept takes match, residual, auto")
+    assert_one_line_error(run("bench", "--accept", "match,best"), "--accept takes match, residual, coupled, auto")
 
 
 def test_careless_names_and_files_are_one_line(tmp_path: Path) -> None:

@@ -99,8 +99,8 @@ def test_greedy_speculation_at_budget_1024_equals_plain_decoding(smollm2_1024: P
 
 
 def generate(pair: Pair, tokens: list[int], budget: int | None, sampling: SamplingConfig | None = None,
-             max_tokens: int = MAX_TOKENS) -> tuple[list[int], Decoder]:
-    decoder = Decoder(pair.target, pair.drafter, GROW[budget] if budget else None, sampling)
+             max_tokens: int = MAX_TOKENS, accept: str = "match") -> tuple[list[int], Decoder]:
+    decoder = Decoder(pair.target, pair.drafter, GROW[budget] if budget else None, sampling, accept=accept)
     decoder.reset()
     decoder.load(tokens)
     steps, rounds, nodes = [], 0, 0
@@ -185,6 +185,38 @@ def test_sampled_speculation_with_a_seed_is_plain_sampling(pair: Pair, sampling:
     for text in prompts_for(pair)[:2]:
         tokens = prompt_tokens(pair, text)
         assert generate(pair, tokens, 16, sampling, 48)[0] == generate(pair, tokens, None, sampling, 48)[0]
+
+
+@pytest.mark.parametrize("budget", [16, 64])
+def test_coupled_speculation_with_a_seed_is_plain_coupled_sampling(pair: Pair, budget: int) -> None:
+    """Coupled sampling (edge/coupled.py): the target's draws come from noise fixed by each token's position, so the
+    reply is plain sampling's with the same seed whatever the drafter's trees offered (the drafter ranks its children
+    on the same noise), at a temperature where they often disagree."""
+    sampling = SamplingConfig(temperature=0.8, top_p=0.95, seed=5)
+    taken = 0
+    for text in prompts_for(pair)[:2]:
+        tokens = prompt_tokens(pair, text)
+        speculative, decoder = generate(pair, tokens, budget, sampling, 48, accept="coupled")
+        assert speculative == generate(pair, tokens, None, sampling, 48, accept="coupled")[0]
+        taken += decoder.acceptances["coupled"].hits.sum() > 0
+    assert taken == 2  # the trees' children were taken: speculation ran, not two plain replies
+
+
+def test_coupled_sampling_follows_the_targets_distribution(smollm2: Pair) -> None:
+    """Coupled sampling on the real pair: two-token continuations over 400 seeded generations against their exact
+    probabilities from the target's logits, as for the residual rule below."""
+    sampling = SamplingConfig(temperature=1.0, top_k=5, top_p=0.9)
+    tokens = prompt_tokens(smollm2, "Name a colour.")
+    exact = two_token_probabilities(smollm2, tokens, sampling)
+    runs, counts = 400, {}
+    decoder = Decoder(smollm2.target, smollm2.drafter, GrowConfig.for_budget(4), sampling, accept="coupled")
+    for seed in range(runs):
+        decoder.set_sampling(replace(sampling, seed=seed))
+        decoder.load(tokens)
+        key = tuple(s.token for s in decoder.generate(2) if s.finish_reason is None)
+        counts[key] = counts.get(key, 0) + 1
+    assert decoder.acceptance is decoder.acceptances["coupled"]
+    assert_within_five_sigma(counts, exact, runs)
 
 
 def two_token_probabilities(pair: Pair, tokens: list[int], sampling: SamplingConfig) -> dict[tuple[int, int], float]:

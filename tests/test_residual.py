@@ -138,3 +138,38 @@ def test_auto_with_a_drafter_close_to_its_target_picks_residual_and_greedy_stays
     decoder.load([1, 2, 3])
     *_, last = decoder.generate(50)
     assert last.stats.residual_rounds == 0
+
+
+def test_auto_chooses_coupled_sampling_per_reply_from_earlier_replies() -> None:
+    """Coupled sampling is a reply's rule: auto asks once per reply, before its noise is drawn. Replies run the round
+    rules until both are measured, then one coupled reply measures it, then the better way wins, the other way every
+    REVISIT_REPLIES replies."""
+    chain = TokenTree(np.arange(5, dtype=np.int32), np.arange(-1, 4, dtype=np.int32), np.arange(5, dtype=np.int32),
+                      np.zeros(5, np.float32))
+    auto = AutoRule()
+    assert auto.reply() is False and auto.coupled_choice is None
+    for _ in range(2 * AutoRule.TRIALS):
+        rule = auto.choose()
+        auto.observe(rule, chain, [0, 1] if rule == "match" else [0, 1, 2])  # match 1/2, residual 2/3
+    assert auto.reply() is True  # coupled's trial
+    for _ in range(AutoRule.TRIALS):
+        auto.observe("coupled", chain, [0, 1, 2, 3])  # 3/4: better than residual's 2/3
+    assert auto.coupled_choice is True
+    replies = [auto.reply() for _ in range(2 * AutoRule.REVISIT_REPLIES)]
+    assert replies.count(False) == 2  # the other way every REVISIT_REPLIES replies
+    for _ in range(40):
+        auto.observe("coupled", chain, [0, 1])  # coupled falls to 1/2
+    assert auto.coupled_choice is False and auto.choice == "residual"
+
+
+def test_an_auto_decoder_tries_a_coupled_reply_once_the_round_rules_are_measured() -> None:
+    target = TinyModel(n_vocab=40, seed=3, scale=2.0)
+    decoder = Decoder(target, target.noisy(0.2, seed=4), GrowConfig.for_budget(16),
+                      SamplingConfig(temperature=1.0, seed=5), accept="auto")
+    coupled = []
+    for _ in range(2):
+        decoder.load([1, 2, 3])
+        *_, last = decoder.generate(60)
+        coupled.append(decoder.rounds.reply_coupled)
+    assert coupled == [False, True]
+    assert last.stats.residual_rounds == 0 and decoder.auto_rule.tried["coupled"] > 0

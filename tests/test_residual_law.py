@@ -77,7 +77,7 @@ def test_residual_probability_is_residual_draws_frequency_with_the_candidates_fi
 
 
 
-@pytest.mark.parametrize("accept", ["match", "residual"])
+@pytest.mark.parametrize("accept", ["match", "residual", "coupled"])
 def test_path_target_is_a_real_run_without_tree_passes(smollm2: Pair, accept: str) -> None:
     """The real pair at budget 64, temperature 0.8: over PathTarget the same tokens and the same tokens per pass as
     over the target itself (batch-invariant: its one-token rows are the tree pass's), with one-token passes only."""
