@@ -102,18 +102,14 @@ class Chat:
         ])
 
     def _accept_rule(self) -> str:
-        """The acceptance rule in force, and auto's current pick once it has measured both."""
-        decoder, rule = self.session.decoder, self.loaded.options.accept
+        """The acceptance rule in force."""
+        rule = self.loaded.options.accept
         if not self.speculate:
             return "off (--no-spec)"
         if self.sampling.greedy:
             return f"{rule} (greedy: sample-and-match)"
-        if rule == "auto" and decoder.auto_rule.choice is not None:
-            auto = decoder.auto_rule
-            running = "coupled" if auto.coupled_choice else auto.choice
-            coupled = f", {auto.rate('coupled'):.0%} under coupled" if auto.coupled_choice is not None else ""
-            return (f"auto (walks went on at {auto.rate('residual'):.0%} of nodes under residual, "
-                    f"{auto.rate('match'):.0%} under match{coupled}; running {running})")
+        if rule == "auto":
+            return "auto (coupled sampling)"
         return rule
 
 

@@ -18,7 +18,6 @@ from edge.lookup import Lookup
 from edge.overlap import Overlap, overlapped_round
 from edge.policy import LOOKUP_BRANCHES, BudgetPolicy, FixedBudget, RoundPlan, RoundPolicy
 from edge.protocols import Drafter, Target
-from edge.residual import AutoRule
 from edge.sampling import SamplingConfig
 from edge.speculative import RoundResult, speculative_round
 
@@ -168,10 +167,6 @@ class Decoder:
         """The measured rates of the rule that runs now (sample-and-match's while greedy)."""
         return self.rounds.acceptance
 
-    @property
-    def auto_rule(self) -> AutoRule:
-        return self.rounds.auto_rule
-
     def load(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> float:
         """Make `tokens` the context, running only what the KV caches do not already hold. Returns seconds.
 
@@ -229,7 +224,6 @@ class Decoder:
         stop_tokens = self.target.special.stop if stop_tokens is None else stop_tokens
         stats = Stats(prompt_tokens=len(self.context))
         # a coupled reply's key: drawn from the seeded generator, so a seed gives the same reply with or without a tree
-        self.rounds.start_reply()
         noise = Noise(int(self.rng.integers(1 << 63))) if self.rounds.coupled else None
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         finish = None
@@ -248,10 +242,10 @@ class Decoder:
                 plan = self.rounds.plan(room, max_tokens - stats.new_tokens, proposed)
             pregrown = False
             lookup_acceptance = self.rounds.lookup_acceptance if plan.lookup else None
-            if self.overlap is not None and plan.drafting and plan.rule == "match":
+            if self.overlap is not None and plan.drafting and plan.rule in ("match", "coupled"):
                 result, pregrown = overlapped_round(self.target, self.drafter, self.context, plan.grow, self.sampling,
                                                     self.rng, self.overlap, self.rounds.acceptances[plan.rule],
-                                                    stop_tokens, plan.lookup, lookup_acceptance)
+                                                    stop_tokens, plan.lookup, lookup_acceptance, noise)
             else:
                 self._forget_pregrown()
                 result = speculative_round(self.target, self.drafter if plan.drafting else None, self.context,

@@ -18,9 +18,10 @@ before its pass, as without overlap. A tree grown for an outcome that did not ha
 the accepted path by its tokens (its other branches go), and nothing else of it is kept.
 
 Losslessness is untouched: acceptance is sample-and-match on the tree that was verified, with the same draws, and a
-round's tree depends only on committed text (the previous rounds' outcomes), never on its own pass's draws. Only
-sample-and-match rounds overlap (the residual rule's tree is drawn from q as it is verified); a residual round grows
-its tree first, as without overlap.
+round's tree depends only on committed text (the previous rounds' outcomes), never on its own pass's draws (coupled
+rounds rank children on the reply's noise, which the draws never depend on either: edge/coupled.py). Only
+sample-and-match rounds, coupled or not, overlap (the residual rule's tree is drawn from q as it is verified); a
+residual round grows its tree first, as without overlap.
 
 A drafter and a target that share the CPU contend for its cores while the pass computes (llama.cpp's threads wait
 for each other by spinning, so a pass slows down sharply when another process takes a core); the overlap pays where
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge.acceptance import Acceptance
+from edge.coupled import CoupledProposer, Noise
 from edge.grow import MAX_LEAVES, GrowConfig, Growth
 from edge.lookup import LookupTree
 from edge.protocols import Drafter, Target
@@ -95,14 +97,19 @@ def overlapped_round(target: Target, drafter: Drafter, context: Sequence[int], c
                      sampling: SamplingConfig, rng: np.random.Generator, overlap: Overlap,
                      acceptance: Acceptance | None = None, stop_tokens: frozenset[int] = frozenset(),
                      lookup: LookupTree | None = None,
-                     lookup_acceptance: Acceptance | None = None) -> tuple[RoundResult, bool]:
+                     lookup_acceptance: Acceptance | None = None,
+                     noise: Noise | None = None) -> tuple[RoundResult, bool]:
     """One sample-and-match round whose drafter works during the target's pass (see the module's docstring). Returns
-    the round and whether its tree was grown during the previous pass."""
+    the round and whether its tree was grown during the previous pass. With `noise` it is a coupled round
+    (edge/coupled.py): growth ranks children on the noise, whose positions are the text's, so a tree grown during
+    the previous pass was ranked on the same noise as one grown now."""
     clock, passes = Stopwatch(), 0
     tree = overlap.take(context, config)
     pregrown = tree is not None
     with clock("grow"):
-        growth = Growth(drafter, context[-1], config, acceptance, stop_tokens, None, lookup, lookup_acceptance,
+        drafts = None if noise is None or sampling.greedy else CoupledProposer(drafter, sampling, context[:-1], noise)
+        expand = None if drafts is None else drafts.expand
+        growth = Growth(drafter, context[-1], config, acceptance, stop_tokens, expand, lookup, lookup_acceptance,
                         extra_expansions=GROW_ON_EXPANSIONS)
         if tree is None:
             target.prefetch()  # a streamed target reads its weights while we draft
@@ -117,7 +124,7 @@ def overlapped_round(target: Target, drafter: Drafter, context: Sequence[int], c
             passes += 1
         clock.seconds["hidden"] = time.perf_counter() - started
         path, token = accept_and_learn(tree, verified.result(), sampling, context[:-1], rng, None, acceptance,
-                                       lookup_acceptance)
+                                       lookup_acceptance, noise)
     with clock("commit"):
         target.commit(tree, path)
     with clock("drafter commit"):

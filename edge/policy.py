@@ -2,7 +2,7 @@
 rule that accepts it.
 
 Two parts make the choice: a budget policy (a fixed tree every round, or edge.budget.AutoBudget for `--budget auto`)
-and the acceptance rule ("match", "residual", "coupled", or edge.residual.AutoRule for `--accept auto`). Greedy
+and the acceptance rule ("match", "residual", or "coupled", which `--accept auto` means when sampling). Greedy
 decoding is always sample-and-match (at temperature 0 the rules are the same), decided here and nowhere else.
 "coupled" is a reply's rule, not a round's: every round of the reply draws by its noise (edge/coupled.py). The
 policy also keeps the measured acceptance rates growth ranks nodes by (edge/acceptance.py), one table per rule: they
@@ -20,7 +20,6 @@ from edge.errors import UserError
 from edge.grow import GrowConfig
 from edge.lookup import LookupTree
 from edge.options import ACCEPT_RULES
-from edge.residual import AutoRule
 from edge.sampling import SamplingConfig
 from edge.speculative import RULES, RoundResult
 
@@ -76,7 +75,8 @@ class RoundPlan:
 
 class RoundPolicy:
     """The Decoder's one source of each round's plan. `budget` chooses trees; `accept` is the rule when sampling:
-    "match", "residual", "coupled" or "auto" (the one measured to yield more)."""
+    "match", "residual", "coupled" or "auto" (coupled: the rule that yielded most on a real pair of two models,
+    docs/performance.md "Coupled sampling")."""
 
     def __init__(self, budget: BudgetPolicy, accept: str = "match", drafts: bool = True, lookup: bool = True,
                  max_lookup: int | None = None) -> None:
@@ -95,42 +95,30 @@ class RoundPolicy:
         self.acceptances = {rule: Acceptance(greedy=self.sampling.greedy) for rule in RULES}
         self.lookup_acceptance = Acceptance(greedy=self.sampling.greedy)
         self.lookup_yield = 1.0  # lookup trees' tokens beyond the target's own, measured / expected: _lookup_size
-        self.auto_rule = AutoRule()
-        self.reply_coupled = False  # `--accept auto` chose coupled sampling for the reply under way
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
-        """The rates the target accepts at (and so the measured rates and `auto`'s choice) depend on how it samples,
-        not on the seed: they are kept while only the seed changes."""
+        """The rates the target accepts at (and so the measured rates) depend on how it samples, not on the seed: they
+        are kept while only the seed changes."""
         unchanged = dataclasses.replace(sampling, seed=None) == dataclasses.replace(self.sampling, seed=None)
         self.sampling = sampling
         if not unchanged:
             self._reset_rates()
 
-    def rule(self, choose: bool = True) -> str:
-        """The rule a round runs: sample-and-match when greedy, else the flag's, or auto's choice (`choose`: a round
-        asks, and auto counts it; otherwise what it runs now)."""
+    def rule(self) -> str:
+        """The rule a round runs: sample-and-match when greedy, else the flag's ("auto": coupled)."""
         if self.sampling.greedy or self.accept == "match":
             return "match"
-        if self.accept in ("residual", "coupled"):
-            return self.accept
-        if self.reply_coupled:
-            return "coupled"
-        return (self.auto_rule.choose() if choose else self.auto_rule.choice) or "match"
-
-    def start_reply(self) -> None:
-        """A reply begins: under `--accept auto`, whether it is coupled (AutoRule.reply), chosen before its noise."""
-        self.reply_coupled = (self.accept == "auto" and self.drafts and not self.sampling.greedy
-                              and self.auto_rule.reply())
+        return "coupled" if self.accept == "auto" else self.accept
 
     @property
     def coupled(self) -> bool:
-        """Every round of the reply draws by the reply's noise (edge/coupled.py), plain rounds included."""
-        return not self.sampling.greedy and (self.accept == "coupled" or self.reply_coupled)
+        """Every round of a reply draws by the reply's noise (edge/coupled.py), plain rounds included."""
+        return self.rule() == "coupled"
 
     @property
     def acceptance(self) -> Acceptance:
         """The measured rates of the rule that runs now."""
-        return self.acceptances[self.rule(choose=False)]
+        return self.acceptances[self.rule()]
 
     def plan(self, room: int, wanted: int, lookup: LookupTree | None = None) -> RoundPlan:
         """The next round's plan: a tree of at most `room` nodes (root included: the context and the target's pass
@@ -219,8 +207,6 @@ class RoundPolicy:
             got = (len(result.tokens) - 1) / (plan.expected - 1.0)  # already scaled: the yield moves by this ratio
             blended = self.lookup_yield * (1 - YIELD_SMOOTHING + YIELD_SMOOTHING * got)
             self.lookup_yield = min(max(blended, MIN_YIELD), 1.0)
-        if plan.drafting and self.accept == "auto" and not self.sampling.greedy:
-            self.auto_rule.observe(plan.rule, result.tree, result.path)
 
 
 def _observe_first_tokens(acceptance: Acceptance, lookup: LookupTree, token: int) -> None:

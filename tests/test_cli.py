@@ -487,5 +487,4 @@ def test_chat_set_keeps_greedy_plain_unless_a_penalty_is_chosen(smollm2: Pair) -
     chat.set("temperature", "0.8")
     for _ in chat.session.decoder.reply(smollm2.prompt_tokens("Tell me about the sea."), 64):
         pass
-    assert re.search(r"accept     auto \(walks went on at \d+% of nodes under residual, \d+% under match; running "
-                     r"\w+\)", chat.show()), chat.show()
+    assert "accept     auto (coupled sampling)" in chat.show()

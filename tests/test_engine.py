@@ -196,7 +196,7 @@ def test_sampled_speculation_has_the_targets_distribution() -> None:
 def test_the_distribution_test_catches_a_biased_acceptance(monkeypatch: pytest.MonkeyPatch) -> None:
     """The test above can fail: accepting the drafter's first child whenever the target gives it p > 0.2."""
 
-    def biased_accept(tree, logits, sampling, history, rng, proposer=None):
+    def biased_accept(tree, logits, sampling, history, rng, proposer=None, noise=None):
         path = [0]
         while True:
             children = np.flatnonzero(tree.parents == path[-1])

@@ -47,8 +47,9 @@ def alone(target: SlowTarget) -> TinyModel:
 
 
 def run(target: TinyModel, drafter: TinyModel | None, budget: int | None, n: int, sampling: SamplingConfig,
-        overlap: bool = False) -> tuple[list[int], Decoder]:
-    decoder = Decoder(target, drafter, GrowConfig.for_budget(budget) if budget else None, sampling, overlap=overlap)
+        overlap: bool = False, accept: str = "match") -> tuple[list[int], Decoder]:
+    decoder = Decoder(target, drafter, GrowConfig.for_budget(budget) if budget else None, sampling, overlap=overlap,
+                      accept=accept)
     decoder.load(PROMPT)
     steps = list(decoder.generate(n))
     return [s.token for s in steps if s.finish_reason is None], decoder
@@ -84,6 +85,17 @@ def test_sampled_output_with_a_seed_is_plain_sampling() -> None:
     plain, _ = run(alone(target), None, None, 60, sampling)
     spec, _ = run(target, drafter, 16, 60, sampling, overlap=True)
     assert spec == plain
+
+
+def test_coupled_sampling_with_overlap_is_plain_coupled_sampling() -> None:
+    """Coupled rounds overlap too: a tree grown during the previous pass was ranked on the same noise (the text's
+    positions), and the seed gives plain coupled sampling's text."""
+    target, drafter = pair(noise=0.3)
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=11)
+    plain, _ = run(alone(target), None, None, 80, sampling, accept="coupled")
+    spec, decoder = run(target, drafter, 16, 80, sampling, overlap=True, accept="coupled")
+    assert spec == plain
+    assert decoder.acceptances["coupled"].hits.sum() > 0  # coupled trees ran, overlapped
 
 
 def test_a_tree_grown_for_another_outcome_is_dropped_without_effect() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from edge.generate import Decoder
 from edge.grow import GrowConfig
-from edge.residual import AutoRule, Proposal, Proposer, _draw_without_replacement, residual_draw
+from edge.residual import Proposal, Proposer, _draw_without_replacement, residual_draw
 from edge.sampling import SamplingConfig, distribution
 from edge.tree import TokenTree
 from tests.oracles import chi_square, first_tokens_distribution
@@ -106,70 +106,17 @@ def test_residual_yields_more_than_match_with_a_close_drafter() -> None:
     assert figures["residual"] > 1.5 * figures["match"], figures
 
 
-def test_auto_measures_both_rules_then_runs_the_better() -> None:
-    """Rates from walks: a chain of 4 whose walk goes on at 3 nodes and stops at the 4th (children offered) under
-    residual, at 1 of 2 under match; a walk ending on a leaf counts no stop."""
-    chain = TokenTree(np.arange(5, dtype=np.int32), np.arange(-1, 4, dtype=np.int32), np.arange(5, dtype=np.int32),
-                      np.zeros(5, np.float32))
-    auto = AutoRule()
-    seen = []
-    for _ in range(2 * AutoRule.TRIALS):
-        rule = auto.choose()
-        seen.append(rule)
-        auto.observe(rule, chain, [0, 1, 2, 3] if rule == "residual" else [0, 1])
-    assert seen.count("match") == seen.count("residual") == AutoRule.TRIALS
-    assert auto.rate("residual") == pytest.approx(0.75) and auto.rate("match") == pytest.approx(0.5)
-    assert auto.choice == "residual"
-    later = [auto.choose() for _ in range(2 * AutoRule.REVISIT)]
-    assert later.count("match") == 2  # revisited every REVISIT rounds, residual otherwise
-    auto.observe("match", chain, [0, 1, 2, 3, 4])  # to the leaf: 4 more went-on, no stop
-    assert auto.rate("match") > 0.5
-
-
-def test_auto_with_a_drafter_close_to_its_target_picks_residual_and_greedy_stays_match() -> None:
+def test_auto_samples_coupled_and_greedy_stays_match() -> None:
+    """`--accept auto` is coupled sampling when sampling (edge/coupled.py): a seeded reply is then plain coupled
+    sampling's, whether or not a drafter drafts it; greedy decoding is sample-and-match."""
     target = TinyModel(n_vocab=40, seed=3, scale=2.0)
-    decoder = Decoder(target, target.noisy(0.2, seed=4), GrowConfig.for_budget(16),
-                      SamplingConfig(temperature=1.0, seed=5), accept="auto")
-    decoder.load([1, 2, 3])
-    *_, last = decoder.generate(200)
-    assert decoder.auto_rule.choice == "residual"
-    assert last.stats.residual_rounds > last.stats.rounds / 2
-    decoder.set_sampling(SamplingConfig())
-    decoder.load([1, 2, 3])
-    *_, last = decoder.generate(50)
-    assert last.stats.residual_rounds == 0
-
-
-def test_auto_chooses_coupled_sampling_per_reply_from_earlier_replies() -> None:
-    """Coupled sampling is a reply's rule: auto asks once per reply, before its noise is drawn. Replies run the round
-    rules until both are measured, then one coupled reply measures it, then the better way wins, the other way every
-    REVISIT_REPLIES replies."""
-    chain = TokenTree(np.arange(5, dtype=np.int32), np.arange(-1, 4, dtype=np.int32), np.arange(5, dtype=np.int32),
-                      np.zeros(5, np.float32))
-    auto = AutoRule()
-    assert auto.reply() is False and auto.coupled_choice is None
-    for _ in range(2 * AutoRule.TRIALS):
-        rule = auto.choose()
-        auto.observe(rule, chain, [0, 1] if rule == "match" else [0, 1, 2])  # match 1/2, residual 2/3
-    assert auto.reply() is True  # coupled's trial
-    for _ in range(AutoRule.TRIALS):
-        auto.observe("coupled", chain, [0, 1, 2, 3])  # 3/4: better than residual's 2/3
-    assert auto.coupled_choice is True
-    replies = [auto.reply() for _ in range(2 * AutoRule.REVISIT_REPLIES)]
-    assert replies.count(False) == 2  # the other way every REVISIT_REPLIES replies
-    for _ in range(40):
-        auto.observe("coupled", chain, [0, 1])  # coupled falls to 1/2
-    assert auto.coupled_choice is False and auto.choice == "residual"
-
-
-def test_an_auto_decoder_tries_a_coupled_reply_once_the_round_rules_are_measured() -> None:
-    target = TinyModel(n_vocab=40, seed=3, scale=2.0)
-    decoder = Decoder(target, target.noisy(0.2, seed=4), GrowConfig.for_budget(16),
-                      SamplingConfig(temperature=1.0, seed=5), accept="auto")
-    coupled = []
-    for _ in range(2):
+    sampling = SamplingConfig(temperature=1.0, seed=5)
+    replies = []
+    for drafter, grow in ((target.noisy(0.2, seed=4), GrowConfig.for_budget(16)), (None, None)):
+        decoder = Decoder(TinyModel(n_vocab=40, seed=3, scale=2.0), drafter, grow, sampling, accept="auto")
         decoder.load([1, 2, 3])
-        *_, last = decoder.generate(60)
-        coupled.append(decoder.rounds.reply_coupled)
-    assert coupled == [False, True]
-    assert last.stats.residual_rounds == 0 and decoder.auto_rule.tried["coupled"] > 0
+        replies.append([s.token for s in decoder.generate(60) if s.finish_reason is None])
+        assert decoder.rounds.rule() == "coupled" and decoder.rounds.coupled
+    assert replies[0] == replies[1]
+    decoder.set_sampling(SamplingConfig())
+    assert decoder.rounds.rule() == "match" and not decoder.rounds.coupled
