@@ -129,7 +129,8 @@ class Decoder:
     Each round does what `rounds` (edge.policy.RoundPolicy) plans: a tree of some shape, or none (plain decoding),
     and its acceptance rule. Without one it is made from the other arguments: `grow_config`'s tree every round, or
     what a budget `policy` (`--budget auto`) chooses round by round; `accept` is the rule when sampling ("match",
-    "residual", "coupled" or "auto"). `caches` says who last loaded the models' KV caches (a pair's decoders share one).
+    "residual", "coupled" or "auto": coupled). `caches` says who last loaded the models' KV caches (a pair's decoders
+    share one).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, grow_config: GrowConfig | None = None,
