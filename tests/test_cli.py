@@ -99,8 +99,9 @@ def test_bench_methods_auto_and_plot(smollm2: Pair, tmp_path: Path) -> None:
 
 
 def test_sampled_generation_by_rule(smollm2: Pair) -> None:
-    """match: a seed gives --no-spec's exact text; residual: a seed gives the same text run after run (its trees
-    are the drafter's draws, so not plain sampling's), from trees that yield more tokens per pass."""
+    """match, and auto (coupled sampling): a seed gives --no-spec's exact text with the same --accept; residual: a seed
+    gives the same text run after run (its trees are the drafter's draws, so not plain sampling's), from trees that
+    yield more tokens per pass."""
     def text_and_stats(*flags: str) -> tuple[str, dict]:
         result = run("generate", "Write a short poem about the sea.", "-n", "48", "--temperature", "0.8", "--seed",
                      "3", "--budget", "16", "--json", *flags)
@@ -108,8 +109,11 @@ def test_sampled_generation_by_rule(smollm2: Pair) -> None:
         reply = json.loads(result.stdout)
         return reply["text"], reply["stats"]
 
-    plain, _ = text_and_stats("--no-spec")
+    plain, _ = text_and_stats("--no-spec", "--accept", "match")
     assert text_and_stats("--accept", "match")[0] == plain
+    coupled, stats = text_and_stats()
+    assert coupled == text_and_stats("--no-spec")[0] != plain  # the default draws by the noise, not as match does
+    assert stats["tokens_per_pass"] > 1.5
     residual, stats = text_and_stats("--accept", "residual")
     assert text_and_stats("--accept", "residual")[0] == residual
     assert stats["residual_rounds"] == stats["rounds"] > 0

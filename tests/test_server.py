@@ -95,13 +95,14 @@ def test_stop_strings_end_the_reply_before_them(client: openai.OpenAI) -> None:
 
 
 def test_a_seed_gives_plain_samplings_exact_text(client: openai.OpenAI) -> None:
-    """Sample-and-match: with a seed the served text is the target's own plain sampling's, and repeats."""
+    """Sample-and-match (the server runs `--accept match`): with a seed the served text is the target's own plain
+    sampling's with the same rule, and repeats."""
     kwargs = dict(max_tokens=24, temperature=0.8, seed=5)
     first = chat(client, PROMPT, **kwargs).choices[0].message.content
     assert chat(client, PROMPT, **kwargs).choices[0].message.content == first
     # the server's defaults for fields the request leaves out: top-k 40, top-p 0.95, min-p 0.05, no repeat penalty
     assert first == generate_text(PROMPT, "-n", "24", "--temperature", "0.8", "--seed", "5", "--top-k", "40",
-                                  "--top-p", "0.95", "--min-p", "0.05", "--no-spec")
+                                  "--top-p", "0.95", "--min-p", "0.05", "--no-spec", "--accept", "match")
 
 
 def test_a_chats_next_turn_reuses_the_cache_and_stays_lossless(client: openai.OpenAI) -> None:
