@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from edge.protocols import Drafter
-from edge.residual import POOL, _path
+from edge.residual import POOL, _path, node_distribution
 from edge.sampling import SamplingConfig, distribution
 from edge.tree import TokenTree
 
@@ -99,11 +99,8 @@ class CoupledProposer:
         out_ids = np.zeros((len(nodes), width), np.int32)
         out_log = np.full((len(nodes), width), -np.inf, np.float32)
         for row, node in enumerate(nodes.tolist()):
-            path = _path(tree, node)
-            log_mass = float(logits[row, 0] - log_probs[row, 0])  # logit - log-prob: the row's log normalizer
-            seen = [*self.history, *path]
-            q_ids, q = distribution(logits[row], self.sampling, seen, ids=ids[row].astype(np.int64),
-                                    log_mass=log_mass)
+            seen = [*self.history, *_path(tree, node)]
+            q_ids, q = node_distribution(ids[row], log_probs[row], logits[row], self.sampling, seen)
             with np.errstate(divide="ignore"):
                 keys = np.log(q) + self.coupling * self.noise.gumbel(len(seen), q_ids)
             order = np.argsort(-keys, kind="stable")[: min(width, int((q > 0).sum()))]

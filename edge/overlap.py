@@ -107,8 +107,7 @@ def overlapped_round(target: Target, drafter: Drafter, context: Sequence[int], c
     tree = overlap.take(context, config)
     pregrown = tree is not None
     with clock("grow"):
-        drafts = None if noise is None or sampling.greedy else CoupledProposer(drafter, sampling, context[:-1], noise)
-        expand = None if drafts is None else drafts.expand
+        expand = None if noise is None else CoupledProposer(drafter, sampling, context[:-1], noise).expand
         growth = Growth(drafter, context[-1], config, acceptance, stop_tokens, expand, lookup, lookup_acceptance,
                         extra_expansions=GROW_ON_EXPANSIONS)
         if tree is None:

@@ -63,9 +63,7 @@ class Proposer:
         out_log_q = np.full((len(nodes), width), -np.inf, np.float32)
         for row, node in enumerate(nodes.tolist()):
             path = _path(tree, node)
-            log_mass = float(logits[row, 0] - log_probs[row, 0])  # logit - log-prob: the row's log normalizer
-            q_ids, q = distribution(logits[row], self.sampling, [*self.history, *path], ids=ids[row].astype(np.int64),
-                                    log_mass=log_mass)
+            q_ids, q = node_distribution(ids[row], log_probs[row], logits[row], self.sampling, [*self.history, *path])
             drawn = _draw_without_replacement(q, width, self.rng)
             self.proposals[tuple(path)] = Proposal(q_ids, q, q_ids[drawn])
             out_ids[row, : len(drawn)] = q_ids[drawn]
@@ -74,6 +72,14 @@ class Proposer:
 
     def at(self, path_tokens: Sequence[int]) -> Proposal | None:
         return self.proposals.get(tuple(path_tokens))
+
+
+def node_distribution(ids: np.ndarray, log_probs: np.ndarray, logits: np.ndarray, sampling: SamplingConfig,
+                      seen: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """q at an expanded node from one row of Drafter.expand_logits (its top tokens, their log-probs and logits),
+    after the target's transforms given the text `seen` up to the node."""
+    log_mass = float(logits[0] - log_probs[0])  # logit - log-prob: the row's log normalizer
+    return distribution(logits, sampling, seen, ids=ids.astype(np.int64), log_mass=log_mass)
 
 
 def residual_draw(p_ids: np.ndarray, p: np.ndarray, proposal: Proposal, rng: np.random.Generator) -> int:

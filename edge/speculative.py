@@ -144,7 +144,7 @@ def speculative_round(target: Target, drafter: Drafter | None, context: Sequence
                 if rule == "residual":
                     proposer = Proposer(drafter, sampling, context[:-1], draft_rng or np.random.default_rng())
                     expand = proposer.expand
-                elif rule == "coupled" and noise is not None and not sampling.greedy:
+                elif rule == "coupled" and noise is not None:
                     expand = CoupledProposer(drafter, sampling, context[:-1], noise).expand
             tree, passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens, expand, lookup,
                                 lookup_acceptance)
