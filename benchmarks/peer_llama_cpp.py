@@ -170,24 +170,27 @@ def edge_job(job: dict) -> dict:
         runs = [("edge-spec plain", False, None)] + [
             ("edge-spec auto" if rule == "auto" else f"edge-spec auto, accept {rule}", True, rule)
             for rule in (job["accept"] if job["temperature"] else ["auto"])]
+        decoders = {}
         for label, speculate, rule in runs:
             if rule is not None:
                 pair.options = dataclasses.replace(pair.options, accept=rule)
-            decoder = pair.decoder(sampling(job["temperature"]), speculate=speculate,
-                                   budget="auto" if speculate else None)
-            rows = []
-            for i, ids in enumerate(prompts):
+            decoders[label] = pair.decoder(sampling(job["temperature"]), speculate=speculate,
+                                           budget="auto" if speculate else None)
+        out["rows"] = {label: [] for label in decoders}
+        # Each prompt through every row in turn (as `edge-spec bench` does): a machine that slows down or speeds up
+        # during the run then weighs on every row alike, not on whichever row ran in that stretch.
+        for i, ids in enumerate(prompts):
+            for label, decoder in decoders.items():
                 decoder.set_sampling(sampling(job["temperature"], SEED + i))
                 decoder.reset()
                 steps = list(decoder.reply(ids, job["n"]))
                 stats = steps[-1].stats
-                rows.append({"tokens": [s.token for s in steps[:-1] if s.token is not None],
-                             "decode_s": stats.decode_s, "passes": stats.target_passes,
-                             "hidden_s": stats.hidden_s, "pregrown_rounds": stats.pregrown_rounds,
-                             "rounds": stats.rounds, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
-                             "plain_rounds": stats.plain_rounds, "residual_rounds": stats.residual_rounds,
-                             "budget_sum": stats.budget_sum})
-            out["rows"][label] = rows
+                out["rows"][label].append({
+                    "tokens": [s.token for s in steps[:-1] if s.token is not None], "decode_s": stats.decode_s,
+                    "passes": stats.target_passes, "hidden_s": stats.hidden_s,
+                    "pregrown_rounds": stats.pregrown_rounds, "rounds": stats.rounds, "draft_s": stats.draft_s,
+                    "verify_s": stats.verify_s, "plain_rounds": stats.plain_rounds,
+                    "residual_rounds": stats.residual_rounds, "budget_sum": stats.budget_sum})
     return out
 
 
