@@ -8,7 +8,8 @@ from pathlib import Path
 from edge.models.cache import JsonFile, cache_dir
 from edge.models.registry import ModelSpec, PairSpec
 from edge.models.sources import model_path, source_path
-from edge.offload.plan import Machine, Plan, Shape, parse_machine, plan_pair, probe_here
+from edge.offload.machine import Machine, parse_machine, probe_here
+from edge.offload.plan import Plan, Shape, plan_pair
 
 from edge.errors import UserError
 

@@ -3,41 +3,34 @@
 `edge-spec plan` prints it before anything loads; `Plan.placement()` is what chat/generate/bench apply. The cost
 model (docs/plan.md, "The cost of a pass"): a pass of an offloaded target costs the bytes it must move over the
 bandwidth they move at, unless the arithmetic takes longer: t(n) = max(bytes / bandwidth, 2 * params * n / flops),
-summed over the layers on the GPU and the layers off it.
+summed over the layers on the GPU and the layers off it. The machine it plans for is offload/machine.py's.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
+from edge.offload.machine import GIB, Machine, gib
 from edge.runtimes import DEFAULT, TRAITS, traits
 
 from edge.errors import UserError
 
 if TYPE_CHECKING:
     from edge.models.registry import ModelFacts, ModelSpec, PairSpec
-    from edge.offload.probe import JsonStore
 
-GIB = 1024**3
 MIB = 1024**2
 GB = 1e9
 
-# What a machine is assumed to have where neither the probe nor --machine says (docs/plan.md).
-RAM_GBPS = 20.0  # GB/s a CPU streams weights from DRAM inside matmuls (dual-channel desktops sustain ~20-40)
-PCIE_GBPS = 25.0  # GB/s of host-to-GPU uploads: PCIe 4.0 x16 in practice (32 peak)
-DISK_GBPS = 2.0  # GB/s when the drive cannot be measured: a mid-range NVMe SSD under mmap page faults
 VRAM_GBPS = 500.0  # GB/s a GPU reads its own memory (RTX 3060: 360, RTX 4090: 1000)
 # Fitted to a 70B-shaped Q4_0 target streamed from the SSD on 2 cores of an AMD EPYC, passes of 1 to 256 tokens
 # (benchmarks/pass_times.py): 135 GFLOP/s per core on its large matrices. A small model's passes run slower (SmolLM2
 # -135M Q4_1 in RAM: ~56), so the plan under-estimates small models' compute (docs/plan.md, "The constants").
 CPU_GFLOPS_PER_CORE = 135.0
 GPU_TFLOPS = 80.0  # effective fp16 tensor-core matmul rate of a consumer GPU (about half an RTX 4090's dense peak)
-DESCRIBED_CORES = 8  # cores of a described machine that does not say
 
 RAM_HEADROOM = 2 * GIB  # left to the OS, Python, onnxruntime and logits buffers (255 x 262k float32 is 0.27 GB)
 # Under a memory cgroup's limit the OS is not charged, and what the process holds already is counted as used: the
@@ -56,7 +49,6 @@ AUTO_MAX_BUDGET = 255  # budget = "auto": the largest tree offload/tuning.py may
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 Q4_0_BYTES_PER_PARAM = 18 / 32  # to estimate parameters from a file size when models.toml does not give them
 
-MACHINE_KEYS = ("ram", "vram", "disk", "cores", "pcie", "rambw")
 PLACEMENT_KEYS = ("placement", "n_gpu_layers", "op_offload", "n_ubatch", "use_mmap", "use_mlock", "repack")
 
 
@@ -94,28 +86,6 @@ class Shape:
         return cls(n_layers=facts.layers, n_embd=facts.embd, n_kv_heads=facts.kv_heads, head_dim=facts.head_dim,
                    n_params=round(params), file_bytes=size, layer_bytes=size, streamed_bytes=size,
                    source="models.toml facts")
-
-
-@dataclass(frozen=True)
-class Machine:
-    ram_free: int  # bytes
-    vram_free: int = 0  # bytes; 0: no GPU
-    disk_gbps: float = DISK_GBPS
-    cores: int = DESCRIBED_CORES
-    pcie_gbps: float = PCIE_GBPS
-    ram_gbps: float = RAM_GBPS
-    name: str = "described"  # "described", or the CPU (and GPU) probed
-    assumed: tuple[str, ...] = ()  # which of disk, cores, pcie, rambw are defaults, not measured or described
-    capped: bool = False  # ram_free is the room under a memory cgroup's limit, not the machine's free RAM
-
-    def describe(self) -> str:
-        ram = f"RAM {_gib(self.ram_free)} free" + (" under a memory limit" if self.capped else "")
-        parts = [ram, f"VRAM {_gib(self.vram_free)} free" if self.vram_free else "no GPU",
-                 f"disk {self.disk_gbps:g} GB/s", f"{self.cores} cores", f"RAM {self.ram_gbps:g} GB/s"]
-        if self.vram_free:
-            parts.append(f"PCIe {self.pcie_gbps:g} GB/s")
-        assumed = f" (assumed: {', '.join(self.assumed)})" if self.assumed else ""
-        return f"{self.name}: {', '.join(parts)}{assumed}"
 
 
 @dataclass(frozen=True)
@@ -197,58 +167,6 @@ class Plan:
         }
 
 
-def parse_machine(text: str) -> Machine:
-    """A described machine: "ram=32G,vram=24G,disk=3GB/s" plus optional cores=N, pcie=25GB/s, rambw=20GB/s."""
-    values: dict[str, str] = {}
-    for item in (part.strip() for part in text.split(",")):
-        key, sep, value = item.partition("=")
-        key = key.strip().lower()
-        if not sep or not value.strip():
-            _machine_error(f"'{item}' is not key=value")
-        if key not in MACHINE_KEYS:
-            _machine_error(f"unknown key '{key}'")
-        if key in values:
-            _machine_error(f"'{key}' is given twice")
-        values[key] = value.strip()
-    if "ram" not in values:
-        _machine_error("'ram' is missing (the RAM free for the models)")
-    ram = _size(values["ram"], "ram")
-    if ram <= 0:
-        _machine_error("'ram' must be more than 0")
-    cores = values.get("cores", str(DESCRIBED_CORES))
-    if not cores.isdigit() or int(cores) < 1:
-        _machine_error(f"cores must be a positive whole number, got '{cores}'")
-    relevant = ("disk", "cores", "pcie", "rambw") if "vram" in values else ("disk", "cores", "rambw")
-    assumed = tuple(key for key in relevant if key not in values)
-    return Machine(
-        ram_free=ram, vram_free=_size(values["vram"], "vram") if "vram" in values else 0,
-        disk_gbps=_rate(values["disk"], "disk") if "disk" in values else DISK_GBPS, cores=int(cores),
-        pcie_gbps=_rate(values["pcie"], "pcie") if "pcie" in values else PCIE_GBPS,
-        ram_gbps=_rate(values["rambw"], "rambw") if "rambw" in values else RAM_GBPS,
-        assumed=assumed,
-    )
-
-
-def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
-    """This machine: free RAM and VRAM now, and the measured read speed of the drive holding the model (kept in
-    `store` once measured)."""
-    from edge.offload.probe import GIB as PROBE_GIB
-    from edge.offload.probe import disk_read_gbps, probe_machine
-
-    probed = probe_machine()
-    ram_gb = probed["ram_free_gb"] or probed["ram_total_gb"]
-    if ram_gb is None:
-        raise UserError("cannot tell how much RAM is free here; describe the machine: --machine ram=16G,disk=2GB/s")
-    gpus = probed["gpus"]
-    gpu = max(gpus, key=lambda g: g["vram_free_gb"]) if gpus else None  # one GPU: layers are not split across GPUs
-    disk = disk_read_gbps(_existing(model_file), store) if model_file is not None else None
-    assumed = ("rambw",) + (("pcie",) if gpu else ()) + (() if disk else ("disk",))
-    name = probed["cpu"] + (f" + {gpu['name']}" if gpu else "")
-    return Machine(ram_free=int(ram_gb * PROBE_GIB), vram_free=int(gpu["vram_free_gb"] * PROBE_GIB) if gpu else 0,
-                   disk_gbps=round(disk, 2) if disk else DISK_GBPS, cores=probed["cores"], name=name, assumed=assumed,
-                   capped=probed.get("memory_limit") is not None)
-
-
 def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Machine, stream: bool = False) -> Plan:
     """Place the drafter (memory only: it runs many small passes), then the target's KV cache and layers:
     as many layers on the GPU as fit, the rest in RAM when they fit, else mmap'd from the SSD (`stream`: from the
@@ -260,7 +178,7 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
     for n_tree in sizes:  # under a memory limit, auto's largest tree shrinks until the two models' logits fit
         headroom = _headroom(machine, target, drafter, n_tree, pair.drafter.runtime)
         ram_left = machine.ram_free - headroom
-        room = f"a {_gib(headroom)} headroom" + (" under this process's memory limit (its cgroup's)"
+        room = f"a {gib(headroom)} headroom" + (" under this process's memory limit (its cgroup's)"
                                                    if machine.capped else "")
         try:
             draft = _place_drafter(pair, drafter, gpu, vram_left, ram_left, n_tree, room) if drafter is not None \
@@ -283,7 +201,7 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
                      "memory limit beside the drafter")
     if main.placement == "ssd":
         why = "streamed as asked (--placement ssd)" if fits else "does not fit in RAM"
-        notes.append(f"the target {why}: {_gib(_off_gpu_bytes(main))} of it is read from the drive "
+        notes.append(f"the target {why}: {gib(_off_gpu_bytes(main))} of it is read from the drive "
                      "on every pass, from the file's mapping (not repacked: llama.cpp's faster Q4_0 kernels need a "
                      "copy in RAM)")
         if draft.placement == "ram":
@@ -421,9 +339,9 @@ def _place_drafter(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_
         return ModelPlan(placement="gpu", n_gpu_layers=n_gpu_layers, ram_bytes=0, vram_bytes=need, **common)
     if need <= ram_left:
         return ModelPlan(placement="ram", n_gpu_layers=0, ram_bytes=need, vram_bytes=0, **common)
-    vram = f" or the {_gib(vram_left)} of VRAM left past a {_gib(GPU_RESERVE)} reserve" if gpu else ""
-    raise UserError(f"pair {pair.name} cannot run here: its drafter needs {_gib(need)} "
-                    f"(weights {_gib(shape.file_bytes)} + KV cache {_gib(kv)}) but only {_gib(max(ram_left, 0))} "
+    vram = f" or the {gib(vram_left)} of VRAM left past a {gib(GPU_RESERVE)} reserve" if gpu else ""
+    raise UserError(f"pair {pair.name} cannot run here: its drafter needs {gib(need)} "
+                    f"(weights {gib(shape.file_bytes)} + KV cache {gib(kv)}) but only {gib(max(ram_left, 0))} "
                     f"of RAM is free past {room}{vram}; free memory or pick a pair with a "
                     "smaller drafter")
 
@@ -443,7 +361,7 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
         if need <= ram_left:
             return ModelPlan(placement="ram", n_gpu_layers=0, ram_bytes=need, vram_bytes=0, **common)
         raise UserError(f"pair {pair.name} cannot run here: its {model.runtime} target loads whole and needs "
-                        f"{_gib(need)} (weights + KV cache) but {_gib(max(ram_left, 0))} of RAM is free past the "
+                        f"{gib(need)} (weights + KV cache) but {gib(max(ram_left, 0))} of RAM is free past the "
                         f"drafter and {room}; use a target that streams from the SSD "
                         f"(runtime = \"{DEFAULT}\")")
     layer = shape.layer_bytes / shape.n_layers
@@ -456,7 +374,7 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
     kv_ram = kv - round(n_gpu * kv_layer)
     if kv_ram > ram_left:
         raise UserError(f"pair {pair.name} cannot run here: the target's {kv_type} KV cache for {pair.ctx} tokens "
-                        f"needs {_gib(kv_ram)} of RAM{' off the GPU' if n_gpu else ''} but {_gib(max(ram_left, 0))} "
+                        f"needs {gib(kv_ram)} of RAM{' off the GPU' if n_gpu else ''} but {gib(max(ram_left, 0))} "
                         f"is free past the drafter and {room}; lower the context (--ctx) or "
                         f"free memory")
     off_gpu = shape.file_bytes - round(n_gpu * layer) - (head if with_head else 0)  # lookup table included
@@ -491,43 +409,6 @@ def _kv_type(model: ModelSpec, role: str) -> str:
 
 def _can_use_gpu(model: ModelSpec) -> bool:
     return traits(model.runtime).splits_layers or model.provider != "cpu"
-
-
-def _existing(path: Path) -> Path:
-    """The path, or its nearest existing folder (where a file not downloaded yet would land)."""
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
-_SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?)\s*([kmgt])(?:i?b)?$", re.IGNORECASE)
-_RATE_RE = re.compile(r"^(\d+(?:\.\d*)?)\s*(?:([kmgt])(?:i?b)?)?(?:/s)?$", re.IGNORECASE)
-_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
-
-
-def _size(value: str, key: str) -> int:
-    # Memory is sold in binary units whatever the label: 32G, 32GB and 32GiB all mean 32 x 2^30 bytes.
-    match = _SIZE_RE.match(value)
-    if not match:
-        _machine_error(f"{key}={value} is not a size like 32G")
-    return round(float(match[1]) * 1024 ** _POWERS[match[2].lower()])
-
-
-def _rate(value: str, key: str) -> float:
-    # Drives and links are rated in decimal units: 3GB/s is 3 x 10^9 bytes a second; a bare number is GB/s.
-    match = _RATE_RE.match(value)
-    if not match or float(match[1]) <= 0:
-        _machine_error(f"{key}={value} is not a speed like 3GB/s")
-    return float(match[1]) * 1000.0 ** (_POWERS[match[2].lower()] - 3 if match[2] else 0)
-
-
-def _machine_error(problem: str) -> NoReturn:
-    raise UserError(f"--machine: {problem}; write it like ram=32G,vram=24G,disk=3GB/s "
-                    f"(keys: {', '.join(MACHINE_KEYS)})")
-
-
-def _gib(n_bytes: float) -> str:
-    return f"{n_bytes / GIB:.2f} GiB"
 
 
 def _round_gib(n_bytes: float) -> float:

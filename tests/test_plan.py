@@ -18,13 +18,13 @@ from edge.cli.main import app
 from edge.models.cache import JsonFile
 from edge.models.registry import ModelFacts, load_registry
 from edge.models.sources import model_path
+from edge.offload.machine import parse_machine
 from edge.offload.plan import (
     GIB,
     GPU_RESERVE,
     PLACEMENT_KEYS,
     Shape,
     kv_bytes,
-    parse_machine,
     plan_pair,
 )
 from typer.testing import CliRunner

@@ -84,7 +84,8 @@ def test_the_plan_streams_a_70b_shaped_file_from_the_ssd_on_24_gb(tmp_path: Path
     """The full 70B layout as a sparse file (its header and a hole: 2 MB on disk) is what `edge-spec plan` sizes:
     on a 24 GB machine every pass reads its 38.7 GB of layers and head from the drive; with 64 GB it fits in RAM."""
     from edge.models.registry import load_registry
-    from edge.offload.plan import parse_machine, plan_pair
+    from edge.offload.machine import parse_machine
+    from edge.offload.plan import plan_pair
 
     out = tmp_path / "llama3.1-70b.sparse.gguf"
     size, _ = synthetic.write_synthetic("llama3.1-70b", synthetic.SHAPES["llama3.1-70b"], "q4_0", out,

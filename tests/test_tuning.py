@@ -202,7 +202,8 @@ def test_fitted_constants_recover_the_model_they_come_from() -> None:
     from dataclasses import replace
 
     from edge.models.registry import ModelFacts, load_registry
-    from edge.offload.plan import Shape, fit_constants, parse_machine, pass_cost, plan_pair
+    from edge.offload.machine import parse_machine
+    from edge.offload.plan import Shape, fit_constants, pass_cost, plan_pair
 
     pair = load_registry().pair("llama3.1-70b")
     target, drafter = (Shape.from_facts(m.facts) for m in (pair.target, pair.drafter))
