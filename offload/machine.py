@@ -80,7 +80,6 @@ def parse_machine(text: str) -> Machine:
 def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
     """This machine: free RAM and VRAM now, and the measured read speed of the drive holding the model (kept in
     `store` once measured)."""
-    from edge.offload.probe import GIB as PROBE_GIB
     from edge.offload.probe import disk_read_gbps, probe_machine
 
     probed = probe_machine()
@@ -92,7 +91,7 @@ def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
     disk = disk_read_gbps(_existing(model_file), store) if model_file is not None else None
     assumed = ("rambw",) + (("pcie",) if gpu else ()) + (() if disk else ("disk",))
     name = probed["cpu"] + (f" + {gpu['name']}" if gpu else "")
-    return Machine(ram_free=int(ram_gb * PROBE_GIB), vram_free=int(gpu["vram_free_gb"] * PROBE_GIB) if gpu else 0,
+    return Machine(ram_free=int(ram_gb * GIB), vram_free=int(gpu["vram_free_gb"] * GIB) if gpu else 0,
                    disk_gbps=round(disk, 2) if disk else DISK_GBPS, cores=probed["cores"], name=name, assumed=assumed,
                    capped=probed.get("memory_limit") is not None)
 
