@@ -218,6 +218,12 @@ class Pair:
             self._decoder.set_sampling(sampling)
         return self._decoder
 
+    def forget_replies(self) -> None:
+        """Lookup drafts from no earlier reply, as a load with lookup on starts (lookup stays on)."""
+        if self.corpus is not None and self.corpus.replies:
+            self.corpus = Corpus(self.corpus.max_tokens)
+            self._decoder = self._decoder_key = None  # its lookup holds the old corpus
+
     def fit_budget(self, budget: int) -> None:
         """Room for trees of `budget` draft nodes: a llama.cpp target and drafter get a larger batch and KV room over
         the same weights (their caches start empty), sized for what is asked, not for every run (a 2049-node batch
