@@ -81,6 +81,16 @@ def build(say=print) -> Path:
     return bin_dir
 
 
+def amx_crashes() -> bool:
+    """Whether llama.cpp's repacked (AMX) weight buffers crash here: on CPUs with AMX, ggml_backend_amx_mul_mat
+    segfaults on the first batch of more than one token (ggml-org/llama.cpp#20824; llama-server exits with -11 on
+    the first prompt). The peer then runs with --no-repack, the fastest of its settings that runs, as edge-spec does
+    (runtimes/llama_cpp/_native.py, USE_EXTRA_BUFFERS)."""
+    from edge.runtimes.llama_cpp._native import USE_EXTRA_BUFFERS
+
+    return not USE_EXTRA_BUFFERS
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -155,21 +165,36 @@ def sampling(temperature: float, seed: int | None = None):
 
 
 def edge_job(job: dict) -> dict:
-    """edge-spec's side, in this process or a capped child: the prompts' token ids, then plain and auto rows."""
+    """edge-spec's side, in this process or a capped child: the prompts' token ids, then its rows. job["speculate"]
+    "on": the pair as named, its plain decoding (the reference every greedy row is compared with); "auto": loaded as
+    chat, generate and serve load it by default (the plan may drop the drafter: offload/choice.py), an auto row per
+    acceptance rule. Each row counts the bytes read from the drive while decoding."""
     sys.path.insert(0, str(REPO / "benchmarks"))
+    from edge.offload.ssd import read_bytes
+
     import edge
 
+    plan: list[str] = []
+
+    def report(message: str) -> None:
+        print(message, file=sys.stderr)
+        if message.startswith("plan:"):
+            plan.append(message)
+
     out: dict = {"rows": {}}
-    with edge.load(job["pair"], threads=job["threads"], report=lambda m: print(m, file=sys.stderr)) as pair:
+    with edge.load(job["pair"], threads=job["threads"], speculate=job["speculate"], report=report) as pair:
         from edge.models.bench import read_prompts
 
         prompts = [pair.prompt_tokens(text) for text in read_prompts(Path(job["prompts"]))]
         out |= {"prompts": prompts, "target": str(pair.target.path), "placement": pair.placement,
                 "drafter": None if pair.drafter is None else str(pair.drafter.path),
-                "stops": sorted(pair.target.special.stop), "ctx": pair.target.n_ctx, "overlap": pair.overlaps}
-        runs = [("edge-spec plain", False, None)] + [
-            ("edge-spec auto" if rule == "auto" else f"edge-spec auto, accept {rule}", True, rule)
-            for rule in (job["accept"] if job["temperature"] else ["auto"])]
+                "stops": sorted(pair.target.special.stop), "ctx": pair.target.n_ctx, "overlap": pair.overlaps,
+                "plan": plan}
+        if job["speculate"] == "on":
+            runs = [("edge-spec plain", False, None)]
+        else:
+            runs = [("edge-spec auto" if rule == "auto" else f"edge-spec auto, accept {rule}", True, rule)
+                    for rule in (job["accept"] if job["temperature"] else ["auto"])]
         decoders = {}
         for label, speculate, rule in runs:
             if rule is not None:
@@ -183,14 +208,17 @@ def edge_job(job: dict) -> dict:
             for label, decoder in decoders.items():
                 decoder.set_sampling(sampling(job["temperature"], SEED + i))
                 decoder.reset()
+                before = read_bytes()
                 steps = list(decoder.reply(ids, job["n"]))
+                after = read_bytes()
                 stats = steps[-1].stats
                 out["rows"][label].append({
                     "tokens": [s.token for s in steps[:-1] if s.token is not None], "decode_s": stats.decode_s,
                     "passes": stats.target_passes, "hidden_s": stats.hidden_s,
                     "pregrown_rounds": stats.pregrown_rounds, "rounds": stats.rounds, "draft_s": stats.draft_s,
                     "verify_s": stats.verify_s, "plain_rounds": stats.plain_rounds,
-                    "residual_rounds": stats.residual_rounds, "budget_sum": stats.budget_sum})
+                    "residual_rounds": stats.residual_rounds, "budget_sum": stats.budget_sum,
+                    "bytes_read": None if before is None or after is None else after - before})
     return out
 
 
@@ -210,6 +238,8 @@ def summary(label: str, rows: list[dict], reference: list[list[int]] | None) -> 
                 "plain_rounds": sum(r["plain_rounds"] for r in rows),
                 "residual_rounds": sum(r["residual_rounds"] for r in rows),
                 "mean_budget": round(sum(r["budget_sum"] for r in rows) / rounds, 2)}
+    if rows[0].get("bytes_read") is not None:
+        row["bytes_read_per_pass"] = round(sum(r["bytes_read"] for r in rows) / max(sum(r["passes"] for r in rows), 1))
     if "draft_n" in rows[0]:
         drafted, accepted = sum(r["draft_n"] for r in rows), sum(r["draft_accepted"] for r in rows)
         row |= {"drafted": drafted, "accepted": accepted,
@@ -246,18 +276,25 @@ def main() -> None:
     cap = None if args.cap_mb is None else args.cap_mb << 20
     job = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads,
            "temperature": args.temperature, "accept": [r for r in args.accept.split(",") if r]}
-    say(f"edge-spec: plain and auto{'' if cap is None else f', under a {args.cap_mb} MB cap'}")
-    if cap is None:
-        ours = edge_job(job)
-    else:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        from memcap import call_capped
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from memcap import call_capped
 
-        ours = call_capped(edge_job, job, limit_bytes=cap).value
+    runs = {}
+    for speculate in ("on", "auto"):  # the pair as named (its plain decoding), then as a person gets it by default
+        say(f"edge-spec, speculate {speculate}{'' if cap is None else f', under a {args.cap_mb} MB cap'}")
+        done = call_capped(edge_job, {**job, "speculate": speculate}, limit_bytes=cap, drop_cache=[])
+        runs[speculate] = done.value | {"peak_mib": done.peak_bytes >> 20, "peak_anon_mib": done.peak_anon_bytes >> 20}
+    ours, chosen = runs["on"], runs["auto"]
+    ours["rows"] |= chosen["rows"]
     reference = [r["tokens"] for r in ours["rows"]["edge-spec plain"]] if args.temperature == 0 else None
     results = [summary(label, rows, reference) for label, rows in ours["rows"].items()]
+    results[0] |= {"peak_mib": ours["peak_mib"], "peak_anon_mib": ours["peak_anon_mib"]}
+    for row in results[1:]:
+        row |= {"plan": chosen["plan"], "peak_mib": chosen["peak_mib"], "peak_anon_mib": chosen["peak_anon_mib"]}
     files = [Path(ours["target"])] + ([Path(ours["drafter"])] if ours["drafter"] else [])
     common = ["-m", ours["target"], "-c", str(ours["ctx"]), "-t", str(threads), "-tb", str(threads)]
+    if amx_crashes():
+        common.append("--no-repack")  # its AMX buffers crash on a prompt's batch on this CPU (see amx_crashes)
     configs = [] if args.edge_only else [("llama.cpp plain", [])]
     if configs and ours["drafter"] and ours["drafter"].endswith(".gguf"):
         # --spec-type draft-simple: llama.cpp infers the kind of drafting from the draft file's metadata, and a plain
@@ -266,17 +303,30 @@ def main() -> None:
         configs.append(("llama.cpp speculative (defaults)", draft))
         configs += [(f"llama.cpp speculative draft-max {n}", [*draft, "--spec-draft-n-max", n])
                     for n in args.draft_max.split(",") if n]
+    peer_tokens: dict[str, list[list[int]]] = {}
     for label, extra in configs:
         say(label)
         with llama_server(bin_dir, common + extra, cap, files) as url:
-            results.append(summary(label, peer_rows(url, ours["prompts"], args.n, ours["stops"], args.temperature),
-                                   reference))
+            rows = peer_rows(url, ours["prompts"], args.n, ours["stops"], args.temperature)
+        peer_tokens[label] = [r["tokens"] for r in rows]
+        results.append(summary(label, rows, reference))
+    if "llama.cpp plain" in peer_tokens and args.temperature == 0:
+        for row in results:
+            if row["row"].startswith("edge-spec"):
+                same = [r["tokens"] == theirs for r, theirs in zip(ours["rows"][row["row"]],
+                                                                    peer_tokens["llama.cpp plain"], strict=True)]
+                row["matches_llama_plain"] = all(same)
+                row["prompts_matching_llama_plain"] = sum(same)
     base = results[0]["decode_tokens_per_s"]
+    peer_plain = next((row for row in results if row["row"] == "llama.cpp plain"), None)
     for row in results:
         row["vs_edge_plain"] = round(row["decode_tokens_per_s"] / base, 3) if row["decode_tokens_per_s"] else None
+        if peer_plain is not None and row["decode_tokens_per_s"] and peer_plain["decode_tokens_per_s"]:
+            row["vs_llama_plain"] = round(row["decode_tokens_per_s"] / peer_plain["decode_tokens_per_s"], 3)
     out = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads, "cap_mb": args.cap_mb,
            "temperature": args.temperature, "overlap": ours["overlap"],
-           "placement": ours["placement"], "machine": probe_machine()["cpu"], "peer": str(bin_dir), "rows": results}
+           "placement": ours["placement"], "machine": probe_machine()["cpu"], "peer": str(bin_dir),
+           "peer_no_repack": amx_crashes(), "rows": results}
     if args.json:
         print(json.dumps(out, indent=2))
         return

@@ -149,9 +149,10 @@ def plan(
     load: LoadOptions,
 ) -> None:
     """Where each part of a pair goes (GPU, RAM, SSD) and what a target pass costs; loads and downloads nothing."""
-    from edge.cli.planning import render_plan, render_rates
+    from edge.cli.planning import render_plan, render_rates, render_uses
     from edge.models.loading import resolve_spec
-    from edge.models.planning import make_plan, unused_gpu
+    from edge.models.planning import make_choice, make_plan, unused_gpu
+    from edge.offload.choice import reason
     from edge.offload.expected import expected_rates, pick, read_acceptance
 
     spec, models_file = resolve_spec(load)
@@ -160,13 +161,21 @@ def plan(
     measured = read_acceptance(acceptance) if acceptance is not None else None
     result = make_plan(spec, machine, models_file, stream=load.placement == "ssd")
     rates = expected_rates(result, measured) if measured is not None else None
+    # the uses of the memory the plan weighs where the pair is left to choose (chat, generate and serve's default)
+    choice = make_choice(spec, machine, models_file, load.lookup_drafts) \
+        if load.drafter_model and load.placement == "ram" else None
     if as_json:
         out = result.as_dict()
+        if choice is not None:
+            out["uses"] = {"chosen": choice[0].name, "reason": reason(*choice),
+                           "weighed": [use.as_dict() for use in choice[1]]}
         if measured is not None and rates is not None:
             out["acceptance"] = {"file": str(acceptance), "measured_on": measured.source,
                                  "rates": [rate.as_dict() for rate in rates], "pick": pick(rates).budget}
         print(json.dumps(out, indent=2))
         return
     render_plan(result, Console())
+    if choice is not None:
+        render_uses(*choice, Console())
     if measured is not None and rates is not None:
         render_rates(measured.source, rates, pick(rates), Console())

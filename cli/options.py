@@ -66,6 +66,10 @@ ReadaheadOpt = Annotated[bool, typer.Option(
 OverlapOpt = Annotated[str, typer.Option(
     help="the drafter grows the next tree while the target's pass runs: on, off, or auto (on where the target's "
          "layers are on a GPU, leaving the CPU's cores to the drafter)")]
+SpeculateOpt = Annotated[str, typer.Option(
+    help="auto: with --budget auto, the plan weighs the drafter's memory against the target's and may decode with "
+         "the target alone (plainly, on llama.cpp's own kernels where it fits in RAM, or by lookup); on: always load "
+         "the pair's drafter")]
 MlockOpt = Annotated[bool, typer.Option("--mlock", help="lock the target's weights in RAM")]
 TargetDtypeOpt = Annotated[str | None, typer.Option(
     "--target-dtype", help="rewrite the target with llama.cpp's quantizer first (cached): f16, f32, bf16, q8_0, q4_0, "
@@ -100,11 +104,13 @@ LOAD_FLAGS: dict[str, Any] = {
     "pair": PairOpt, "target": TargetOpt, "drafter": DrafterOpt, "ctx": CtxOpt, "budget": BudgetOpt,
     "accept": AcceptOpt, "threads": ThreadsOpt, "provider": ProviderOpt, "gpu_layers": GpuOpt,
     "placement": PlacementOpt, "readahead": ReadaheadOpt, "mlock": MlockOpt, "target_dtype": TargetDtypeOpt,
-    "lookup": LookupOpt, "overlap": OverlapOpt,
+    "lookup": LookupOpt, "overlap": OverlapOpt, "speculate": SpeculateOpt,
 }
+# the command line's defaults where they differ from the library's (LoadOptions): a person gets the plan's choice
+CLI_DEFAULTS: dict[str, Any] = {"speculate": "auto"}
 # where and how models run
 PLACING = ("threads", "provider", "gpu_layers", "placement", "readahead", "overlap", "mlock")
-DECODING = ("drafter", "lookup", "budget", "accept", "ctx", *PLACING)  # what the decoding commands share
+DECODING = ("drafter", "lookup", "budget", "accept", "ctx", "speculate", *PLACING)  # what the decoding commands share
 PARAMETERS = {"ctx": "ctx_size"}  # a field whose name the command's typer.Context already takes
 
 
@@ -114,7 +120,7 @@ def load_flags(*fields: str, **flags: Any) -> Callable[[F], F]:
     command's first parameter is its typer.Context."""
     from dataclasses import fields as dataclass_fields
 
-    defaults = {field.name: field.default for field in dataclass_fields(LoadOptions)}
+    defaults = {field.name: field.default for field in dataclass_fields(LoadOptions)} | CLI_DEFAULTS
     names = [*fields, *(name for name in flags if name not in fields)]
 
     def decorate(command: F) -> F:

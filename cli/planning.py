@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from edge.offload.choice import Use, reason
 from edge.offload.expected import ExpectedRate
 from edge.offload.plan import GIB, Plan
 from rich import box
@@ -27,12 +28,27 @@ def render_plan(plan: Plan, console: Console) -> None:
         f"{_seconds(tree.seconds)} ({tree.bound})",
         f"memory: RAM {_gib(plan.target.ram_bytes + plan.drafter.ram_bytes)} GiB, "
         f"VRAM {_gib(plan.target.vram_bytes + plan.drafter.vram_bytes)} GiB, "
+        f"target resident {_gib(plan.target.resident_bytes if plan.target.placement == 'ssd' else 0)} GiB, "
         f"read from the drive per pass {_gib(plan.ssd_bytes)} GiB",
         *(f"{role} settings: {_settings(options)}" for role, options in plan.placement().items()),
         *plan.notes,
     ]
     for line in lines:
         console.print(line, soft_wrap=True, highlight=False, markup=False)
+
+
+def render_uses(chosen: Use, uses: list[Use], console: Console) -> None:
+    """The uses of the memory weighed (offload/choice.py), and the one chat, generate and serve take by default."""
+    table = Table("use", "target resident GiB", "read a pass GiB", "budget", "tokens/pass", "round", "tokens/s",
+                  box=box.SIMPLE_HEAD, pad_edge=False, title="uses of the memory (speculate auto)")
+    for use in uses:
+        resident = use.plan.target.resident_bytes if use.plan.target.placement == "ssd" else \
+            use.plan.target.ram_bytes - use.plan.target.kv_bytes
+        table.add_row(("* " if use is chosen else "") + use.name, _gib(resident), _gib(use.plan.ssd_bytes),
+                      str(use.budget or "-"), f"{use.tokens_per_pass:.2f}", _seconds(use.round_s),
+                      f"{use.tokens_per_s:.3g}")
+    console.print(table)
+    console.print(f"chosen: {reason(chosen, uses)}", soft_wrap=True, highlight=False, markup=False)
 
 
 def render_rates(source: str, rates: list[ExpectedRate], best: ExpectedRate, console: Console) -> None:

@@ -19,6 +19,7 @@ TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
 PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
 OVERLAP_MODES = ("auto", "on", "off")  # drafting during the target's passes (edge/overlap.py); auto: where they wait
 LOOKUP_MODES = ("on", "off", "keep")  # keep: earlier runs' replies too, kept in the cache (edge/lookup.py)
+SPECULATE_MODES = ("on", "auto")  # the pair's drafter as named, or the plan's choice of a use (offload/choice.py)
 NO_DRAFTER = ("lookup", "none")  # drafter values that load no drafter model: lookup drafting alone (or plain decoding)
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more than this only waits on each other (a million would never start)
 MIN_CTX = 256  # llama.cpp sizes a context in steps of 256 tokens: a smaller one would silently hold 256
@@ -47,6 +48,10 @@ class LoadOptions:
     drafter_runtime: str | None = None  # run the pair's drafter file on this runtime (default: models.toml's)
     drafter_vocab: int | None = None  # an onnx drafter's head of this many frequency-ranked tokens (0: the full head)
     drafter_quantize: str | None = None  # the drafter's file requantized first (a llama.cpp ftype, cached)
+    # "auto": with budget auto, the plan weighs keeping the drafter against giving its memory to the target, and may
+    # load the target alone, decoding plainly (on llama.cpp's own kernels where it is wholly in RAM) or by lookup;
+    # "on": the pair's drafter, as named
+    speculate: str = "on"
 
     def __post_init__(self) -> None:
         if self.models_file is not None and not isinstance(self.models_file, Path):
@@ -74,6 +79,9 @@ class LoadOptions:
             if self.provider.lower() not in PROVIDERS:
                 raise UserError(f"provider must be one of {', '.join(PROVIDERS)} (got {self.provider!r})", "provider")
             object.__setattr__(self, "provider", self.provider.lower())
+        if self.speculate not in SPECULATE_MODES:
+            raise UserError(f"speculate must be one of {', '.join(SPECULATE_MODES)} (got {self.speculate!r})",
+                            "speculate")
         if self.overlap not in OVERLAP_MODES:
             raise UserError(f"overlap must be one of {', '.join(OVERLAP_MODES)} (got {self.overlap!r})", "overlap")
         if self.placement not in PLACEMENTS:

@@ -28,6 +28,7 @@ from edge.protocols import Drafter, Target
 from edge.sampling import CHAT_DEFAULTS, SamplingConfig
 
 Report = Callable[[str], None]
+STOCK_KV = "f16"  # the KV cache a runtime's default gives (llama.cpp's), for a target decoding plainly alone
 
 
 def _quiet(_message: str) -> None:
@@ -39,8 +40,16 @@ def open_pair(options: LoadOptions, report: Report = _quiet) -> Pair:
     times: dict[str, float] = {}
     with phase(times, "models.toml and plan"):
         spec, models_file = resolve_spec(options)
-        planned = planned_target(spec, models_file, report, options.drafter_model)  # None until the files are here
+        planned = planned_target(spec, models_file, report, options.drafter_model, _chooses(spec, options),
+                                 options.lookup_drafts)  # None until the files are here
     return load_pair(spec, options, report, models_file, times, planned)
+
+
+def _chooses(spec: PairSpec, options: LoadOptions) -> bool:
+    """Whether the plan may choose the pair's use of the memory: asked (speculate auto), with budget auto, and with
+    the drafter the pair names (one given on the command line is wanted)."""
+    budget = spec.budget if options.budget is None else options.budget
+    return options.speculate == "auto" and budget == "auto" and options.drafter_model and options.drafter is None
 
 
 def base_model(options: LoadOptions) -> str | None:
@@ -149,33 +158,52 @@ class PlannedTarget:
     gpu_layers: int  # target layers on the GPU (0 without one)
     streamed: bool  # its weights do not fit in RAM: used from the file's mapping (never repacked), read every pass
     max_tree: int | None = None  # auto's largest tree, where a memory limit leaves room for no larger (None: no bound)
+    resident: int = 0  # streamed: bytes of its weights that stay in RAM (partial residency), the rest read every pass
+    use: str = "drafter"  # offload/choice.py's: "drafter" (the pair as named), "plain" or "lookup" (the target alone)
 
 
 def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _quiet,
-                   drafts: bool = True) -> PlannedTarget | None:
+                   drafts: bool = True, choose: bool = False, lookup: bool = True) -> PlannedTarget | None:
     """Apply `edge-spec plan`: refuse a pair that cannot run here (with the numbers), give the target's GPU layers
-    when a GPU is visible, and say whether the target streams from the drive. The rest of the plan is what loading
-    does anyway (mmap'd weights, the kernel streams what RAM cannot hold). None while a model file is not here yet
-    (load_pair plans once it is fetched). `drafts`: a drafter model loads too (not with lookup drafting alone)."""
+    when a GPU is visible, and say whether the target streams from the drive and how much of it stays resident. The
+    rest of the plan is what loading does anyway. None while a model file is not here yet (load_pair plans once it
+    is fetched). `drafts`: a drafter model loads too (not with lookup drafting alone); `choose`: the plan may
+    instead give the drafter's memory to the target (offload/choice.py), and says why in one line; `lookup`: lookup
+    drafting is allowed among its choices."""
     models = (spec.target, spec.drafter) if drafts else (spec.target,)
     if any(path is None or not path.is_file() for path in map(model_path, models)):
         return None
-    from edge.models.planning import make_plan
+    from edge.models.planning import make_choice, make_plan
     from edge.offload.probe import probe_gpus
 
-    plan = make_plan(spec, None, models_file, drafts=drafts)
+    use = "drafter"
+    if drafts and choose:
+        chosen, uses = make_choice(spec, None, models_file, lookup)
+        report(f"plan: {_reason(chosen, uses)}")
+        plan, use = chosen.plan, chosen.name
+    else:
+        plan = make_plan(spec, None, models_file, drafts=drafts)
     streamed = plan.target.placement == "ssd"
     max_tree = plan.tree.n_tokens if spec.budget == "auto" and plan.tree.n_tokens < AUTO_MAX_BUDGET + 1 else None
-    if max_tree is not None:
+    if max_tree is not None and use == "drafter":
         report(f"plan: auto's trees are at most {max_tree} nodes (the logits of larger ones would not fit under the "
                "memory limit)")
+    resident = plan.target.resident_bytes
     if streamed:
-        report(f"plan: the target does not fit in RAM ({plan.machine.ram_free / 2**30:.1f} GiB free): "
-               f"{plan.ssd_bytes / 2**30:.1f} GiB of its weights are read from the drive on every pass")
-    if not probe_gpus():
-        return PlannedTarget(0, streamed, max_tree)
-    report(f"plan: {plan.target.n_gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
-    return PlannedTarget(plan.target.n_gpu_layers, streamed, max_tree)
+        kept = f"{resident / 2**30:.2f} GiB of its weights stay in RAM, " if resident else ""
+        report(f"plan: the target does not fit in RAM ({plan.machine.ram_free / 2**30:.1f} GiB free): {kept}"
+               f"{plan.ssd_bytes / 2**30:.2f} GiB are read from the drive on every pass")
+    gpu_layers = 0
+    if probe_gpus():
+        gpu_layers = plan.target.n_gpu_layers
+        report(f"plan: {gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
+    return PlannedTarget(gpu_layers, streamed, max_tree if use != "plain" else None, resident, use)
+
+
+def _reason(chosen: object, uses: list) -> str:
+    from edge.offload.choice import reason as said
+
+    return said(chosen, uses)  # type: ignore[arg-type]
 
 
 def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, models_file: Path | None = None,
@@ -196,7 +224,17 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         drafter_file = materialize(spec.drafter, report) if drafts else None
     if planned is None:
         with phase(times, "plan"):
-            planned = planned_target(spec, models_file, report, drafts) or PlannedTarget(0, False)
+            planned = planned_target(spec, models_file, report, drafts, _chooses(spec, options),
+                                     options.lookup_drafts) or PlannedTarget(0, False)
+    stock = False
+    if planned.use != "drafter":  # the plan gave the drafter's memory to the target
+        drafts, drafter_file = False, None
+        options = replace(options, drafter=planned.use if planned.use == "lookup" else "none",
+                          lookup="off" if planned.use == "plain" else options.lookup)
+        # decoding plainly with the target wholly in RAM: loaded as its runtime loads it by default, KV cache included
+        stock = planned.use == "plain" and not planned.streamed
+        if stock and traits(spec.target.runtime).own_kv is None:
+            spec = replace(spec, target=replace(spec.target, kv_type=STOCK_KV))
     if options.gpu_layers is None:
         options = replace(options, gpu_layers=planned.gpu_layers)
     if drafter_file is not None and spec.drafter.runtime == BY_ARCHITECTURE:
@@ -215,7 +253,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
             target, drafter = _load_shared(spec, target_file, drafter_file, options.threads, report)
     else:
         target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes,
-                                             streamed or options.placement == "ssd", drafts)
+                                             streamed or options.placement == "ssd", drafts, stock)
         if options.placement == "ssd":
             try:
                 with phase(times, "ssd placement check"):
@@ -225,11 +263,11 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
                     drafter.close()
                 raise
         elif streamed and options.readahead:
-            target = streamed_in_window(target, target_file, report)
+            target = streamed_in_window(target, target_file, report, planned.resident)
         if target.n_ctx != spec.ctx:
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
-    warning = runtime(spec.target.runtime).lossless_guarantee(info.weight_types, spec.target.kv_type,
-                                                              _dtype_fix(spec, models_file))
+    warning = None if stock else runtime(spec.target.runtime).lossless_guarantee(
+        info.weight_types, spec.target.kv_type, _dtype_fix(spec, models_file))  # plain decoding verifies no tree
     with phase(times, "chat template"):
         special = target.special
         template = ChatTemplate(info.chat_template, special.bos_text, special.eos_text) if info.chat_template else None
@@ -260,15 +298,15 @@ def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:
 
 def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, draft_threads: int | None,
                        report: Report, times: dict[str, float], max_tree: int, streams: bool = False,
-                       drafts: bool = True) -> tuple[Target, Drafter | None]:
+                       drafts: bool = True, stock: bool = False) -> tuple[Target, Drafter | None]:
     """The target and the drafter, the drafter loading on a thread while the target loads: both spend their time in
     native code (mapping weights and allocating a KV cache, reading and packing a drafter's), so on a machine with
     two cores or more the slower of the two is what start-up waits. Both take trees of up to `max_tree` nodes;
     `streams`: the target is read from the drive every pass (its weights stay in its file's mapping). Without
-    `drafts`, the target alone (lookup drafting)."""
+    `drafts`, the target alone (lookup drafting); `stock`: loaded for plain decoding alone (ModelOptions.stock)."""
     model = ModelOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, threads=options.threads,
                          gpu_layers=options.gpu_layers or 0, mlock=options.mlock, streamed=streams,
-                         provider=spec.target.provider)
+                         provider=spec.target.provider, stock=stock)
     if not drafts:
         with phase(times, "target"):
             return runtime(spec.target.runtime).open_target(target_file, model, max_tree), None
@@ -306,14 +344,23 @@ def drafter_threads(threads: int | None, placement: str, readahead: bool) -> int
     return max(1, default_threads() - 1)
 
 
-def streamed_in_window(target: Target, path: Path, report: Report = _quiet) -> Target:
-    """A target the plan streams (it does not fit beside the rest): read ahead in a window that follows its passes
-    (offload/window.py), sized by the memory left now that both models are loaded."""
-    from edge.offload.window import WindowedTarget, free_memory, window_bytes
+def streamed_in_window(target: Target, path: Path, report: Report = _quiet, resident: int = 0) -> Target:
+    """A target the plan streams (it does not fit beside the rest): the first `resident` bytes in pass order kept in
+    RAM, the rest read ahead in a window that follows its passes (offload/window.py), both sized by the memory left
+    now that both models are loaded."""
+    from edge.offload.window import WindowedTarget, free_memory, resident_room, window_bytes
 
-    window = window_bytes(free_memory())
+    room = free_memory()
+    resident = resident_room(resident, room)
+    window = window_bytes(room - resident)
+    streamed = WindowedTarget(target, path, window, resident)
+    streamer = streamed.streamer
+    if streamer.resident_bytes:
+        how = "locked" if streamer.locked else "read once, never dropped (mlock was refused)"
+        report(f"plan: {streamer.resident_bytes / 2**20:.0f} MiB of the target stay in RAM ({how}); "
+               f"{streamer.streamed_bytes / 2**20:.0f} MiB stream from the drive every pass")
     report(f"plan: while a tree grows, the target is read ahead up to {window / 2**20:.0f} MiB past its pass")
-    return WindowedTarget(target, path, window)
+    return streamed
 
 
 def on_ssd(target: Target, path: Path, readahead: bool) -> Target:

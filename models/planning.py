@@ -4,6 +4,7 @@ the machine (probed or described), and the plan. Nothing is loaded or downloaded
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge.models.cache import JsonFile, cache_dir
 from edge.models.registry import ModelSpec, PairSpec
@@ -11,20 +12,36 @@ from edge.models.sources import model_path, source_path
 from edge.offload.machine import Machine, parse_machine, probe_here
 from edge.offload.plan import Plan, Shape, plan_pair
 
+if TYPE_CHECKING:
+    from edge.offload.choice import Use
+
 from edge.errors import UserError
 
 
 def make_plan(pair: PairSpec, machine: str | None, models_file: Path, stream: bool = False,
               drafts: bool = True) -> Plan:
     """`drafts`: a drafter model loads too (without, the target drafts by lookup alone: nothing to place)."""
-    target_file = _local_file(pair.target)
     target = model_shape(pair, "target", pair.target, models_file)
     drafter = model_shape(pair, "drafter", pair.drafter, models_file) if drafts else None
+    return plan_pair(pair, target, drafter, _machine(pair, machine), stream)
+
+
+def make_choice(pair: PairSpec, machine: str | None, models_file: Path | None,
+                lookup: bool = True) -> tuple[Use, list[Use]]:
+    """The use of the memory the pair is best at on this machine (or a described one): offload/choice.py's, and
+    every use weighed."""
+    from edge.offload.choice import choose, weigh_uses
+
+    target = model_shape(pair, "target", pair.target, models_file)
+    drafter = model_shape(pair, "drafter", pair.drafter, models_file)
+    uses = weigh_uses(pair, target, drafter, _machine(pair, machine), lookup)
+    return choose(uses), uses
+
+
+def _machine(pair: PairSpec, machine: str | None) -> Machine:
     if machine is not None:
-        here: Machine = parse_machine(machine)
-    else:
-        here = probe_here(target_file or cache_dir() / "models", JsonFile(cache_dir() / "machine.json"))
-    return plan_pair(pair, target, drafter, here, stream)
+        return parse_machine(machine)
+    return probe_here(_local_file(pair.target) or cache_dir() / "models", JsonFile(cache_dir() / "machine.json"))
 
 
 def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) -> Shape:

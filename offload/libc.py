@@ -1,5 +1,5 @@
-"""The C library's memory calls (mmap, munmap, madvise, mincore) and prctl: the one module in edge-spec that calls
-libc through ctypes. Linux only.
+"""The C library's memory calls (mmap, munmap, madvise, mincore, mlock) and prctl: the one module in edge-spec that
+calls libc through ctypes. Linux only.
 
 Addresses are plain ints, so no caller holds a ctypes pointer; a failed call raises OSError with its errno.
 """
@@ -29,6 +29,8 @@ def _libc() -> ctypes.CDLL:
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.mmap.restype = ctypes.c_void_p
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
 
 
@@ -50,6 +52,18 @@ def madvise(address: int, length: int, advice: int) -> None:
     """madvise(2) on this process's memory [address, address + length); address page-aligned."""
     if _libc().madvise(address, length, advice) != 0:
         raise _error("madvise")
+
+
+def mlock(address: int, length: int) -> None:
+    """mlock(2): fault [address, address + length) in and keep it in RAM (the kernel never reclaims it). Refused
+    (EPERM, ENOMEM, EAGAIN) past RLIMIT_MEMLOCK for a process without CAP_IPC_LOCK."""
+    if _libc().mlock(address, length) != 0:
+        raise _error("mlock")
+
+
+def munlock(address: int, length: int) -> None:
+    if _libc().munlock(address, length) != 0:
+        raise _error("munlock")
 
 
 @contextmanager

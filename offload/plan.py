@@ -37,8 +37,14 @@ RAM_HEADROOM = 2 * GIB  # left to the OS, Python, onnxruntime and logits buffers
 # headroom is for what loading adds besides weights and KV caches: onnxruntime's arenas, llama.cpp's compute graph,
 # and each model's logits (its buffer and the graph's output: 2 x batch x vocabulary x 4 bytes, _logits_bytes).
 CAPPED_HEADROOM = 192 * MIB
+# ... of which a target decoding plainly alone (no onnxruntime, one row of logits) needs only its compute buffers and
+# Python's own allocations: measured, Qwen2.5-Coder-1.5B with a 4096-token f16 cache held 206 MiB of anonymous
+# memory in all, 112 MiB of it the KV cache (benchmarks/memcap.py's peak_anon, `edge-spec generate` in RAM)
+PLAIN_HEADROOM = 96 * MIB
 MAX_SEQUENCES = 256  # llama.cpp's sequences per context: its output buffer holds at least as many rows
 CAPPED_MIN_TREE = 17  # under a memory limit, auto's trees may be cut down to this many nodes to fit (budget 16)
+STREAM_ROOM_LAYERS = 4  # a streamed target's layers in memory at once: the one computed and those read ahead
+MIN_STREAM_ROOM = 128 * MIB  # ... and never less memory than this for its pages (a small model's layers are small)
 UNKNOWN_VOCAB = 262_144  # a vocabulary models.toml facts do not give: the largest of the common ones (Gemma's)
 GPU_RESERVE = 3 * GIB // 2  # llama.cpp's CUDA context and compute buffers for a batch of a few hundred tokens
 OP_OFFLOAD_MIN_BATCH = 32  # from this batch size llama.cpp computes CPU-resident layers on the GPU (uploading them)
@@ -104,6 +110,9 @@ class ModelPlan:
     repack: bool  # llama.cpp may copy weights into its repacked buffers (faster Q4_0 kernels): not when streamed
     ram_bytes: int  # resident in RAM: weights placed there and the KV cache of layers off the GPU
     vram_bytes: int
+    # placement "ssd": the weights that stay in RAM (the first in pass order, locked where allowed); the rest of the
+    # weights off the GPU is read from the drive on every pass (offload/window.py, partial residency)
+    resident_bytes: int = 0
 
     def options(self) -> dict:
         """The runtime settings that carry this placement out."""
@@ -136,8 +145,8 @@ class Plan:
 
     @property
     def ssd_bytes(self) -> int:
-        """Target bytes read from the drive on every pass."""
-        return _off_gpu_bytes(self.target) if self.target.placement == "ssd" else 0
+        """Target bytes read from the drive on every pass: those off the GPU but for the resident set."""
+        return streamed_bytes(self.target)
 
     def placement(self) -> dict[str, dict]:
         return {"target": self.target.options(), "drafter": self.drafter.options()}
@@ -159,6 +168,7 @@ class Plan:
             "target": model(self.target), "drafter": model(self.drafter),
             "memory": {"ram_gib": _round_gib(self.target.ram_bytes + self.drafter.ram_bytes),
                        "vram_gib": _round_gib(self.target.vram_bytes + self.drafter.vram_bytes),
+                       "resident_gib": _round_gib(self.target.resident_bytes),
                        "ssd_read_per_pass_gib": _round_gib(self.ssd_bytes)},
             "target_pass": {"tokens_1_s": round(self.one_token.seconds, 4), "bound_1": self.one_token.bound,
                             "tokens_n": self.tree.n_tokens, "tokens_n_s": round(self.tree.seconds, 4),
@@ -167,16 +177,17 @@ class Plan:
         }
 
 
-def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Machine, stream: bool = False) -> Plan:
+def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Machine, stream: bool = False,
+              plain: bool = False) -> Plan:
     """Place the drafter (memory only: it runs many small passes), then the target's KV cache and layers:
     as many layers on the GPU as fit, the rest in RAM when they fit, else mmap'd from the SSD (`stream`: from the
     SSD even where they would fit, as `--placement ssd` runs them). Without a `drafter` (lookup drafting alone) the
-    drafter's plan takes no memory: placement "none"."""
+    drafter's plan takes no memory: placement "none"; `plain`: nor trees (one token a pass, one row of logits)."""
     gpu = machine.vram_free > 0
-    sizes = _tree_sizes(pair, machine)
+    sizes = [1] if plain else _tree_sizes(pair, machine)
     vram_left = max(0, machine.vram_free - GPU_RESERVE) if gpu else 0
     for n_tree in sizes:  # under a memory limit, auto's largest tree shrinks until the two models' logits fit
-        headroom = _headroom(machine, target, drafter, n_tree, pair.drafter.runtime)
+        headroom = _headroom(machine, target, drafter, n_tree, pair.drafter.runtime, plain)
         ram_left = machine.ram_free - headroom
         room = f"a {gib(headroom)} headroom" + (" under this process's memory limit (its cgroup's)"
                                                    if machine.capped else "")
@@ -201,7 +212,9 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
                      "memory limit beside the drafter")
     if main.placement == "ssd":
         why = "streamed as asked (--placement ssd)" if fits else "does not fit in RAM"
-        notes.append(f"the target {why}: {gib(_off_gpu_bytes(main))} of it is read from the drive "
+        kept = (f"{gib(main.resident_bytes)} of its weights stay in RAM (the first in pass order, locked where the "
+                "system allows) and " if main.resident_bytes else "")
+        notes.append(f"the target {why}: {kept}{gib(streamed_bytes(main))} of it is read from the drive "
                      "on every pass, from the file's mapping (not repacked: llama.cpp's faster Q4_0 kernels need a "
                      "copy in RAM)")
         if draft.placement == "ram":
@@ -218,11 +231,14 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
 
 
 def _headroom(machine: Machine, target: Shape, drafter: Shape | None, n_tree: int,
-              drafter_runtime: str = DEFAULT) -> int:
+              drafter_runtime: str = DEFAULT, plain: bool = False) -> int:
     """RAM kept free past the weights and KV caches: RAM_HEADROOM on a machine, or under a memory cgroup's limit
-    CAPPED_HEADROOM and the logits the two models' batches produce."""
+    CAPPED_HEADROOM and the logits the two models' batches produce (PLAIN_HEADROOM and one row for a target decoding
+    plainly alone)."""
     if not machine.capped:
         return RAM_HEADROOM
+    if plain:
+        return PLAIN_HEADROOM + _logits_bytes(target, 1)
     # the target: its graph's output (a row per token of its batch) and its output buffer (a row per tree node, but
     # never fewer than llama.cpp's 256 sequences)
     target_rows = n_tree + BATCH_EXTRA + max(n_tree, MAX_SEQUENCES)
@@ -268,23 +284,28 @@ def pass_cost(plan: ModelPlan, machine: Machine, n_tokens: int,
     shape = plan.shape
     off_bytes = _off_gpu_bytes(plan)
     on_bytes = shape.streamed_bytes - off_bytes
+    from_disk = streamed_bytes(plan)
+    in_ram = off_bytes - from_disk  # placed in RAM, or the resident set of a streamed target
     flops_per_byte = 2 * shape.n_params * n_tokens / max(shape.streamed_bytes, 1)
     gpu_flops, cpu_flops = GPU_TFLOPS * 1e12, machine.cores * cpu_gflops_per_core * 1e9
     # (where the weights move from, seconds, where they are computed, seconds, whether the two add up)
     parts = [("VRAM", on_bytes / (VRAM_GBPS * GB), "GPU compute", on_bytes * flops_per_byte / gpu_flops, False)]
-    source, source_gbps = ("disk", machine.disk_gbps) if plan.placement == "ssd" else ("RAM", machine.ram_gbps)
-    if plan.op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH:
-        # The GPU computes these layers too, after uploading them: DMA reads RAM faster than PCIe carries it, so
-        # PCIe paces weights in RAM; weights on the drive go at the slower of the drive and PCIe.
-        slow_disk = plan.placement == "ssd" and machine.disk_gbps < machine.pcie_gbps
-        link, link_gbps = ("disk", machine.disk_gbps) if slow_disk else ("PCIe", machine.pcie_gbps)
-        parts.append((link, off_bytes / (link_gbps * GB), "GPU compute", off_bytes * flops_per_byte / gpu_flops,
-                      False))
-    else:
-        # Weights mapped from the drive are read by page faults in the computing threads: a layer's reading and its
-        # arithmetic take turns, so they add up (measured on a 70B-shaped file: docs/plan.md, "The constants").
-        parts.append((source, off_bytes / (source_gbps * GB), "CPU compute", off_bytes * flops_per_byte / cpu_flops,
-                      source == "disk"))
+    for source, n_bytes, source_gbps in (("RAM", in_ram, machine.ram_gbps), ("disk", from_disk, machine.disk_gbps)):
+        if n_bytes == 0 and (source == "disk" or from_disk > 0):
+            continue
+        if plan.op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH:
+            # The GPU computes these layers too, after uploading them: DMA reads RAM faster than PCIe carries it, so
+            # PCIe paces weights in RAM; weights on the drive go at the slower of the drive and PCIe.
+            slow_disk = source == "disk" and machine.disk_gbps < machine.pcie_gbps
+            link, link_gbps = ("disk", machine.disk_gbps) if slow_disk else ("PCIe", machine.pcie_gbps)
+            parts.append((link, n_bytes / (link_gbps * GB), "GPU compute", n_bytes * flops_per_byte / gpu_flops,
+                          False))
+        else:
+            # Weights mapped from the drive are read by page faults in the computing threads: a layer's reading and
+            # its arithmetic take turns, so they add up (measured on a 70B-shaped file: docs/plan.md, "The
+            # constants").
+            parts.append((source, n_bytes / (source_gbps * GB), "CPU compute", n_bytes * flops_per_byte / cpu_flops,
+                          source == "disk"))
     seconds = sum(move + compute if serial else max(move, compute) for _, move, _, compute, serial in parts)
     terms = [(move, label) for label, move, *_ in parts] + [(compute, label) for _, _, label, compute, _ in parts]
     return PassCost(n_tokens=n_tokens, seconds=seconds, bound=max(terms)[1])
@@ -298,7 +319,8 @@ def fit_constants(plan: ModelPlan, machine: Machine, passes: dict[int, list[floa
     points = [(n, t) for n, times in passes.items() for t in times if t > 0]
     if len({n for n, _ in points}) < 2:
         return None
-    shape, moved = plan.shape, _off_gpu_bytes(plan)
+    shape = plan.shape
+    moved = streamed_bytes(plan) if plan.placement == "ssd" else _off_gpu_bytes(plan)
     if plan.placement == "ssd":
         import numpy as np
 
@@ -378,16 +400,39 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
                         f"is free past the drafter and {room}; lower the context (--ctx) or "
                         f"free memory")
     off_gpu = shape.file_bytes - round(n_gpu * layer) - (head if with_head else 0)  # lookup table included
+    resident = 0
     if with_head:
         placement, ram = "gpu", kv_ram + lookup
     elif off_gpu <= ram_left - kv_ram:
         placement, ram = "ram", kv_ram + off_gpu
     else:
-        placement, ram = "ssd", kv_ram  # mapped: the weights pass through the page cache, nothing stays
+        # Mapped: what the memory holds past the KV cache and the stream's own room stays resident, the rest passes
+        # through the page cache on every pass.
+        placement = "ssd"
+        resident = resident_share(shape, off_gpu - lookup, ram_left - kv_ram)
+        ram = kv_ram + resident
     # Streamed weights must be used from the mapping: a repacked copy of a file larger than RAM cannot be made.
     common["repack"] = placement != "ssd"
     return ModelPlan(placement=placement, n_gpu_layers=n_gpu + (1 if with_head else 0), ram_bytes=ram,
-                     vram_bytes=vram, **common)
+                     vram_bytes=vram, resident_bytes=resident, **common)
+
+
+def stream_room(shape: Shape) -> int:
+    """Memory a streamed target's pass needs for the pages it streams: STREAM_ROOM_LAYERS layers in flight (the one
+    computed, the ones read ahead), and never less than MIN_STREAM_ROOM."""
+    return max(MIN_STREAM_ROOM, round(STREAM_ROOM_LAYERS * shape.layer_bytes / max(shape.n_layers, 1)))
+
+
+def resident_share(shape: Shape, off_gpu: int, room: int) -> int:
+    """Bytes of a streamed target's `off_gpu` weights to keep resident in `room` bytes of free memory: all but the
+    stream's own room (stream_room), in whole pages."""
+    resident = max(0, min(off_gpu, room - stream_room(shape)))
+    return resident - resident % 4096
+
+
+def streamed_bytes(plan: ModelPlan) -> int:
+    """Bytes a pass of this model reads from the drive: its weights off the GPU less the resident set."""
+    return max(0, _off_gpu_bytes(plan) - plan.resident_bytes) if plan.placement == "ssd" else 0
 
 
 def _off_gpu_bytes(plan: ModelPlan) -> int:

@@ -16,10 +16,18 @@ bytes past the layer the pass has computed last:
 
 A pass that was read ahead ends with its weights dropped (the next pass reads them again whatever happens: the file
 does not fit); a plain pass leaves them to the kernel, which keeps what the memory holds for the next one.
+
+Partial residency: where the memory holds part of the target beside everything else (the plan's `resident_bytes`),
+the first tensors in pass order, that many bytes, stay resident: locked (mlock) where the system allows, else read
+once and never dropped. Only the rest is streamed: read ahead, followed and dropped behind on every pass, plain ones
+too, so the kernel never has to reclaim anything to make room for it. The kernel's own LRU cannot do this: a pass
+reads the weights in the same order every time, so the page it needs next is always the one it evicted longest ago.
+The resident part comes first so that the pass computes on it while the drive reads the streamed part ahead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -49,13 +57,24 @@ class Span:
 
 
 class WindowedStreamer(SsdStreamer):
-    """An SsdStreamer whose read-ahead stays `window` bytes ahead of the pass (on_layer says where the pass is)."""
+    """An SsdStreamer whose read-ahead stays `window` bytes ahead of the pass (on_layer says where the pass is); with
+    `resident` bytes, the first tensors in pass order stay in RAM (never dropped) and only the rest streams."""
 
-    def __init__(self, path: Path, window: int):
+    def __init__(self, path: Path, window: int, resident: int = 0):
         super().__init__(path, readahead=True)
         self.window = window
         self.spans = self._spans()
-        self._regions = _regions(self.spans)  # each layer's bytes as contiguous runs: what is dropped once it is done
+        self.resident = _resident_prefix(self.spans, resident)  # indices of the spans that stay
+        streamed = [span for index, span in enumerate(self.spans) if index not in self.resident]
+        self._regions = _regions(streamed)  # each layer's streamed bytes as contiguous runs: dropped once it is done
+        self._ranges = [(span.start, span.end) for span in streamed]  # what a whole read-ahead reads
+        self.resident_bytes = sum(self.spans[index].size for index in self.resident)
+        # the resident set's whole pages (a page it shares with a streamed tensor streams), and the streamed part's
+        # runs in file order past them: what is dropped behind a pass
+        self._kept = _whole_pages(_runs([self.spans[index] for index in sorted(self.resident)]))
+        self._streamed_runs = [_outside(run, self._kept) for run in _runs(streamed)]
+        self._regions = {layer: [_outside(run, self._kept) for run in runs] for layer, runs in self._regions.items()}
+        self.locked = self._keep_resident()
         self._moved = threading.Condition()
         self._done = -1  # the last layer of the running pass computed (-1: none yet)
         self._read: set[int] = set()  # the spans asked for this pass and not dropped yet
@@ -72,6 +91,43 @@ class WindowedStreamer(SsdStreamer):
             spans.append(Span(start, end, offset, tensor.size, n_layers if layer is None else layer))
         return spans
 
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of the weights a pass reads from the drive: all but the resident set's."""
+        return sum(span.size for index, span in enumerate(self.spans) if index not in self.resident)
+
+    def _keep_resident(self) -> bool:
+        """Read the resident set into RAM, locked where the system allows (mlock needs CAP_IPC_LOCK or a large
+        enough RLIMIT_MEMLOCK); True when locked. Unlocked, it is only ever dropped by the kernel under pressure,
+        which the streamed part, dropped behind each pass, leaves none of."""
+        locked = bool(self._kept)
+        for start, end in self._kept:
+            if locked:
+                try:
+                    libc.mlock(start, end - start)
+                    continue
+                except OSError:
+                    locked = False
+            with contextlib.suppress(OSError):  # an older kernel: the first pass reads it
+                libc.madvise(start, end - start, MADV_POPULATE_READ)
+        return locked
+
+    def _drop_pages(self) -> None:
+        """Drop the streamed part's pages (the resident set stays): from the mapping, all of it, then from the page
+        cache, run by run in file order (a folio of the page cache that straddles two layers' runs is dropped only
+        once neither is mapped)."""
+        if not self.resident:
+            super()._drop_pages()
+            return
+        for runs in self._regions.values():
+            for start, end, _ in runs:
+                if end > start:
+                    with contextlib.suppress(OSError):
+                        libc.madvise(start, end - start, MADV_DONTNEED)
+        for start, end, offset in self._streamed_runs:
+            if end > start:
+                os.posix_fadvise(self._fd, offset, end - start, os.POSIX_FADV_DONTNEED)
+
     def prefetch(self) -> None:
         """A tree is about to be grown: read the next pass's weights, the window's worth, and follow that pass."""
         with self._moved:
@@ -79,13 +135,14 @@ class WindowedStreamer(SsdStreamer):
         super().prefetch()
 
     def following(self) -> bool:
-        """Whether the pass about to run (or running) is read ahead: only those are followed layer by layer."""
-        return self._following
+        """Whether the pass about to run (or running) is followed layer by layer: one read ahead, and with a
+        resident set every pass (its streamed part is dropped behind it, plain passes too)."""
+        return self._following or bool(self.resident)
 
     def on_layer(self, layer: int) -> None:
         """From the pass (the target's runtime): `layer` is computed. Its pages go, and the read-ahead moves on."""
         with self._moved:
-            if not self._following:
+            if not self.following():
                 return
             self._done = layer
             self._read = {index for index in self._read if self.spans[index].layer != layer}
@@ -99,7 +156,7 @@ class WindowedStreamer(SsdStreamer):
         what the memory holds of them, as it would without edge-spec (the next plain pass finds some)."""
         self._cancel_readahead()
         with self._moved:
-            followed = self._following
+            followed = self.following()
             self._reset()
             self._following = False
         super().after_pass(evict and followed)
@@ -132,7 +189,7 @@ class WindowedStreamer(SsdStreamer):
         would fault it in anyway). The caller holds _moved."""
         while self._asked < len(self.spans) and not self._stop.is_set():
             span = self.spans[self._asked]
-            if span.layer > self._done:
+            if span.layer > self._done and self._asked not in self.resident:
                 if span.layer > self._done + 1 and self._held() + span.size > self.window:
                     return
                 self._read.add(self._asked)
@@ -153,7 +210,7 @@ class WindowedStreamer(SsdStreamer):
                     self._ask_ahead()
                 if self._stop.is_set():
                     return
-                if span.layer <= self._done:  # the pass is past it already
+                if span.layer <= self._done or index in self.resident:  # past it already, or in RAM for good
                     continue
             for address in range(span.start, span.end, READAHEAD_CHUNK):
                 if self._stop.is_set():
@@ -168,6 +225,8 @@ class WindowedStreamer(SsdStreamer):
         """Drop a run of the file's pages, mapped at [start, end) from `offset`: from the mapping, then from the page
         cache. A whole layer's run at once: the page cache holds a file in folios of up to some MB, and one that a
         range covers only in part stays."""
+        if end <= start:
+            return  # (a length of 0 would mean the whole file to fadvise)
         try:
             libc.madvise(start, end - start, MADV_DONTNEED)
         except OSError:
@@ -179,30 +238,74 @@ class WindowedTarget(SsdTarget):
     """A Target streamed from its file with a windowed read-ahead (WindowedStreamer); where its runtime cannot say
     which layer a pass is at, with none (the kernel's page faults alone)."""
 
-    def __init__(self, target: Target, path: Path, window: int):
-        streamer = WindowedStreamer(path, window)
+    def __init__(self, target: Target, path: Path, window: int, resident: int = 0):
+        streamer = WindowedStreamer(path, window, resident)
         streamer.readahead = target.follow_layers(streamer.on_layer, streamer.following)
         super().__init__(target, path, streamer=streamer)
 
 
-def _regions(spans: list[Span]) -> dict[int, list[tuple[int, int, int]]]:
-    """Each layer's spans merged into contiguous runs (start, end, file offset): a file keeps a layer's tensors
-    together, though not always its layers in order (blk.1 before blk.10 before blk.2, sorted by name)."""
-    regions: dict[int, list[tuple[int, int, int]]] = {}
+def _resident_prefix(spans: list[Span], resident: int) -> frozenset[int]:
+    """The first spans in pass order whose bytes add up to at most `resident`: a pass computes on them while the
+    rest, a contiguous sweep of the file's pass, is read ahead."""
+    kept, total = [], 0
+    for index, span in enumerate(spans):
+        if total + span.size > resident:
+            break
+        kept.append(index)
+        total += span.size
+    return frozenset(kept)
+
+
+def _runs(spans: list[Span]) -> list[tuple[int, int, int]]:
+    """Spans merged into contiguous runs of the mapping (start, end, file offset), in address order."""
+    runs: list[tuple[int, int, int]] = []
     for span in sorted(spans, key=lambda span: span.start):
-        runs = regions.setdefault(span.layer, [])
         if runs and span.start <= runs[-1][1] + mmap.PAGESIZE:
             start, end, offset = runs[-1]
             runs[-1] = (start, max(span.end, end), offset)
         else:
             runs.append((span.start, span.end, span.offset))
-    return regions
+    return runs
+
+
+def _whole_pages(runs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The whole pages of each run (start is page-aligned; a last page shared with what follows is left out)."""
+    kept = [(start, end - end % mmap.PAGESIZE) for start, end, _ in runs]
+    return [(start, end) for start, end in kept if end > start]
+
+
+def _outside(run: tuple[int, int, int], kept: list[tuple[int, int]]) -> tuple[int, int, int]:
+    """A streamed run less any page of the resident set (locked: madvise refuses a range holding one) at its ends."""
+    start, end, offset = run
+    for low, high in kept:
+        if low <= start < high:
+            offset, start = offset + high - start, high
+        if low < end <= high:
+            end = low
+    return start, max(start, end), offset
+
+
+def _regions(spans: list[Span]) -> dict[int, list[tuple[int, int, int]]]:
+    """Each layer's spans merged into contiguous runs (start, end, file offset): a file keeps a layer's tensors
+    together, though not always its layers in order (blk.1 before blk.10 before blk.2, sorted by name)."""
+    by_layer: dict[int, list[Span]] = {}
+    for span in spans:
+        by_layer.setdefault(span.layer, []).append(span)
+    return {layer: _runs(layer_spans) for layer, layer_spans in by_layer.items()}
 
 
 def window_bytes(room: int) -> int:
     """The read-ahead window where `room` bytes of memory are free for the target's pages: WINDOW_SHARE of it, less
     what a pass still allocates as it runs (PASS_MARGIN: its logits and compute buffers, not touched until then)."""
     return max(int((room - PASS_MARGIN) * WINDOW_SHARE), 0)
+
+
+def resident_room(planned: int, room: int) -> int:
+    """The resident set loading can keep: what the plan chose, where the memory free now (`room`, both models
+    loaded) still leaves the stream its pages (PASS_MARGIN and MIN_STREAM_ROOM past it)."""
+    from edge.offload.plan import MIN_STREAM_ROOM
+
+    return max(0, min(planned, room - PASS_MARGIN - MIN_STREAM_ROOM))
 
 
 def free_memory() -> int:

@@ -66,6 +66,9 @@ class ModelOptions:
     gpu_layers: int = 0
     mlock: bool = False
     streamed: bool = False  # a target read from the drive on every pass: its weights stay in the file's mapping
+    # a target that decodes plainly, never verifying a tree: loaded as its runtime loads it by default (llama.cpp: its
+    # repacked weights and kernels, chosen by batch size), which is faster for one token and not batch-invariant
+    stock: bool = False
     provider: str = "cpu"  # an onnxruntime execution provider
     derived_dir: Path | None = None  # where files derived from the model file go (graphs); None: beside it
     int4_block: int = 0  # a drafter's weights requantized into int4 blocks of this many (runtimes that derive files)

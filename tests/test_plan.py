@@ -146,9 +146,9 @@ def test_fits_in_ram() -> None:
 
 
 def test_bigger_than_ram_streams_from_the_ssd() -> None:
-    plan = plan_on("ram=16G,disk=3GB/s")
+    plan = plan_on("ram=6G,disk=3GB/s")  # 6 GiB: the 2 GiB headroom, the drafter and the KV cache leave no room
     assert plan.target.placement == "ssd" and plan.target.use_mmap
-    assert plan.ssd_bytes == plan.target.shape.streamed_bytes
+    assert plan.target.resident_bytes == 0 and plan.ssd_bytes == plan.target.shape.streamed_bytes
     assert not plan.drafter.use_mmap  # kept out of the page cache the target streams through
     # the CPU computes from the mapping: the drive's read (40.12 GB at 3 GB/s) and the arithmetic add up
     compute = 2 * plan.target.shape.n_params / (8 * 135e9)  # seconds a token on 8 described cores
@@ -156,8 +156,41 @@ def test_bigger_than_ram_streams_from_the_ssd() -> None:
     # 256 tokens: 2 x 70.6G x 256 / (8 x 135 GFLOP/s) = 33.5 s of arithmetic, after the 13.4 s read
     assert LLAMA_70B.budget == "auto" and plan.tree.n_tokens == 256  # auto plans for the largest tree
     assert plan.tree.bound == "CPU compute" and plan.tree.seconds == pytest.approx(40.12 / 3 + 33.5, rel=0.01)
-    small = plan_on("ram=16G,disk=3GB/s", replace(LLAMA_70B, budget=16))
+    small = plan_on("ram=6G,disk=3GB/s", replace(LLAMA_70B, budget=16))
     assert small.tree.bound == "disk" and small.tree.seconds == pytest.approx(40.12 / 3 + 17 * compute, rel=0.01)
+
+
+@pytest.mark.parametrize("ram_gib", [16, 24, 32])
+def test_what_fits_beside_the_rest_stays_resident_and_only_the_rest_streams(ram_gib: int) -> None:
+    """A 40 GB target with 16-32 GiB free: everything but the headroom, the drafter, the KV cache and the stream's
+    own room (4 layers in flight) stays resident; a pass reads only the rest from the drive."""
+    from edge.offload.plan import RAM_HEADROOM, stream_room
+
+    plan = plan_on(f"ram={ram_gib}G,disk=3GB/s")
+    target, shape = plan.target, plan.target.shape
+    room = ram_gib * GIB - RAM_HEADROOM - plan.drafter.ram_bytes - target.kv_bytes
+    assert stream_room(shape) == pytest.approx(4 * shape.layer_bytes / 80, abs=1)
+    assert target.placement == "ssd" and target.resident_bytes == pytest.approx(room - stream_room(shape), abs=4096)
+    assert plan.ssd_bytes == shape.streamed_bytes - target.resident_bytes
+    assert target.ram_bytes == target.kv_bytes + target.resident_bytes <= ram_gib * GIB - RAM_HEADROOM
+    compute = 2 * shape.n_params / (8 * 135e9)
+    # the resident part at RAM speed (or its arithmetic, the longer), the streamed part read and computed in turn
+    resident_s = max(target.resident_bytes / 20e9, compute * target.resident_bytes / shape.streamed_bytes)
+    streamed_s = plan.ssd_bytes / 3e9 + compute * plan.ssd_bytes / shape.streamed_bytes
+    assert plan.one_token.seconds == pytest.approx(resident_s + streamed_s, rel=1e-6)
+    assert plan.one_token.seconds < plan_on("ram=6G,disk=3GB/s").one_token.seconds
+    assert plan.as_dict()["memory"]["resident_gib"] == pytest.approx(target.resident_bytes / GIB, abs=1e-3)
+    forced = plan_on(f"ram={ram_gib}G,disk=3GB/s")
+    assert forced.target.resident_bytes > 0
+    note = next(note for note in plan.notes if "does not fit" in note)
+    assert "stay in RAM" in note
+
+
+def test_placement_ssd_keeps_nothing_resident() -> None:
+    """--placement ssd streams a target that would fit: as a larger one, every byte from the drive."""
+    plan = plan_pair(LLAMA_70B, *shapes(), parse_machine("ram=64G,disk=3GB/s"), stream=True)
+    assert plan.target.placement == "ssd" and plan.target.resident_bytes == 0
+    assert plan.ssd_bytes == plan.target.shape.streamed_bytes
 
 
 def test_gpu_layers_fill_free_vram() -> None:
@@ -328,7 +361,8 @@ def test_plan_table_on_a_described_machine() -> None:
     result = runner.invoke(app, ["plan", "llama3.1-70b", "--machine", "ram=16G,disk=3GB/s"])
     assert result.exit_code == 0, result.output
     assert "plan for llama3.1-70b: ctx 8192, budget auto (up to 255)" in result.stdout
-    assert "target pass: 1 token 13.50 s (disk), 256 tokens" in result.stdout
+    assert "target pass: 1 token " in result.stdout and "target resident " in result.stdout
+    assert "uses of the memory" in result.stdout and "chosen: " in result.stdout
 
 
 def test_plan_errors_are_one_line(tmp_path: Path) -> None:
@@ -405,7 +439,7 @@ def test_a_bad_acceptance_file_is_one_line(tmp_path: Path, content: str | None, 
 def test_expected_rates_pick_the_fastest_budget(tmp_path: Path) -> None:
     from edge.offload.expected import expected_rates, pick, read_acceptance
 
-    plan = plan_on("ram=16G,disk=3GB/s")  # one token: 13.5 s from the drive, each more 0.13 s of arithmetic
+    plan = plan_on("ram=6G,disk=3GB/s")  # nothing resident: 13.5 s a token from the drive, +0.13 s a token more
     rates = expected_rates(plan, read_acceptance(bench_json(tmp_path / "b.json", {16: 4.0, 255: 8.0})))
     plain, sixteen, large = rates
     assert plain.budget == 0 and plain.tokens_per_s == pytest.approx(1 / plan.one_token.seconds)

@@ -105,3 +105,63 @@ def test_auto_prices_a_pass_by_what_the_window_let_growth_read() -> None:
     assert Costs.from_json(windowed.to_json()) == windowed
     with pytest.raises(ValueError, match="window_ms"):
         Costs.from_json({**windowed.to_json(), "window_ms": -1})
+
+
+def _resident_share(spans, indices) -> float:
+    """Share of the pages of these spans (of the target's own mapping) that are in RAM."""
+    from edge.offload import libc
+
+    pages = [libc.resident_pages(spans[i].start, spans[i].end - spans[i].start) for i in indices]
+    return float(np.concatenate(pages).mean()) if pages else 0.0
+
+
+def test_the_resident_set_stays_and_a_pass_reads_only_the_streamed_part(f16_file) -> None:
+    """Partial residency: the first tensors in pass order, half the file, stay in RAM (locked where allowed) through
+    evictions and passes, plain and read ahead; every pass reads only the rest from the drive, and its logits are
+    those of the target in RAM."""
+    from edge.offload.ssd import read_bytes
+
+    size = f16_file.stat().st_size
+    inner = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16", repack=False, layer_progress=True))
+    in_ram = None
+    try:
+        inner.prefill([1, 2, 3, 4])
+        in_ram = inner.verify(chain([5, 6, 7])).copy()
+        inner.truncate(0)
+        target = WindowedTarget(inner, f16_file, window=size // 8, resident=size // 2)
+        streamer = target.streamer
+        assert isinstance(streamer, WindowedStreamer)
+        kept, rest = sorted(streamer.resident), [i for i in range(len(streamer.spans)) if i not in streamer.resident]
+        assert kept == list(range(len(kept))) and rest  # a prefix in pass order, and the rest
+        assert size // 2 - max(s.size for s in streamer.spans) < streamer.resident_bytes <= size // 2
+        assert streamer.streamed_bytes == sum(streamer.spans[i].size for i in rest)
+        assert _resident_share(streamer.spans, kept) > 0.99  # read (and locked) at once
+        assert _resident_share(streamer.spans, rest) < 0.05  # SsdTarget evicts what streams as it starts
+        for prefetch in (False, True, False):
+            target.truncate(0)
+            before = read_bytes()
+            target.prefill([1, 2, 3, 4])  # a plain pass: followed too, its streamed layers dropped behind it
+            if prefetch:
+                target.prefetch()  # a tree is grown: the window is read ahead
+            logits = target.verify(chain([5, 6, 7]))
+            streamer.wait_evicted()
+            read = read_bytes() - before
+            assert np.array_equal(logits, in_ram)
+            assert _resident_share(streamer.spans, kept) > 0.99, "the resident set was dropped"
+            assert _resident_share(streamer.spans, rest) < 0.05, "the streamed part stayed after its pass"
+            # two passes (prefill, verify), each reading the streamed part from the drive and nothing else
+            assert read <= 2 * streamer.streamed_bytes * 1.1
+            assert read >= streamer.streamed_bytes
+        target.close()
+    finally:
+        if in_ram is None:
+            inner.close()
+
+
+def test_the_resident_set_fits_what_the_memory_leaves_now() -> None:
+    from edge.offload.plan import MIN_STREAM_ROOM
+    from edge.offload.window import PASS_MARGIN, resident_room
+
+    assert resident_room(500 << 20, 2 << 30) == 500 << 20  # the plan's, where the room holds it
+    assert resident_room(500 << 20, 600 << 20) == (600 << 20) - PASS_MARGIN - MIN_STREAM_ROOM
+    assert resident_room(500 << 20, 100 << 20) == 0

@@ -16,8 +16,10 @@ from edge.runtimes.llama_cpp._native import (
     quantize,
     supports_gpu_offload,
 )
-from edge.runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee, prefer_tiled
-from edge.runtimes.llama_cpp.models import PENDING_ROOM, LayerListener, LlamaDrafter, LlamaTarget
+from edge.runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee, prefer_stock, prefer_tiled
+from edge.runtimes.llama_cpp.models import PENDING_ROOM, LayerListener, LlamaDrafter, LlamaTarget, PlainTarget
+
+STOCK_BATCH = 512  # llama.cpp's default n_ubatch: the batches a stock target runs a prompt in
 
 __all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "default_threads", "keeps_repacking",
            "load_drafter", "load_target", "lossless_guarantee", "open_drafter", "open_shared", "open_target",
@@ -38,6 +40,7 @@ class RunOptions:
     # a target's passes say as each layer is computed (LlamaTarget.follow_layers): a streamed target's read-ahead
     # follows them; it costs one synchronization a layer, so only a streamed target has it
     layer_progress: bool = False
+    flash_attn: bool | None = True  # None: llama.cpp's default (on where the backend has it)
 
 
 def _load_model(path: Path, options: RunOptions) -> Model:
@@ -53,7 +56,7 @@ def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ) -> Lla
     layers = LayerListener() if options.layer_progress else None
     # The batch also carries the previous round's accepted tokens (see LlamaTarget); only tree nodes output.
     ctx = Context(model, options.n_ctx, n_batch=max_tree + PENDING_ROOM, kv_type=options.kv_type,
-                  n_threads=options.n_threads, flash_attn=True, n_outputs=max_tree, on_layer=layers)
+                  n_threads=options.n_threads, flash_attn=options.flash_attn, n_outputs=max_tree, on_layer=layers)
     return LlamaTarget(model, ctx, max_tree, layers)
 
 
@@ -74,7 +77,16 @@ def _run_options(options: ModelOptions) -> RunOptions:
 
 def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget:
     """The Runtime interface's target, on the batch-invariant kernel that is the faster where it runs, and with
-    repacked buffers only where they stay batch-invariant (kernels.py)."""
+    repacked buffers only where they stay batch-invariant (kernels.py). A `stock` target (plain decoding alone) loads
+    as llama.cpp loads it by default: its kernels by batch size, repacked buffers wherever it fits in RAM."""
+    if options.stock:
+        prefer_stock()
+        run = replace(_run_options(options), flash_attn=None)
+        model = _load_model(path, run)
+        # llama.cpp's default micro-batch (a prompt runs in such batches); one row of logits a pass
+        ctx = Context(model, run.n_ctx, n_batch=STOCK_BATCH, kv_type=run.kv_type, n_threads=run.n_threads,
+                      flash_attn=run.flash_attn, n_outputs=1, sequences=1)
+        return PlainTarget(model, ctx, 1)
     prefer_tiled(options.streamed)
     repack = not options.streamed and keeps_repacking(check_gguf(path).weight_types)
     return load_target(path, replace(_run_options(options), repack=repack), max_tree)

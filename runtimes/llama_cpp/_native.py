@@ -273,16 +273,16 @@ class Context:
 
     def __init__(self, model: Model, n_ctx: int, n_batch: int, kv_type: str = "f16",
                  n_threads: int | None = None, flash_attn: bool | None = None, op_offload: bool = True,
-                 n_outputs: int = 0, on_layer: LayerHook | None = None):
+                 n_outputs: int = 0, on_layer: LayerHook | None = None, sequences: int = MAX_SEQ):
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         # One tree must be one micro-batch, or an offloaded target streams its weights once per micro-batch.
         params.n_batch = n_batch
         params.n_ubatch = n_batch
-        params.n_seq_max = MAX_SEQ
+        params.n_seq_max = sequences  # a tree's branches (MAX_SEQ), or 1 for plain decoding alone
         # 0: n_batch rows of logits (a 262k vocabulary makes that large); never fewer than n_seq_max, which llama.cpp
         # reserves its output buffer for whatever is asked (and asserts on otherwise)
-        params.n_outputs_max = max(n_outputs, MAX_SEQ) if n_outputs else 0
+        params.n_outputs_max = max(n_outputs, sequences) if n_outputs else 0
         params.kv_unified = True  # tree branches share the committed prefix's cells
         params.swa_full = True  # keep sliding-window layers' full history, so rejected branches can be removed
         threads = n_threads or default_threads()
@@ -301,7 +301,7 @@ class Context:
         self.model = model
         self._settings = {"n_ctx": n_ctx, "n_batch": n_batch, "kv_type": kv_type, "n_threads": n_threads,
                           "flash_attn": flash_attn, "op_offload": op_offload, "n_outputs": n_outputs,
-                          "on_layer": on_layer}
+                          "on_layer": on_layer, "sequences": sequences}
         self._ptr = ll.llama_init_from_model(model.ptr, params)
         if not self._ptr:
             raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "

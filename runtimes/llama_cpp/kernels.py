@@ -75,6 +75,15 @@ def prefer_tiled(tiled: bool) -> None:
         os.environ.pop(FORCE_TILED, None)
 
 
+def prefer_stock() -> None:
+    """Before a target that decodes plainly loads (no tree is ever verified): llama.cpp's own choice of kernel by
+    batch size, as it runs by default. Nothing changes once a pass has run or where the environment chose."""
+    if SWITCHES.read or not SWITCHES.chosen_here:
+        return
+    os.environ.pop(TILED, None)
+    os.environ.pop(FORCE_TILED, None)
+
+
 def mark_ran() -> None:
     SWITCHES.read = True
 

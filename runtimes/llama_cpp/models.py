@@ -181,6 +181,39 @@ class LlamaTarget(_Runner):
         self._pending = tree.path_tokens(path[1 + kept:])
 
 
+class PlainTarget(LlamaTarget):
+    """A target that decodes plainly, one token a pass, never a tree (ModelOptions.stock): it runs a prompt as
+    llama.cpp runs it, in batches of n_batch from its start with the last one holding the prompt's last token, not as
+    a prefill and then a pass of that token alone. On llama.cpp's own kernels, which differ by batch size, that is what
+    gives llama.cpp's text."""
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self._pending.extend(tokens)  # run with the next token, as llama.cpp runs a prompt
+
+    def resize(self, size: int) -> bool:
+        return size <= 1
+
+    def _drop_branches(self) -> None:
+        pass  # one sequence: no branch to drop
+
+    def verify(self, tree: TokenTree) -> np.ndarray:
+        if len(tree) != 1:
+            raise ValueError(f"a plain target verifies one token a pass, not a tree of {len(tree)}")
+        tokens = [*self._pending, int(tree.tokens[0])]
+        self._pending = []
+        capacity = self.batch.capacity
+        for start in range(0, len(tokens), capacity):
+            chunk = tokens[start : start + capacity]
+            last = start + capacity >= len(tokens)
+            outputs = np.arange(len(chunk)) == len(chunk) - 1 if last else False
+            self.batch.fill(chunk, self.n_past, outputs=outputs)
+            self._decode()
+            self.n_past += len(chunk) - (1 if last else 0)  # the token itself is counted as commit keeps it
+        self._n_leaves = 1
+        self._place = np.zeros(1, np.int64)
+        return self.ctx.logits(1)
+
+
 def permute_rows(rows: np.ndarray, place: np.ndarray) -> None:
     """rows[i] = rows[place[i]] for every i, in place (one row of scratch), cycle by cycle: llama.cpp's own logits
     buffer put in tree order. A gathered copy took as much memory again (155 MB for 256 rows of a 152k vocabulary,

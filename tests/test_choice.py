@@ -1,0 +1,86 @@
+"""The plan's choice of a use of the memory (offload/choice.py), for given sizes: the real Qwen2.5-Coder pair's shapes
+(as their GGUF headers give them) on machines described by their free memory. No model is loaded."""
+
+from __future__ import annotations
+
+import pytest
+from edge.models.registry import load_registry
+from edge.offload.choice import choose, expected_tokens, reason, weigh_uses
+from edge.offload.machine import Machine
+from edge.offload.plan import Shape
+
+from edge.errors import UserError
+
+MIB = 2**20
+QWEN = load_registry().pair("qwen2.5-coder-1.5b")
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M and its 0.5B drafter, read from their headers (Shape.from_gguf)
+TARGET = Shape(n_layers=28, n_embd=1536, n_kv_heads=2, head_dim=128, n_params=1543714304, file_bytes=1111370240,
+               layer_bytes=788652032, streamed_bytes=980097536, source="test", n_vocab=151936)
+DRAFTER = Shape(n_layers=24, n_embd=896, n_kv_heads=2, head_dim=64, n_params=494032768, file_bytes=485452288,
+                layer_bytes=247213056, streamed_bytes=391859712, source="test", n_vocab=151936)
+
+
+def machine(room_mib: int | None, disk_gbps: float = 1.2) -> Machine:
+    """This 2-core machine: with `room_mib`, the room under a memory limit; else 20 GiB free."""
+    if room_mib is None:
+        return Machine(ram_free=20 << 30, disk_gbps=disk_gbps, cores=2)
+    return Machine(ram_free=room_mib * MIB, disk_gbps=disk_gbps, cores=2, capped=True)
+
+
+def chosen(room_mib: int | None, disk_gbps: float = 1.2, lookup: bool = True):
+    uses = weigh_uses(QWEN, TARGET, DRAFTER, machine(room_mib, disk_gbps), lookup)
+    return choose(uses), {use.name: use for use in uses}
+
+
+def test_in_ram_on_two_cores_trees_do_not_pay_and_the_target_decodes_plainly() -> None:
+    use, uses = chosen(None)
+    assert use.name == "plain" and use.plan.target.placement == "ram" and use.plan.drafter.placement == "none"
+    assert uses["drafter"].plan.target.placement == "ram"  # it would fit beside the drafter too: not why
+    assert uses["drafter"].tokens_per_s < use.tokens_per_s and uses["lookup"].tokens_per_s < use.tokens_per_s
+    assert "plain decoding, the target wholly in RAM on llama.cpp's own kernels" in reason(use, list(uses.values()))
+
+
+def test_where_the_drafter_would_push_the_target_out_of_memory_it_is_dropped() -> None:
+    """Room for the target, its KV cache and one row of logits, not for the drafter beside them: the drafter would
+    cost nearly all of the target's residency, so the target keeps the memory and decodes plainly from RAM."""
+    use, uses = chosen(1300)
+    assert uses["drafter"].plan.target.placement == "ssd"
+    assert uses["drafter"].plan.target.resident_bytes < TARGET.streamed_bytes / 10
+    assert use.name == "plain" and use.plan.target.placement == "ram"
+    assert use.tokens_per_s > 3 * uses["drafter"].tokens_per_s
+
+
+def test_a_little_less_room_keeps_most_of_the_target_resident() -> None:
+    """Room for all but ~200 MiB of the target: it stays resident but for that, which streams every pass."""
+    use, _ = chosen(1100)
+    target = use.plan.target
+    assert use.name == "plain" and target.placement == "ssd"
+    assert TARGET.streamed_bytes / 2 < target.resident_bytes < TARGET.streamed_bytes
+    assert use.plan.ssd_bytes == TARGET.streamed_bytes - target.resident_bytes
+
+
+def test_where_neither_fits_a_slow_drive_makes_the_drafters_trees_pay() -> None:
+    """Far below the target's own size every use streams most of it: a pass costs the drive's read whatever it
+    carries, and the drafter's trees share that read over several tokens."""
+    use, uses = chosen(1000, disk_gbps=0.15)  # a slow drive (a USB disk, a network share)
+    assert {u.plan.target.placement for u in uses.values()} == {"ssd"}
+    assert use.name == "drafter" and use.budget >= 8
+    assert use.tokens_per_pass == pytest.approx(expected_tokens(use.budget))
+    assert uses["plain"].plan.target.resident_bytes > use.plan.target.resident_bytes  # the drafter's memory
+
+
+def test_the_resident_share_grows_with_the_memory() -> None:
+    residents = [chosen(room)[1]["plain"].plan.target.resident_bytes for room in (700, 800, 900, 1000)]
+    assert residents == sorted(residents) and residents[0] < residents[-1]
+    streamed = [chosen(room)[1]["plain"].plan.ssd_bytes for room in (700, 800, 900, 1000)]
+    assert streamed == sorted(streamed, reverse=True)
+
+
+def test_without_lookup_it_is_not_weighed() -> None:
+    assert "lookup" not in chosen(None, lookup=False)[1]
+
+
+def test_where_nothing_fits_the_plan_refuses_in_one_line() -> None:
+    with pytest.raises(UserError) as refused:
+        chosen(120)
+    assert "\n" not in str(refused.value) and "cannot run here" in str(refused.value)

@@ -1,0 +1,90 @@
+"""The plan's "plain" use, loaded for real: where trees do not pay (a pair in RAM on this CPU), `speculate="auto"`
+loads the target alone, as llama.cpp loads it by default, and decodes llama.cpp's own greedy tokens: the reference
+is llama-cpp-python's high-level `Llama`, run in a process of its own that edge-spec never touched."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from edge.models.pair import Pair
+
+import edge
+from edge.sampling import SamplingConfig
+
+# llama.cpp's defaults but for two: flash attention on (llama.cpp's own default, "auto", turns it on for a CPU, where
+# llama-cpp-python's class asks for off), and on a CPU with AMX no repacked weights (they crash on a batch: the same
+# switch edge-spec's runtime takes, runtimes/llama_cpp/_native.py USE_EXTRA_BUFFERS)
+REFERENCE = r"""
+import json, sys
+import llama_cpp
+from llama_cpp import Llama
+
+path, prompt, n, no_extra = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+def model_params():
+    params = defaults()
+    if no_extra:
+        params.use_extra_bufts = False
+    return params
+
+llama_cpp.llama_cpp.llama_model_default_params = model_params
+llm = Llama(path, n_ctx=1024, n_threads=2, n_threads_batch=2, flash_attn=True, verbose=False)
+out = []
+for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+    if llm.token_eos() == token or len(out) == n:
+        break
+    out.append(token)
+print(json.dumps(out))
+"""
+
+
+def llama_cpp_tokens(path: Path, prompt: list[int], n: int) -> list[int]:
+    from edge.runtimes.llama_cpp._native import USE_EXTRA_BUFFERS
+
+    env = {key: value for key, value in __import__("os").environ.items() if not key.startswith("GGML_")}
+    done = subprocess.run([sys.executable, "-c", REFERENCE, str(path), json.dumps(prompt), str(n),
+                           "0" if USE_EXTRA_BUFFERS else "1"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def plain_pair() -> Pair:
+    said: list[str] = []
+    pair = edge.load("smollm2-135m", ctx=1024, speculate="auto", report=said.append)
+    pair.said = said  # type: ignore[attr-defined]
+    yield pair
+    pair.close()
+
+
+def test_in_ram_the_plan_loads_the_target_alone_and_says_why(plain_pair: Pair) -> None:
+    assert plain_pair.drafter is None and plain_pair.corpus is None
+    line = next(message for message in plain_pair.said if message.startswith("plan: plain decoding"))
+    assert "the target wholly in RAM on llama.cpp's own kernels" in line and "against drafter" in line
+    assert plain_pair.lossless_warning is None  # no tree is ever verified
+
+
+def test_the_plain_use_decodes_llama_cpps_own_tokens(plain_pair: Pair) -> None:
+    from tests.conftest import CHAT_PROMPTS
+
+    decoder = plain_pair.decoder(SamplingConfig(), speculate=True)  # what auto does with the pair it has
+    for text in CHAT_PROMPTS[:8]:  # on edge-spec's batch-invariant load, 3 of these 8 differ from llama.cpp's
+        prompt = plain_pair.prompt_tokens(text)
+        decoder.reset()
+        steps = list(decoder.reply(prompt, 32))
+        ours = [step.token for step in steps[:-1] if step.token is not None]
+        assert steps[-1].stats.target_passes == len(ours) + (steps[-1].finish_reason == "stop")
+        assert ours == llama_cpp_tokens(plain_pair.target.path, prompt, len(ours)), text
+
+
+def test_a_plain_target_takes_no_tree(plain_pair: Pair) -> None:
+    from tests.test_ssd import chain
+
+    with pytest.raises(ValueError, match="one token a pass"):
+        plain_pair.target.verify(chain([5, 6]))
+    assert not plain_pair.target.resize(16)  # nor grows to take one
