@@ -57,6 +57,9 @@ def generate(
     load: LoadOptions,
 ) -> None:
     """Complete one prompt, streaming the text (or one JSON object with --json)."""
+    from edge.options import check_max_tokens
+
+    check_max_tokens(max_tokens)  # before anything loads: a bad value is its one line
     sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     text = read_stdin() if prompt == "-" else prompt
     import edge

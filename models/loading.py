@@ -160,6 +160,7 @@ class PlannedTarget:
     max_tree: int | None = None  # auto's largest tree, where a memory limit leaves room for no larger (None: no bound)
     resident: int = 0  # streamed: bytes of its weights that stay in RAM (partial residency), the rest read every pass
     use: str = "drafter"  # offload/choice.py's: "drafter" (the pair as named), "plain" or "lookup" (the target alone)
+    note: str | None = None  # the plan's choice and why, in one line (where it chose)
 
 
 def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _quiet,
@@ -176,11 +177,12 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
     from edge.models.planning import make_choice, make_plan
     from edge.offload.probe import probe_gpus
 
-    use = "drafter"
+    use, note = "drafter", None
     if drafts and choose:
         chosen, uses = make_choice(spec, None, models_file, lookup)
-        report(f"plan: {_reason(chosen, uses)}")
-        plan, use = chosen.plan, chosen.name
+        plan, use, note = chosen.plan, chosen.name, f"plan: {_reason(chosen, uses)}"
+        if plan.machine.capped or plan.target.placement == "ssd":  # in RAM it is what auto does anyway: said in chat
+            report(note)
     else:
         plan = make_plan(spec, None, models_file, drafts=drafts)
     streamed = plan.target.placement == "ssd"
@@ -197,7 +199,7 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
     if probe_gpus():
         gpu_layers = plan.target.n_gpu_layers
         report(f"plan: {gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
-    return PlannedTarget(gpu_layers, streamed, max_tree if use != "plain" else None, resident, use)
+    return PlannedTarget(gpu_layers, streamed, max_tree if use != "plain" else None, resident, use, note)
 
 
 def _reason(chosen: object, uses: list) -> str:
@@ -231,8 +233,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         drafts, drafter_file = False, None
         options = replace(options, drafter=planned.use if planned.use == "lookup" else "none",
                           lookup="off" if planned.use == "plain" else options.lookup)
-        # decoding plainly with the target wholly in RAM: loaded as its runtime loads it by default, KV cache included
-        stock = planned.use == "plain" and not planned.streamed
+        # decoding plainly: loaded as its runtime loads it by default, KV cache included (streamed: not repacked)
+        stock = planned.use == "plain"
         if stock and traits(spec.target.runtime).own_kv is None:
             spec = replace(spec, target=replace(spec.target, kv_type=STOCK_KV))
     if options.gpu_layers is None:
@@ -273,7 +275,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         template = ChatTemplate(info.chat_template, special.bos_text, special.eos_text) if info.chat_template else None
     return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
                 sampling=chat_sampling(target_file, report), load_seconds=times, report=report, streamed=streamed,
-                max_tree=planned.max_tree,
+                max_tree=planned.max_tree, plan_note=planned.note,
                 corpus=open_corpus(target_file, options.lookup, report))
 
 

@@ -66,6 +66,7 @@ class Pair:
     streamed: bool = False  # the plan put the target on the drive (larger than RAM): the kernel streams it
     corpus: Corpus | None = None  # earlier replies lookup drafts from (None: lookup off); every decoder shares it
     max_tree: int | None = None  # auto's largest tree where the plan bounds it (a memory limit); None: as measured
+    plan_note: str | None = None  # the use of the memory the plan chose and why (speculate auto), in one line
     closed: bool = False
     _decoder: Decoder | None = field(default=None, repr=False)
     _decoder_key: tuple | None = field(default=None, repr=False)

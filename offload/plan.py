@@ -38,9 +38,9 @@ RAM_HEADROOM = 2 * GIB  # left to the OS, Python, onnxruntime and logits buffers
 # and each model's logits (its buffer and the graph's output: 2 x batch x vocabulary x 4 bytes, _logits_bytes).
 CAPPED_HEADROOM = 192 * MIB
 # ... of which a target decoding plainly alone (no onnxruntime, one row of logits) needs only its compute buffers and
-# Python's own allocations: measured, Qwen2.5-Coder-1.5B with a 4096-token f16 cache held 206 MiB of anonymous
-# memory in all, 112 MiB of it the KV cache (benchmarks/memcap.py's peak_anon, `edge-spec generate` in RAM)
-PLAIN_HEADROOM = 96 * MIB
+# what Python allocates past the plan: measured, `edge-spec generate -m qwen2.5-coder-1.5b` held 209 MiB of anonymous
+# memory at its peak, 112 MiB of it the 4096-token f16 KV cache, where the plan ran at 39-60 MiB (benchmarks/memcap.py)
+PLAIN_HEADROOM = 48 * MIB
 MAX_SEQUENCES = 256  # llama.cpp's sequences per context: its output buffer holds at least as many rows
 CAPPED_MIN_TREE = 17  # under a memory limit, auto's trees may be cut down to this many nodes to fit (budget 16)
 STREAM_ROOM_LAYERS = 4  # a streamed target's layers in memory at once: the one computed and those read ahead
