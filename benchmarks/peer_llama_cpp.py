@@ -111,7 +111,10 @@ def llama_server(bin_dir: Path, args: list[str], cap_bytes: int | None, drop: li
             drop_from_cache(drop)
             command = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.procs), *command]
         log = stack.enter_context(open(peer_dir() / "server.log", "a"))
-        server = subprocess.Popen(command, stdout=log, stderr=log)
+        # llama.cpp as it runs by default: not on the kernel switches edge-spec's runtime sets in this process when
+        # imported (runtimes/llama_cpp/kernels.py), which a child would inherit
+        env = {key: value for key, value in os.environ.items() if not key.startswith("GGML_CPU_TILED_MM")}
+        server = subprocess.Popen(command, stdout=log, stderr=log, env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 600
@@ -261,6 +264,7 @@ def main() -> None:
     parser.add_argument("--edge-only", action="store_true", help="edge-spec's rows alone (no llama.cpp)")
     parser.add_argument("--build-only", action="store_true", help="build the peer's binaries and stop")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--tokens", action="store_true", help="each row's token ids in the JSON")
     args = parser.parse_args()
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     if shutil.which("cmake") is None:
@@ -317,6 +321,9 @@ def main() -> None:
                                                                     peer_tokens["llama.cpp plain"], strict=True)]
                 row["matches_llama_plain"] = all(same)
                 row["prompts_matching_llama_plain"] = sum(same)
+    if args.tokens:  # every row's token ids, prompt by prompt (to compare texts across runs)
+        for row in results:
+            row["tokens"] = peer_tokens.get(row["row"]) or [r["tokens"] for r in ours["rows"][row["row"]]]
     base = results[0]["decode_tokens_per_s"]
     peer_plain = next((row for row in results if row["row"] == "llama.cpp plain"), None)
     for row in results:

@@ -213,7 +213,7 @@ class Decoder:
             return
         for step in self.generate(max_tokens, should_stop=should_stop):
             if step.finish_reason is not None:
-                step.stats.prefill_s, step.stats.cached_tokens = prefill_s, self.cached_tokens
+                step.stats.prefill_s, step.stats.cached_tokens = prefill_s + step.stats.prefill_s, self.cached_tokens
                 if self.lookup is not None:
                     self.lookup.remember(self.context[len(tokens):])  # later replies may repeat this one
             yield step
@@ -228,6 +228,7 @@ class Decoder:
         noise = Noise(int(self.rng.integers(1 << 63))) if self.rounds.coupled else None
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         finish = None
+        deferred = getattr(self.target, "deferred", 0) > 0  # its first pass runs the prompt (a plain target)
         while finish is None:
             if should_stop is not None and should_stop():
                 finish = "interrupted"
@@ -256,7 +257,12 @@ class Decoder:
             if self.drafter is not None and not plan.drafting:  # it catches up on the tokens at its next tree
                 self.drafter.commit(result.tree, result.path)
             self.rounds.observe(plan, result)
-            stats.count(plan, result, self.target.passes - passes, time.perf_counter() - started, pregrown)
+            elapsed = time.perf_counter() - started
+            stats.count(plan, result, self.target.passes - passes, elapsed, pregrown)
+            if deferred:  # the round ran the prompt too, as llama.cpp runs one: reading it, not decoding
+                stats.decode_s -= elapsed
+                stats.prefill_s += elapsed
+                deferred = False
             for token in result.tokens:
                 self.context.append(token)
                 stats.new_tokens += 1

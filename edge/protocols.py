@@ -56,6 +56,7 @@ class ModelDefaults:
     """What a model that does not stream its weights and cannot change its size answers."""
 
     streamer: Streamer | None = None
+    deferred: int = 0  # prompt tokens its next pass runs before the tree (a plain target runs a prompt with it)
 
     def prefetch(self) -> None:
         """Start reading the next pass's weights (a target streamed from a drive); nothing to do otherwise."""
@@ -148,6 +149,10 @@ class TargetWrapper:
     @property
     def max_tree(self) -> int:
         return self.inner.max_tree
+
+    @property
+    def deferred(self) -> int:
+        return getattr(self.inner, "deferred", 0)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self.inner.prefill(tokens)

@@ -86,7 +86,7 @@ def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget
         layers = LayerListener() if run.layer_progress else None  # streamed: its layers are followed
         # llama.cpp's default micro-batch (a prompt runs in such batches); one row of logits a pass
         ctx = Context(model, run.n_ctx, n_batch=STOCK_BATCH, kv_type=run.kv_type, n_threads=run.n_threads,
-                      flash_attn=run.flash_attn, n_outputs=1, on_layer=layers, sequences=1)
+                      flash_attn=run.flash_attn, n_outputs=1, on_layer=layers, sequences=1, threadpool=True)
         return PlainTarget(model, ctx, 1, layers)
     prefer_tiled(options.streamed)
     repack = not options.streamed and keeps_repacking(check_gguf(path).weight_types)

@@ -78,6 +78,50 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+GGML_MAX_N_THREADS = 512  # ggml.h: the length of a threadpool's CPU mask
+
+
+class _ThreadpoolParams(ctypes.Structure):
+    _fields_ = [("cpumask", ctypes.c_bool * GGML_MAX_N_THREADS), ("n_threads", ctypes.c_int),
+                ("prio", ctypes.c_int), ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool),
+                ("paused", ctypes.c_bool)]
+
+
+@functools.cache
+def _threadpool_calls() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    """ggml's threadpool calls, from llama-cpp-python's own ggml libraries (its bindings leave them out)."""
+    folder = Path(ll.__file__).parent / "lib"
+    base, cpu = ctypes.CDLL(str(folder / "libggml-base.so")), ctypes.CDLL(str(folder / "libggml-cpu.so"))
+    base.ggml_threadpool_params_default.restype = _ThreadpoolParams
+    base.ggml_threadpool_params_default.argtypes = [ctypes.c_int]
+    cpu.ggml_threadpool_new.restype = ctypes.c_void_p
+    cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
+    cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+    ll._lib.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    ll._lib.llama_attach_threadpool.restype = None
+    return base, cpu
+
+
+class Threadpool:
+    """A CPU threadpool kept for a context's passes, as llama.cpp's own programs attach one (common_threadpools,
+    polling at ggml's default level): without one, ggml starts its worker threads anew for every pass."""
+
+    def __init__(self, n_threads: int):
+        base, self._cpu = _threadpool_calls()
+        params = base.ggml_threadpool_params_default(n_threads)
+        self.ptr = self._cpu.ggml_threadpool_new(ctypes.byref(params))
+        if not self.ptr:
+            raise RuntimeError(f"ggml could not start a threadpool of {n_threads} threads")
+
+    def attach(self, ctx: ll.llama_context_p) -> None:
+        ll._lib.llama_attach_threadpool(ctx, self.ptr, self.ptr)
+
+    def close(self) -> None:
+        if self.ptr:
+            self._cpu.ggml_threadpool_free(self.ptr)
+            self.ptr = None
+
+
 LAYER_OUTPUT = b"l_out-"  # llama.cpp's name for a layer's output tensor ("l_out-12"): the layer is computed
 
 
@@ -273,7 +317,8 @@ class Context:
 
     def __init__(self, model: Model, n_ctx: int, n_batch: int, kv_type: str = "f16",
                  n_threads: int | None = None, flash_attn: bool | None = None, op_offload: bool = True,
-                 n_outputs: int = 0, on_layer: LayerHook | None = None, sequences: int = MAX_SEQ):
+                 n_outputs: int = 0, on_layer: LayerHook | None = None, sequences: int = MAX_SEQ,
+                 threadpool: bool = False):
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         # One tree must be one micro-batch, or an offloaded target streams its weights once per micro-batch.
@@ -301,11 +346,16 @@ class Context:
         self.model = model
         self._settings = {"n_ctx": n_ctx, "n_batch": n_batch, "kv_type": kv_type, "n_threads": n_threads,
                           "flash_attn": flash_attn, "op_offload": op_offload, "n_outputs": n_outputs,
-                          "on_layer": on_layer, "sequences": sequences}
+                          "on_layer": on_layer, "sequences": sequences, "threadpool": threadpool}
         self._ptr = ll.llama_init_from_model(model.ptr, params)
         if not self._ptr:
             raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "
                             f"for {model.path.name}; lower --ctx or use another KV type")
+        # `threadpool`: the passes keep their worker threads (a target decoding alone, as llama.cpp's programs run it;
+        # beside a drafter, threads polling for the next pass would take the drafter's cores)
+        self._threadpool = Threadpool(threads) if threadpool else None
+        if self._threadpool is not None:
+            self._threadpool.attach(self._ptr)
         self.n_ctx: int = ll.llama_n_ctx(self._ptr)
         self.n_batch: int = ll.llama_n_batch(self._ptr)  # llama.cpp clamps it to the context size
         self._mem = ll.llama_get_memory(self._ptr)
@@ -314,6 +364,9 @@ class Context:
         if self._ptr:
             ll.llama_free(self._ptr)
             self._ptr = None
+        if getattr(self, "_threadpool", None) is not None:
+            self._threadpool.close()
+            self._threadpool = None
 
     def __del__(self) -> None:
         self.close()

@@ -190,6 +190,10 @@ class PlainTarget(LlamaTarget):
     def prefill(self, tokens: Sequence[int]) -> None:
         self._pending.extend(tokens)  # run with the next token, as llama.cpp runs a prompt
 
+    @property
+    def deferred(self) -> int:
+        return len(self._pending)
+
     def resize(self, size: int) -> bool:
         return size <= 1
 
