@@ -208,9 +208,10 @@ def test_fitted_constants_recover_the_model_they_come_from() -> None:
     pair = load_registry().pair("llama3.1-70b")
     target, drafter = (Shape.from_facts(m.facts) for m in (pair.target, pair.drafter))
     assert isinstance(pair.target.facts, ModelFacts)
-    machine = parse_machine("ram=16G,disk=3GB/s,cores=2")
+    machine = parse_machine("ram=6G,disk=3GB/s,cores=2")  # too little to keep any of it resident
     plan = plan_pair(pair, target, drafter, machine)
     assert plan.target.placement == "ssd" and not plan.target.repack  # streamed from the mapping
+    assert plan.target.resident_bytes == 0
     truth = replace(machine, disk_gbps=2.5)
     passes = {n: [pass_cost(plan.target, truth, n, cpu_gflops_per_core=90.0).seconds] for n in (1, 4, 16, 64)}
     fit = fit_constants(plan.target, machine, passes)
