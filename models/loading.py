@@ -175,12 +175,13 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
     if any(path is None or not path.is_file() for path in map(model_path, models)):
         return None
     from edge.models.planning import make_choice, make_plan
+    from edge.offload.choice import reason
     from edge.offload.probe import probe_gpus
 
     use, note = "drafter", None
     if drafts and choose:
         chosen, uses = make_choice(spec, None, models_file, lookup)
-        plan, use, note = chosen.plan, chosen.name, f"plan: {_reason(chosen, uses)}"
+        plan, use, note = chosen.plan, chosen.name, f"plan: {reason(chosen, uses)}"
         if plan.machine.capped or plan.target.placement == "ssd":  # in RAM it is what auto does anyway: said in chat
             report(note)
     else:
@@ -200,12 +201,6 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
         gpu_layers = plan.target.n_gpu_layers
         report(f"plan: {gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
     return PlannedTarget(gpu_layers, streamed, max_tree if use != "plain" else None, resident, use, note)
-
-
-def _reason(chosen: object, uses: list) -> str:
-    from edge.offload.choice import reason as said
-
-    return said(chosen, uses)  # type: ignore[arg-type]
 
 
 def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, models_file: Path | None = None,

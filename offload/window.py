@@ -66,14 +66,15 @@ class WindowedStreamer(SsdStreamer):
         self.spans = self._spans()
         self.resident = _resident_prefix(self.spans, resident)  # indices of the spans that stay
         streamed = [span for index, span in enumerate(self.spans) if index not in self.resident]
-        self._regions = _regions(streamed)  # each layer's streamed bytes as contiguous runs: dropped once it is done
         self._ranges = [(span.start, span.end) for span in streamed]  # what a whole read-ahead reads
         self.resident_bytes = sum(self.spans[index].size for index in self.resident)
-        # the resident set's whole pages (a page it shares with a streamed tensor streams), and the streamed part's
-        # runs in file order past them: what is dropped behind a pass
+        self.streamed_bytes = sum(span.size for span in streamed)  # what a pass reads from the drive
+        # the resident set's whole pages (a page it shares with a streamed tensor streams); each layer's streamed bytes
+        # as contiguous runs past them (dropped once the layer is done), and all of them in file order (after a pass)
         self._kept = _whole_pages(_runs([self.spans[index] for index in sorted(self.resident)]))
+        self._regions = {layer: [_outside(run, self._kept) for run in runs]
+                         for layer, runs in _regions(streamed).items()}
         self._streamed_runs = [_outside(run, self._kept) for run in _runs(streamed)]
-        self._regions = {layer: [_outside(run, self._kept) for run in runs] for layer, runs in self._regions.items()}
         self.locked = self._keep_resident()
         self._moved = threading.Condition()
         self._done = -1  # the last layer of the running pass computed (-1: none yet)
@@ -90,11 +91,6 @@ class WindowedStreamer(SsdStreamer):
             offset = tensor.offset - tensor.offset % mmap.PAGESIZE
             spans.append(Span(start, end, offset, tensor.size, n_layers if layer is None else layer))
         return spans
-
-    @property
-    def streamed_bytes(self) -> int:
-        """Bytes of the weights a pass reads from the drive: all but the resident set's."""
-        return sum(span.size for index, span in enumerate(self.spans) if index not in self.resident)
 
     def _keep_resident(self) -> bool:
         """Read the resident set into RAM, locked where the system allows (mlock needs CAP_IPC_LOCK or a large

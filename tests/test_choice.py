@@ -1,15 +1,18 @@
-"""The plan's choice of a use of the memory (offload/choice.py), for given sizes: the real Qwen2.5-Coder pair's shapes
-(as their GGUF headers give them) on machines described by their free memory. No model is loaded."""
+"""Partial residency in the plan (what of a target stays resident, what a pass reads from the drive) and the plan's
+choice of a use of the memory (offload/choice.py), for given sizes: the 70B pair's models.toml facts and the real
+Qwen2.5-Coder pair's shapes (as their GGUF headers give them) on machines described by their free memory. No model
+is loaded."""
 
 from __future__ import annotations
 
 import pytest
 from edge.models.registry import load_registry
 from edge.offload.choice import choose, expected_tokens, reason, weigh_uses
-from edge.offload.machine import Machine
-from edge.offload.plan import Shape
+from edge.offload.machine import Machine, parse_machine
+from edge.offload.plan import GIB, RAM_HEADROOM, Shape, plan_pair, stream_room
 
 from edge.errors import UserError
+from tests.test_plan import LLAMA_70B, plan_on, shapes
 
 MIB = 2**20
 QWEN = load_registry().pair("qwen2.5-coder-1.5b")
@@ -30,6 +33,36 @@ def machine(room_mib: int | None, disk_gbps: float = 1.2) -> Machine:
 def chosen(room_mib: int | None, disk_gbps: float = 1.2, lookup: bool = True):
     uses = weigh_uses(QWEN, TARGET, DRAFTER, machine(room_mib, disk_gbps), lookup)
     return choose(uses), {use.name: use for use in uses}
+
+
+@pytest.mark.parametrize("ram_gib", [16, 24, 32])
+def test_what_fits_beside_the_rest_stays_resident_and_only_the_rest_streams(ram_gib: int) -> None:
+    """A 40 GB target with 16-32 GiB free: everything but the headroom, the drafter, the KV cache and the stream's
+    own room (4 layers in flight) stays resident; a pass reads only the rest from the drive."""
+    plan = plan_on(f"ram={ram_gib}G,disk=3GB/s")
+    target, shape = plan.target, plan.target.shape
+    room = ram_gib * GIB - RAM_HEADROOM - plan.drafter.ram_bytes - target.kv_bytes
+    assert stream_room(shape) == pytest.approx(4 * shape.layer_bytes / 80, abs=1)
+    assert target.placement == "ssd" and target.resident_bytes == pytest.approx(room - stream_room(shape), abs=4096)
+    assert plan.ssd_bytes == shape.streamed_bytes - target.resident_bytes
+    assert target.ram_bytes == target.kv_bytes + target.resident_bytes <= ram_gib * GIB - RAM_HEADROOM
+    compute = 2 * shape.n_params / (8 * 135e9)
+    # the resident part at RAM speed (or its arithmetic, the longer), the streamed part read and computed in turn
+    resident_s = max(target.resident_bytes / 20e9, compute * target.resident_bytes / shape.streamed_bytes)
+    streamed_s = plan.ssd_bytes / 3e9 + compute * plan.ssd_bytes / shape.streamed_bytes
+    assert plan.one_token.seconds == pytest.approx(resident_s + streamed_s, rel=1e-6)
+    assert plan.one_token.seconds < plan_on("ram=6G,disk=3GB/s").one_token.seconds
+    assert plan.as_dict()["memory"]["resident_gib"] == pytest.approx(target.resident_bytes / GIB, abs=1e-3)
+    note = next(note for note in plan.notes if "does not fit" in note)
+    assert "stay in RAM" in note
+
+
+def test_placement_ssd_keeps_nothing_resident() -> None:
+    """--placement ssd streams a target that would fit: as a larger one, every byte from the drive."""
+    plan = plan_pair(LLAMA_70B, *shapes(), parse_machine("ram=64G,disk=3GB/s"), stream=True)
+    assert plan.target.placement == "ssd" and plan.target.resident_bytes == 0
+    assert plan.ssd_bytes == plan.target.shape.streamed_bytes
+
 
 
 def test_in_ram_on_two_cores_trees_do_not_pay_and_the_target_decodes_plainly() -> None:

@@ -160,39 +160,6 @@ def test_bigger_than_ram_streams_from_the_ssd() -> None:
     assert small.tree.bound == "disk" and small.tree.seconds == pytest.approx(40.12 / 3 + 17 * compute, rel=0.01)
 
 
-@pytest.mark.parametrize("ram_gib", [16, 24, 32])
-def test_what_fits_beside_the_rest_stays_resident_and_only_the_rest_streams(ram_gib: int) -> None:
-    """A 40 GB target with 16-32 GiB free: everything but the headroom, the drafter, the KV cache and the stream's
-    own room (4 layers in flight) stays resident; a pass reads only the rest from the drive."""
-    from edge.offload.plan import RAM_HEADROOM, stream_room
-
-    plan = plan_on(f"ram={ram_gib}G,disk=3GB/s")
-    target, shape = plan.target, plan.target.shape
-    room = ram_gib * GIB - RAM_HEADROOM - plan.drafter.ram_bytes - target.kv_bytes
-    assert stream_room(shape) == pytest.approx(4 * shape.layer_bytes / 80, abs=1)
-    assert target.placement == "ssd" and target.resident_bytes == pytest.approx(room - stream_room(shape), abs=4096)
-    assert plan.ssd_bytes == shape.streamed_bytes - target.resident_bytes
-    assert target.ram_bytes == target.kv_bytes + target.resident_bytes <= ram_gib * GIB - RAM_HEADROOM
-    compute = 2 * shape.n_params / (8 * 135e9)
-    # the resident part at RAM speed (or its arithmetic, the longer), the streamed part read and computed in turn
-    resident_s = max(target.resident_bytes / 20e9, compute * target.resident_bytes / shape.streamed_bytes)
-    streamed_s = plan.ssd_bytes / 3e9 + compute * plan.ssd_bytes / shape.streamed_bytes
-    assert plan.one_token.seconds == pytest.approx(resident_s + streamed_s, rel=1e-6)
-    assert plan.one_token.seconds < plan_on("ram=6G,disk=3GB/s").one_token.seconds
-    assert plan.as_dict()["memory"]["resident_gib"] == pytest.approx(target.resident_bytes / GIB, abs=1e-3)
-    forced = plan_on(f"ram={ram_gib}G,disk=3GB/s")
-    assert forced.target.resident_bytes > 0
-    note = next(note for note in plan.notes if "does not fit" in note)
-    assert "stay in RAM" in note
-
-
-def test_placement_ssd_keeps_nothing_resident() -> None:
-    """--placement ssd streams a target that would fit: as a larger one, every byte from the drive."""
-    plan = plan_pair(LLAMA_70B, *shapes(), parse_machine("ram=64G,disk=3GB/s"), stream=True)
-    assert plan.target.placement == "ssd" and plan.target.resident_bytes == 0
-    assert plan.ssd_bytes == plan.target.shape.streamed_bytes
-
-
 def test_gpu_layers_fill_free_vram() -> None:
     plan = plan_on(DESCRIBED)
     target, drafter, shape = plan.target, plan.drafter, plan.target.shape

@@ -4,6 +4,10 @@ than its window past the pass."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import numpy as np
 import pytest
 from edge.offload.ssd import resident_fraction
@@ -45,16 +49,28 @@ def test_a_pass_says_each_layer_and_its_logits_do_not_change(f16_file) -> None:
         followed.close()
 
 
-def test_the_read_ahead_follows_the_pass_within_its_window(f16_file) -> None:
-    size = f16_file.stat().st_size
-    window = size // 4
+@contextmanager
+def windowed(f16_file: Path, window: int, resident: int = 0) -> Iterator[tuple[WindowedTarget, np.ndarray]]:
+    """The F16 target streamed in a window (and a resident set), with its logits for a chain computed in RAM first."""
     inner = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16", repack=False, layer_progress=True))
-    in_ram = None
     try:
         inner.prefill([1, 2, 3, 4])
         in_ram = inner.verify(chain([5, 6, 7])).copy()
         inner.truncate(0)
-        target = WindowedTarget(inner, f16_file, window)
+        target = WindowedTarget(inner, f16_file, window, resident)
+    except BaseException:
+        inner.close()
+        raise
+    try:
+        yield target, in_ram
+    finally:
+        target.close()
+
+
+def test_the_read_ahead_follows_the_pass_within_its_window(f16_file) -> None:
+    size = f16_file.stat().st_size
+    window = size // 4
+    with windowed(f16_file, window) as (target, in_ram):
         streamer = target.streamer
         assert isinstance(streamer, WindowedStreamer) and streamer.readahead and streamer.window == window
         target.prefill([1, 2, 3, 4])  # a plain pass: its pages are left to the kernel
@@ -70,7 +86,7 @@ def test_the_read_ahead_follows_the_pass_within_its_window(f16_file) -> None:
             followed(layer)
             seen.append(resident_fraction(f16_file) * size)
 
-        inner.follow_layers(watch)
+        target.inner.follow_layers(watch)
         target.prefetch()  # a tree is grown: the window is read ahead, then follows the pass
         logits = target.verify(chain([5, 6, 7]))
         assert np.array_equal(logits, in_ram)
@@ -85,10 +101,6 @@ def test_the_read_ahead_follows_the_pass_within_its_window(f16_file) -> None:
         assert seen[-1] > 0.6 * size  # every layer (the tied table, a fifth of the file, is read by the head after)
         streamer.wait_evicted()
         assert resident_fraction(f16_file) > 0.6  # nor after: the kernel keeps what the memory holds
-        target.close()
-    finally:
-        if in_ram is None:
-            inner.close()
 
 
 def test_auto_prices_a_pass_by_what_the_window_let_growth_read() -> None:
@@ -122,13 +134,7 @@ def test_the_resident_set_stays_and_a_pass_reads_only_the_streamed_part(f16_file
     from edge.offload.ssd import read_bytes
 
     size = f16_file.stat().st_size
-    inner = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16", repack=False, layer_progress=True))
-    in_ram = None
-    try:
-        inner.prefill([1, 2, 3, 4])
-        in_ram = inner.verify(chain([5, 6, 7])).copy()
-        inner.truncate(0)
-        target = WindowedTarget(inner, f16_file, window=size // 8, resident=size // 2)
+    with windowed(f16_file, size // 8, resident=size // 2) as (target, in_ram):
         streamer = target.streamer
         assert isinstance(streamer, WindowedStreamer)
         kept, rest = sorted(streamer.resident), [i for i in range(len(streamer.spans)) if i not in streamer.resident]
@@ -152,10 +158,6 @@ def test_the_resident_set_stays_and_a_pass_reads_only_the_streamed_part(f16_file
             # two passes (prefill, verify), each reading the streamed part from the drive and nothing else
             assert read <= 2 * streamer.streamed_bytes * 1.1
             assert read >= streamer.streamed_bytes
-        target.close()
-    finally:
-        if in_ram is None:
-            inner.close()
 
 
 def test_the_resident_set_fits_what_the_memory_leaves_now() -> None:
