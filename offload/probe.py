@@ -209,6 +209,16 @@ def _ram_gb() -> tuple[float | None, float | None]:
             _gib(limit.room if free is None else min(free, limit.room)))
 
 
+def free_bytes() -> int | None:
+    """What this process may still allocate before the kernel reclaims or kills: the machine's available RAM, or
+    the room under a memory cgroup's limit where that is less; None where neither can be read."""
+    _, free = _machine_ram()
+    limit = memory_limit()
+    if limit is None:
+        return free
+    return limit.room if free is None else min(free, limit.room)
+
+
 def _machine_ram() -> tuple[int | None, int | None]:
     meminfo = _meminfo_kib()
     if "MemTotal" in meminfo:

@@ -233,3 +233,40 @@ def test_quantspec_target_is_batch_invariant(smollm2: Pair, quantspec, prefix: i
                      np.array(depth, np.int32), np.zeros(len(parents), np.float32))
     checked, worst, flips = compare(target, tree, tokens[:-1])
     assert checked == len(tree) and worst == 0.0 and flips == 0
+
+
+def test_a_graph_built_a_chunk_at_a_time_is_the_graph_built_whole(tmp_path: Path, monkeypatch) -> None:
+    """The build writes each weight to the .data file as it is packed, and packs a table a few rows at a time (its
+    memory: one chunk and the packed table, not the vocabulary in float32). Q4_1 (SmolLM2) keeps its own blocks with
+    the offsets as a residual, across chunks of rows and a trimmed head's ids in their own order: byte for byte what
+    one packing of every table whole, kept in the proto and saved by onnx, gives."""
+    import onnx
+    from edge.runtimes.onnx import graph
+
+    source = materialize(_spec("smollm2-135m").target, print)
+    weights = GGUFWeights(source)
+    head = np.random.default_rng(0).permutation(weights.arch.n_vocab)[:3000]
+    options = GraphOptions(weights="int4", head_ids=head)
+    monkeypatch.setattr(graph, "ROWS_BYTES", 1 << 40)
+    whole = graph.DecoderBuilder(weights, options).build()
+    onnx.save_model(whole, str(tmp_path / "whole.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="chunked.onnx.data", size_threshold=1024)
+    saved = (tmp_path / "whole.onnx").read_bytes(), (tmp_path / "chunked.onnx.data").read_bytes()
+    monkeypatch.setattr(graph, "ROWS_BYTES", 1 << 16)  # some 28 rows of 576 weights a chunk
+    path = build_graph(source, options, tmp_path / "chunked.onnx")
+    assert path.read_bytes() == saved[0]
+    assert Path(str(path) + ".data").read_bytes() == saved[1]
+
+
+def test_a_build_the_memory_cannot_hold_is_refused_before_it_starts(tmp_path: Path, monkeypatch) -> None:
+    from edge.offload import probe
+    from edge.runtimes.onnx import prepare_graph
+
+    from edge.errors import UserError
+
+    source = materialize(_spec("smollm2-135m").target, print)
+    monkeypatch.setattr(probe, "free_bytes", lambda: 50 << 20)
+    with pytest.raises(UserError, match=r"needs about \d+ MiB of memory and only 50 MiB is free") as refused:
+        prepare_graph(source, "drafter", None, print, tmp_path)
+    assert "\n" not in str(refused.value)
+    assert list(tmp_path.iterdir()) == []

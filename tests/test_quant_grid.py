@@ -97,8 +97,17 @@ class _OneTable:
     def __init__(self, raw: np.ndarray, type_name: str):
         self.raw, self.type_name = raw, type_name
 
-    def grid(self, name: str) -> BlockGrid | None:
-        return block_grid(self.raw, self.type_name)
+    def grid(self, name: str, rows=slice(None)) -> BlockGrid | None:
+        return block_grid(self.raw[rows], self.type_name)
+
+    def rows(self, name: str, rows) -> np.ndarray:
+        return dequantized(self.raw[rows], self.type_name)
+
+    def n_rows(self, name: str) -> int:
+        return len(self.raw)
+
+    def row_floats(self, name: str) -> int:
+        return dequantized(self.raw[:1], self.type_name).shape[1]
 
 
 @pytest.mark.parametrize("type_name", list(LAYOUTS))
@@ -113,7 +122,7 @@ def test_gathered_rows_are_the_file_rows(type_name: str) -> None:
     builder = DecoderBuilder(_OneTable(raw, type_name), GraphOptions(weights="int4"))
     g = builder.g
     ids = g.input("ids", TensorProto.INT64, [1, "n"])
-    g.output(builder.gather_rows("table", "table", w, ids), "rows", TensorProto.FLOAT, [1, "n", 512])
+    g.output(builder.gather_rows("table", "table", ids), "rows", TensorProto.FLOAT, [1, "n", 512])
     session = ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
     picked = np.array([[7, 0, 39, 7]])
     rows = session.run(None, {"ids": picked})[0]

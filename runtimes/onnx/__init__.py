@@ -17,9 +17,11 @@ import numpy as np
 from edge.quant.kv import QuantSpecKV, value_group
 from edge.runtimes import ModelOptions, Report
 from edge.runtimes.onnx.arch import GGUFWeights, file_arch
-from edge.runtimes.onnx.graph import GraphOptions, build_graph
+from edge.runtimes.onnx.graph import GraphOptions, build_bytes, build_graph
 from edge.runtimes.onnx.models import MAX_TREE, OnnxDrafter, OnnxTarget
 from edge.runtimes.onnx.session import PROVIDERS, DecoderSession, provider_name
+
+from edge.errors import UserError
 
 __all__ = ["PROVIDERS", "OnnxDrafter", "OnnxOptions", "OnnxTarget", "graph_path", "load_drafter",
            "load_quantspec", "lossless_guarantee", "open_drafter", "open_shared", "open_target", "prepare_graph",
@@ -85,9 +87,10 @@ def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, rep
         return dest
     if reserve is not None:
         reserve(dest, 2 * gguf.stat().st_size)
+    weights = GGUFWeights(gguf)
+    _check_memory(dest, build_bytes(weights))
     if report:
         report(f"building {dest.name} (ONNX graph from {gguf.name})")
-    weights = GGUFWeights(gguf)
     tmp_dir = dest.with_name(dest.name + f".tmp-{os.getpid()}")  # a killed build's is cleaned: models.cache.clean_stale
     tmp_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -97,6 +100,18 @@ def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, rep
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return dest
+
+
+def _check_memory(dest: Path, need: int) -> None:
+    """Refuses a build the memory cannot hold, in one line and before it starts, rather than be killed halfway."""
+    from edge.offload.probe import free_bytes, memory_limit
+
+    free = free_bytes()
+    if free is None or need <= free:
+        return
+    where = "under this process's memory limit" if memory_limit() is not None else "in RAM"
+    raise UserError(f"building {dest.name} needs about {need >> 20} MiB of memory and only {free >> 20} MiB is free "
+                    f"{where}: close other programs or raise the limit, then run it again (the build happens once)")
 
 
 def load_drafter(gguf: Path, options: OnnxOptions, head_ids: np.ndarray | None = None, report=None) -> OnnxDrafter:

@@ -77,15 +77,27 @@ class GGUFWeights:
         return name in self.tensors
 
     def get(self, name: str) -> np.ndarray:
+        return self.rows(name, slice(None))
+
+    def rows(self, name: str, rows: slice | np.ndarray) -> np.ndarray:
+        """Some rows of a 2-D tensor (a range, or ids in any order) dequantized: only their blocks are read, so a
+        152k-row table never stands whole in memory as float32."""
         from gguf.quants import dequantize
 
         tensor = self.tensors[name]
-        return np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        return np.ascontiguousarray(dequantize(np.asarray(tensor.data[rows]), tensor.tensor_type), dtype=np.float32)
 
-    def grid(self, name: str) -> BlockGrid | None:
-        """The tensor's own quantization grid (quant/grid.py), None for float tensors and other types."""
+    def n_rows(self, name: str) -> int:
+        return int(self.tensors[name].data.shape[0])
+
+    def row_floats(self, name: str) -> int:
+        """Weights a row holds (the tensor's innermost dimension)."""
+        return int(self.tensors[name].shape[0])
+
+    def grid(self, name: str, rows: slice | np.ndarray = slice(None)) -> BlockGrid | None:
+        """The tensor's own quantization grid (quant/grid.py) over `rows`, None for float tensors and other types."""
         tensor = self.tensors[name]
-        return block_grid(np.asarray(tensor.data), tensor.tensor_type.name)
+        return block_grid(np.asarray(tensor.data[rows]), tensor.tensor_type.name)
 
     @cached_property
     def arch(self) -> Arch:

@@ -23,19 +23,23 @@ Token-major caches ([tokens, layers, ...]) make every prefix a contiguous array,
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import onnx
 from edge.quant.grid import BlockGrid
-from edge.quant.int4 import pack_exact
+from edge.quant.int4 import PackedWeight, pack_exact
 from edge.runtimes.onnx.arch import GGUFWeights
 from onnx import TensorProto, helper, numpy_helper
 
 IR_VERSION = 10  # onnxruntime 1.31 reads ir_version <= 13; the onnx package writes newer by default
 OPSET = 21
 NEG_INF = float("-inf")
+EXTERNAL_MIN = 1024  # an initializer this large (sys.getsizeof of its bytes, as onnx counts) goes to the .data file
+ROWS_BYTES = 32 << 20  # float32 rows of a table dequantized at a time: a build holds a layer, not the vocabulary
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,66 @@ class _Table:
     block: int = 0
 
 
+@dataclass(frozen=True, eq=False)
+class TensorRows:
+    """Rows of one GGUF tensor: all of them, or `ids` in that order (a trimmed head). Packed a chunk of ROWS_BYTES
+    at a time (DecoderBuilder.pack), never dequantized whole."""
+
+    source: str
+    ids: np.ndarray | None = None
+
+
+class _Stacked:
+    """Packed chunks of consecutive rows stacked into one PackedWeight (and its residual), filled in place."""
+
+    def __init__(self, rows: int):
+        self.rows, self.filled = rows, 0
+        self.implicit = True  # every chunk leaves its zero points to the kernel
+        self.residual: np.ndarray | None = None
+
+    def add(self, part: PackedWeight, residual: np.ndarray | None) -> None:
+        if self.filled == 0:
+            self.shape = part
+            self.packed = np.empty((self.rows, *part.packed.shape[1:]), np.uint8)
+            self.scales = np.empty((self.rows, part.k_blocks), np.float32)
+            self.zero = np.empty((self.rows, _zero_points(part).shape[1]), np.uint8)
+        rows = slice(self.filled, self.filled + part.n)
+        self.packed[rows], self.scales[rows] = part.packed, part.scales.reshape(part.n, -1)
+        self.zero[rows] = _zero_points(part)
+        self.implicit &= part.zero_points is None
+        if residual is not None:
+            if self.residual is None:
+                self.residual = np.zeros((self.rows, part.k_blocks), np.float32)
+            self.residual[rows] = residual
+        self.filled += part.n
+
+    def result(self) -> tuple[PackedWeight, np.ndarray | None]:
+        first = self.shape
+        packed = PackedWeight(packed=self.packed, scales=self.scales.reshape(-1),
+                              zero_points=None if self.implicit else self.zero.reshape(-1), n=self.rows, k=first.k,
+                              bits=first.bits, block=first.block)
+        return packed, self.residual
+
+
+def _zero_points(part: PackedWeight) -> np.ndarray:
+    """uint8 [N, bytes a row]: the zero points as MatMulNBits stores them, the kernel's implicit ones written out."""
+    if part.zero_points is not None:
+        return part.zero_points.reshape(part.n, -1)
+    zero = part.zero_point_per_block()
+    if part.bits == 8:
+        return zero
+    padded = np.zeros((part.n, part.k_blocks + part.k_blocks % 2), np.uint8)
+    padded[:, : part.k_blocks] = zero
+    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).astype(np.uint8)
+
+
 class _Graph:
     """Small helper over onnx.helper: every op returns its output name."""
 
-    def __init__(self):
+    def __init__(self, data: BinaryIO | None = None, location: str = ""):
+        """data: where initializers of EXTERNAL_MIN bytes or more are written as they come (the file `location`
+        beside the graph names), so the graph never holds the model's weights; None: all kept in the proto."""
+        self.data, self.location = data, location
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -94,7 +154,19 @@ class _Graph:
         return outs[0] if n_out == 1 else outs
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.asarray(array, order="C"), name))  # keeps 0-d arrays 0-d
+        array = np.asarray(array, order="C")  # keeps 0-d arrays 0-d
+        if self.data is None or sys.getsizeof(b"") + array.nbytes < EXTERNAL_MIN:
+            self.initializers.append(numpy_helper.from_array(array, name))
+            return name
+        # what onnx.save_model(save_as_external_data=True) writes, in the same order, without a copy in the proto
+        tensor = TensorProto(name=name, dims=array.shape, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
+                             data_location=TensorProto.EXTERNAL)
+        offset = self.data.tell()
+        self.data.write(memoryview(array.reshape(-1)).cast("B"))
+        for key, value in (("location", self.location), ("offset", str(offset)), ("length", str(array.nbytes))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        self.initializers.append(tensor)
         return name
 
     def const(self, value, dtype=np.int64) -> str:
@@ -122,24 +194,32 @@ class _Graph:
 
 
 class DecoderBuilder:
-    def __init__(self, weights: GGUFWeights, options: GraphOptions):
+    def __init__(self, weights: GGUFWeights, options: GraphOptions, data: BinaryIO | None = None,
+                 location: str = ""):
         self.w, self.arch, self.opt = weights, weights.arch, options
-        self.g = _Graph()
+        self.g = _Graph(data, location)
         self.tables: dict[str, _Table] = {}  # gather tables stored so far
 
     # --- pieces -------------------------------------------------------------------------------------------
 
-    def linear(self, x: str, name: str, w: np.ndarray | None = None, source: str | None = None,
+    def linear(self, x: str, name: str, w: np.ndarray | TensorRows | None = None, source: str | None = None,
                grid: BlockGrid | None = None) -> str:
         """x: [n, in] -> [n, out] for the GGUF weight `name` ([out, in]); `source` names the GGUF tensor. A weight
-        passed in (fused, or a trimmed head) comes with its rows' `grid`; one read here brings its own, and its bias."""
+        passed in (fused) comes with its rows' `grid`; one read here brings its own, and its bias. TensorRows (a
+        head) are packed a chunk at a time with their own grid."""
         if w is None:
             return self.add_bias(self.linear(x, name, self.w.get(name), name, self.w.grid(name)), [name])
         g, opt = self.g, self.opt
-        if opt.weights == "f32":
+        keep = opt.weights == "int4" and not opt.int4_block
+        if isinstance(w, TensorRows):
+            if opt.weights == "f32":
+                return g.op("MatMul", x, g.weight(name, self.read(w).T), hint="mm")
+            packed, residual = self.pack(w, exact=keep)
+        elif opt.weights == "f32":
             return g.op("MatMul", x, g.weight(name, w.T), hint="mm")
-        exact = pack_exact(w, grid) if opt.weights == "int4" and grid is not None and not opt.int4_block else None
-        packed, residual = exact if exact is not None else (self.quantize(w, source or name), None)
+        else:
+            exact = pack_exact(w, grid) if keep and grid is not None else None
+            packed, residual = exact if exact is not None else (self.quantize(w, source or name), None)
         inputs = [g.weight(name + ".q", packed.packed), g.weight(name + ".scales", packed.scales)]
         if packed.zero_points is not None:
             inputs.append(g.weight(name + ".zp", packed.zero_points))
@@ -161,6 +241,33 @@ class DecoderBuilder:
         rows = [self.w.get(bias) if self.w.has(bias) else np.zeros(int(self.w.tensors[name].shape[1]), np.float32)
                 for name, bias in zip(names, biases, strict=True)]
         return self.g.op("Add", y, self.g.weight(self.g.name(biases[0]), np.concatenate(rows)))
+
+    def read(self, rows: TensorRows) -> np.ndarray:
+        """The rows whole, as float32 (the float reference graph)."""
+        return self.w.rows(rows.source, slice(None) if rows.ids is None else rows.ids)
+
+    def pack(self, rows: TensorRows, exact: bool,
+             symmetric_only: bool = False) -> tuple[PackedWeight, np.ndarray | None]:
+        """The rows packed a chunk at a time: on the file's own grid where `exact` and every chunk lies on it
+        (pack_exact; Q4_1 and Q4_K offsets come back as the residual), else requantized (self.quantize)."""
+        source = rows.source
+        total = self.w.n_rows(source) if rows.ids is None else len(rows.ids)
+        step = max(1, ROWS_BYTES // (4 * self.w.row_floats(source)))
+        picks = [slice(start, min(start + step, total)) if rows.ids is None else rows.ids[start : start + step]
+                 for start in range(0, total, step)]
+        if exact and self.w.grid(source, slice(0, 1)) is not None:
+            stacked = _Stacked(total)
+            for pick in picks:
+                part = pack_exact(self.w.rows(source, pick), self.w.grid(source, pick))
+                if part is None:
+                    break
+                stacked.add(*part)
+            else:
+                return stacked.result()
+        stacked = _Stacked(total)
+        for pick in picks:
+            stacked.add(self.quantize(self.w.rows(source, pick), source, symmetric_only), None)
+        return stacked.result()
 
     def quantize(self, w: np.ndarray, source: str, symmetric_only: bool = False):
         """Requantizes a dequantized GGUF tensor whose own grid is not kept (pack_exact), without adding error
@@ -185,15 +292,13 @@ class DecoderBuilder:
                          axis=-1, epsilon=self.arch.rms_eps)
 
     def embed(self, ids: str) -> str:
-        g, opt, table = self.g, self.opt, self.w.get("token_embd.weight")  # [V, H]
-        if opt.weights == "f32":
-            self.embedding = table
-        x = self.gather_rows("token_embd", "token_embd.weight", table, ids)
+        g = self.g
+        x = self.gather_rows("token_embd", "token_embd.weight", ids)
         if self.arch.embed_scale != 1.0:
             x = g.op("Mul", x, g.const(self.arch.embed_scale, np.float32))
         return x
 
-    def gather_rows(self, name: str, source: str, table: np.ndarray, ids: str) -> str:
+    def gather_rows(self, name: str, source: str, ids: str) -> str:
         """Rows `ids` of a [V, H] table (the embedding, or an untied head); the table is stored once however often its
         rows are gathered. The int4 graph keeps the file's own blocks where it can (quant/grid.py: Q5_0 as 8-bit codes,
         Q4_K as 4-bit ones with their offsets), as its matmuls do: requantizing Qwen2.5-Coder-0.5B's Q5_0 embedding to
@@ -201,10 +306,10 @@ class DecoderBuilder:
         g, opt = self.g, self.opt
         if opt.weights == "f32":
             if name not in self.tables:
-                self.tables[name] = _Table(g.weight(name, table))
+                self.tables[name] = _Table(g.weight(name, self.w.get(source)))
             return g.op("Gather", self.tables[name].data, ids, axis=0)
         if name not in self.tables:
-            self.tables[name] = self.quantized_table(name, source, table)
+            self.tables[name] = self.quantized_table(name, source)
         t = self.tables[name]
         x = g.op("GatherBlockQuantized", t.data, ids, t.scales, *[t.zero_points] if t.zero_points else [],
                  domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=t.block, bits=t.bits)
@@ -214,13 +319,11 @@ class DecoderBuilder:
         offsets = g.op("Unsqueeze", g.op("Gather", t.residual, ids, axis=0), g.const([-1]))
         return g.op("Add", x, g.op("Reshape", g.op("Expand", offsets, g.const([1, t.block])), g.op("Shape", x)))
 
-    def quantized_table(self, name: str, source: str, table: np.ndarray) -> _Table:
-        """table [V, H] as GatherBlockQuantized reads it: its own grid's codes, else (a float table, a type without a
-        grid here) a symmetric requantization (self.quantize: 8 bits for floats, 4 for the rest)."""
-        g, rows = self.g, table.shape[0]
-        grid = self.w.grid(source)
-        exact = pack_exact(table, grid) if grid is not None else None
-        packed, residual = exact if exact is not None else (self.quantize(table, source, symmetric_only=True), None)
+    def quantized_table(self, name: str, source: str) -> _Table:
+        """The table `source` [V, H] as GatherBlockQuantized reads it: its own grid's codes, else (a float table, a
+        type without a grid here) a symmetric requantization (self.quantize: 8 bits for floats, 4 for the rest)."""
+        g, rows = self.g, self.w.n_rows(source)
+        packed, residual = self.pack(TensorRows(source), exact=True, symmetric_only=True)
         zero_points = packed.zero_points
         return _Table(g.weight(name + ".q", packed.packed.reshape(rows, -1)),
                       g.weight(name + ".s", packed.scales.reshape(rows, -1)),
@@ -236,7 +339,7 @@ class DecoderBuilder:
         extra = g.input("extra_ids", TensorProto.INT64, ["E"])
         extra_mask = g.input("extra_mask", TensorProto.FLOAT, ["E"])
         source = "token_embd" if head_name == "token_embd.weight" else "head_rows"  # tied heads read the embedding
-        rows = self.gather_rows(source, head_name, self.w.get(head_name), extra)  # [E, H]
+        rows = self.gather_rows(source, head_name, extra)  # [E, H]
         extra_logits = g.op("Add", g.op("MatMul", x, g.op("Transpose", rows, perm=[1, 0])), extra_mask)  # [m, E]
         ids = g.op("Concat", g.const(np.asarray(self.opt.head_ids, np.int64)), extra, axis=0)
         return g.op("Concat", logits, extra_logits, axis=-1), ids
@@ -448,17 +551,14 @@ class DecoderBuilder:
         x = g.op("Gather", g.op("Squeeze", x, g.const([0])), rows, axis=0)  # [m, H]
         x = self.rms_norm(x, "output_norm.weight")
         head_name = "output.weight" if self.w.has("output.weight") else "token_embd.weight"
+        head = TensorRows(head_name, None if opt.head_ids is None else np.asarray(opt.head_ids))  # [V', H]
         if opt.weights == "f32" and opt.head_ids is None and head_name == "token_embd.weight":
-            head = self.embedding  # tied: share the table instead of a second copy
-            logits = g.op("Gemm", x, "token_embd", transB=1)
+            logits = g.op("Gemm", x, "token_embd", transB=1)  # tied: share the table instead of a second copy
         else:
-            head, grid = self.w.get(head_name), self.w.grid(head_name)  # [V, H]
-            if opt.head_ids is not None:
-                head = head[np.asarray(opt.head_ids)]
-                grid = None if grid is None else grid.take(np.asarray(opt.head_ids))
-            logits = self.linear(x, "head", head, source=head_name, grid=grid)  # [m, V']
+            logits = self.linear(x, "head", head, source=head_name)  # [m, V']
         if opt.outputs == "logits":
-            g.output(logits, "logits", F, ["m", head.shape[0]])
+            columns = self.w.n_rows(head_name) if head.ids is None else len(head.ids)
+            g.output(logits, "logits", F, ["m", columns])
         else:
             column_ids = None
             if opt.head_ids is not None:
@@ -474,11 +574,24 @@ class DecoderBuilder:
         return g.model()
 
 
+def build_bytes(weights: GGUFWeights) -> int:
+    """The memory a build of this file's int4/int8 graph takes beyond the process itself: its largest table packed
+    (up to a byte and a quarter a weight: 8-bit codes and a float scale per 16) and a few chunks of rows in float32.
+    Measured on Qwen2.5-Coder-0.5B (a 136M-weight embedding): 259-278 MiB anonymous at its peak, some 70 MiB of
+    interpreter and onnxruntime included, against this estimate's 290 MiB (benchmarks/graph_memory.py)."""
+    tables = [name for name in ("token_embd.weight", "output.weight") if weights.has(name)]
+    largest = max((weights.n_rows(name) * weights.row_floats(name) for name in tables), default=0)
+    return int(largest * 1.25) + 4 * ROWS_BYTES
+
+
 def build_graph(gguf_path: Path, options: GraphOptions, out_path: Path) -> Path:
-    """Writes out_path (+ out_path.data with the weights) and returns out_path."""
+    """Writes out_path (+ out_path.data with the weights) and returns out_path. The weights go to the file tensor
+    by tensor as they are packed, and the tables a chunk of rows at a time: the build holds about one tensor's
+    worth (benchmarks/graph_memory.py measures it), and a model's graph builds within the memory that runs it."""
     weights = GGUFWeights(gguf_path)
-    model = DecoderBuilder(weights, options).build()
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(model, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=out_path.name + ".data", size_threshold=1024)
+    location = out_path.name + ".data"
+    with open(out_path.with_name(location), "wb") as data:
+        model = DecoderBuilder(weights, options, data, location).build()
+    out_path.write_bytes(model.SerializeToString())
     return out_path
