@@ -149,21 +149,32 @@ def plan(
     load: LoadOptions,
 ) -> None:
     """Where each part of a pair goes (GPU, RAM, SSD) and what a target pass costs; loads and downloads nothing."""
+    from dataclasses import replace
+
     from edge.cli.planning import render_plan, render_rates, render_uses
     from edge.models.loading import resolve_spec
     from edge.models.planning import make_choice, make_plan, unused_gpu
     from edge.offload.choice import reason
     from edge.offload.expected import expected_rates, pick, read_acceptance
 
+    from edge.errors import UserError
+
     spec, models_file = resolve_spec(load)
     if (unused := unused_gpu()) is not None:
         warning(unused)
     measured = read_acceptance(acceptance) if acceptance is not None else None
-    result = make_plan(spec, machine, models_file, stream=load.placement == "ssd")
-    rates = expected_rates(result, measured) if measured is not None else None
     # the uses of the memory the plan weighs where the pair is left to choose (chat, generate and serve's default)
     choice = make_choice(spec, machine, models_file, load.lookup_drafts) \
         if load.drafter_model and load.placement == "ram" else None
+    try:
+        result = make_plan(spec, machine, models_file, stream=load.placement == "ssd")
+    except UserError as refusal:
+        if choice is None:
+            raise
+        # the pair as named does not fit, a use without its drafter does: that is the plan `auto` applies
+        result = replace(choice[0].plan, notes=(f"with its drafter it cannot run here ({refusal}); --speculate "
+                                                f"auto runs it as planned here", *choice[0].plan.notes))
+    rates = expected_rates(result, measured) if measured is not None else None
     if as_json:
         out = result.as_dict()
         if choice is not None:

@@ -15,14 +15,15 @@ def render_plan(plan: Plan, console: Console) -> None:
     table = Table("", "GiB", "layers", "placement", "GPU layers", "KV GiB", "RAM/VRAM GiB", box=box.SIMPLE_HEAD,
                   pad_edge=False,
                   title=escape(f"plan for {plan.pair}: ctx {plan.ctx}, budget {_budget(plan)}"))
-    for model in (plan.target, plan.drafter):
+    models = [model for model in (plan.target, plan.drafter) if model.placement != "none"]  # none: no drafter loads
+    for model in models:
         table.add_row(model.role, _gib(model.shape.file_bytes), str(model.shape.n_layers), model.placement,
                       str(model.n_gpu_layers), f"{_gib(model.kv_bytes)} {model.kv_type}",
                       f"{_gib(model.ram_bytes)} / {_gib(model.vram_bytes)}")
     console.print(table)
     one, tree = plan.one_token, plan.tree
     lines = [
-        *(f"{model.role}: {model.shape.source} ({model.runtime})" for model in (plan.target, plan.drafter)),
+        *(f"{model.role}: {model.shape.source} ({model.runtime})" for model in models),
         f"machine: {plan.machine.describe()}",
         f"target pass: 1 token {_seconds(one.seconds)} ({one.bound}), {tree.n_tokens} tokens "
         f"{_seconds(tree.seconds)} ({tree.bound})",
@@ -30,7 +31,8 @@ def render_plan(plan: Plan, console: Console) -> None:
         f"VRAM {_gib(plan.target.vram_bytes + plan.drafter.vram_bytes)} GiB, "
         f"target resident {_gib(plan.target.resident_bytes if plan.target.placement == 'ssd' else 0)} GiB, "
         f"read from the drive per pass {_gib(plan.ssd_bytes)} GiB",
-        *(f"{role} settings: {_settings(options)}" for role, options in plan.placement().items()),
+        *(f"{role} settings: {_settings(options)}" for role, options in plan.placement().items()
+          if role == "target" or plan.drafter.placement != "none"),
         *plan.notes,
     ]
     for line in lines:
@@ -73,6 +75,8 @@ def _settings(options: dict) -> str:
 
 
 def _budget(plan: Plan) -> str:
+    if plan.tree.n_tokens == 1:
+        return "none (plain decoding)"
     return f"auto (up to {plan.tree.n_tokens - 1})" if plan.budget == "auto" else str(plan.budget)
 
 

@@ -260,7 +260,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
                     drafter.close()
                 raise
         elif streamed and options.readahead:
-            target = streamed_in_window(target, target_file, report, planned.resident)
+            target = streamed_in_window(target, target_file, report, planned.resident, stock)
         if target.n_ctx != spec.ctx:
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
     warning = None if stock else runtime(spec.target.runtime).lossless_guarantee(
@@ -301,7 +301,11 @@ def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, 
     two cores or more the slower of the two is what start-up waits. Both take trees of up to `max_tree` nodes;
     `streams`: the target is read from the drive every pass (its weights stay in its file's mapping). Without
     `drafts`, the target alone (lookup drafting); `stock`: loaded for plain decoding alone (ModelOptions.stock)."""
-    model = ModelOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, threads=options.threads,
+    threads = options.threads
+    if threads is None and stock and streams and options.readahead:
+        # ggml's threads spin between ops: the read-ahead needs a core of its own to read while the pass computes
+        threads = max(1, default_threads() - 1)
+    model = ModelOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, threads=threads,
                          gpu_layers=options.gpu_layers or 0, mlock=options.mlock, streamed=streams,
                          provider=spec.target.provider, stock=stock)
     if not drafts:
@@ -341,22 +345,24 @@ def drafter_threads(threads: int | None, placement: str, readahead: bool) -> int
     return max(1, default_threads() - 1)
 
 
-def streamed_in_window(target: Target, path: Path, report: Report = _quiet, resident: int = 0) -> Target:
+def streamed_in_window(target: Target, path: Path, report: Report = _quiet, resident: int = 0,
+                       plain: bool = False) -> Target:
     """A target the plan streams (it does not fit beside the rest): the first `resident` bytes in pass order kept in
     RAM, the rest read ahead in a window that follows its passes (offload/window.py), both sized by the memory left
-    now that both models are loaded."""
+    now that both models are loaded; `plain`: it decodes plainly (one row of logits, no tree beside its pages)."""
     from edge.offload.window import WindowedTarget, free_memory, resident_room, window_bytes
 
     room = free_memory()
-    resident = resident_room(resident, room)
-    window = window_bytes(room - resident)
+    resident = resident_room(resident, room, plain)
+    window = window_bytes(room - resident, plain)
     streamed = WindowedTarget(target, path, window, resident)
     streamer = streamed.streamer
     if streamer.resident_bytes:
         how = "locked" if streamer.locked else "read once, never dropped (mlock was refused)"
         report(f"plan: {streamer.resident_bytes / 2**20:.0f} MiB of the target stay in RAM ({how}); "
                f"{streamer.streamed_bytes / 2**20:.0f} MiB stream from the drive every pass")
-    report(f"plan: while a tree grows, the target is read ahead up to {window / 2**20:.0f} MiB past its pass")
+    when = "every pass" if plain or streamer.resident_bytes else "while a tree grows"
+    report(f"plan: {when}, the target is read ahead up to {window / 2**20:.0f} MiB past its pass")
     return streamed
 
 

@@ -3,6 +3,7 @@ the machine (probed or described), and the plan. Nothing is loaded or downloaded
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,7 +42,36 @@ def make_choice(pair: PairSpec, machine: str | None, models_file: Path | None,
 def _machine(pair: PairSpec, machine: str | None) -> Machine:
     if machine is not None:
         return parse_machine(machine)
-    return probe_here(_local_file(pair.target) or cache_dir() / "models", JsonFile(cache_dir() / "machine.json"))
+    target = _local_file(pair.target)
+    here = probe_here(target or cache_dir() / "models", JsonFile(cache_dir() / "machine.json"))
+    return measured_rates(here, target) if target is not None else here
+
+
+def measured_rates(machine: Machine, target: Path) -> Machine:
+    """The machine with the RAM rate and CPU compute its own passes of this target showed, in RAM, where `--budget
+    auto` has timed them (pass-times.json: once per machine, placement and file), in place of the assumed ones
+    (offload.plan.fit_constants: the one-token pass reads the weights, the largest computes)."""
+    from edge.offload.plan import ModelPlan, fit_constants
+    from edge.offload.probe import machine_key
+
+    stat = target.stat()
+    prefix = f"{machine_key(target)}|{target.name}|{stat.st_size}|{stat.st_mtime_ns}|"
+    for key, entry in JsonFile(cache_dir() / "pass-times.json").read().items():
+        if not (key.startswith(prefix) and "|ram|" in key and isinstance(entry, dict)):
+            continue
+        try:
+            passes = {int(n): [float(ms) / 1000] for n, ms in entry["target_ms"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        plan = ModelPlan(role="target", shape=Shape.from_gguf(target), runtime="", kv_type="", kv_bytes=0,
+                         placement="ram", n_gpu_layers=0, op_offload=False, n_ubatch=0, use_mmap=True,
+                         use_mlock=False, repack=False, ram_bytes=0, vram_bytes=0)
+        fit = fit_constants(plan, machine, passes)
+        if fit is None or not (fit["ram_gbps"] > 0 and fit["cpu_gflops_per_core"] > 0):
+            continue
+        return replace(machine, ram_gbps=fit["ram_gbps"], cpu_gflops_per_core=fit["cpu_gflops_per_core"],
+                       assumed=tuple(name for name in machine.assumed if name != "rambw"))
+    return machine
 
 
 def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) -> Shape:

@@ -34,6 +34,7 @@ class Machine:
     name: str = "described"  # "described", or the CPU (and GPU) probed
     assumed: tuple[str, ...] = ()  # which of disk, cores, pcie, rambw are defaults, not measured or described
     capped: bool = False  # ram_free is the room under a memory cgroup's limit, not the machine's free RAM
+    cpu_gflops_per_core: float | None = None  # measured on this machine's passes; None: offload/plan.py's constant
 
     def describe(self) -> str:
         ram = f"RAM {gib(self.ram_free)} free" + (" under a memory limit" if self.capped else "")

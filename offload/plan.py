@@ -38,9 +38,9 @@ RAM_HEADROOM = 2 * GIB  # left to the OS, Python, onnxruntime and logits buffers
 # and each model's logits (its buffer and the graph's output: 2 x batch x vocabulary x 4 bytes, _logits_bytes).
 CAPPED_HEADROOM = 192 * MIB
 # ... of which a target decoding plainly alone (no onnxruntime, one row of logits) needs only its compute buffers and
-# what Python allocates past the plan: measured, `edge-spec generate -m qwen2.5-coder-1.5b` held 209 MiB of anonymous
-# memory at its peak, 112 MiB of it the 4096-token f16 KV cache, where the plan ran at 39-60 MiB (benchmarks/memcap.py)
-PLAIN_HEADROOM = 48 * MIB
+# what Python allocates past the plan: measured, Qwen2.5-Coder-1.5B's process grew by 171 MiB from its plan to the end
+# of 32 tokens, 112 MiB of it the 4096-token f16 KV cache (benchmarks/load_memory.py --cap-mb 1300)
+PLAIN_HEADROOM = 64 * MIB
 MAX_SEQUENCES = 256  # llama.cpp's sequences per context: its output buffer holds at least as many rows
 CAPPED_MIN_TREE = 17  # under a memory limit, auto's trees may be cut down to this many nodes to fit (budget 16)
 STREAM_ROOM_LAYERS = 4  # a streamed target's layers in memory at once: the one computed and those read ahead
@@ -277,11 +277,12 @@ def largest_tree(pair: PairSpec) -> int:
 
 
 def pass_cost(plan: ModelPlan, machine: Machine, n_tokens: int,
-              cpu_gflops_per_core: float = CPU_GFLOPS_PER_CORE) -> PassCost:
+              cpu_gflops_per_core: float | None = None) -> PassCost:
     """Predicted time of one target pass over n_tokens: each part of the weights costs the longer of moving
     them (at the bandwidth of where they live) and computing with them (where the op runs); for weights the CPU
     computes from the drive, the sum of the two."""
     shape = plan.shape
+    cpu_gflops_per_core = cpu_gflops_per_core or machine.cpu_gflops_per_core or CPU_GFLOPS_PER_CORE
     off_bytes = _off_gpu_bytes(plan)
     on_bytes = shape.streamed_bytes - off_bytes
     from_disk = streamed_bytes(plan)

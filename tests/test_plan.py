@@ -332,6 +332,15 @@ def test_plan_table_on_a_described_machine() -> None:
     assert "uses of the memory" in result.stdout and "chosen: " in result.stdout
 
 
+def test_plan_shows_what_auto_runs_where_the_pair_as_named_does_not_fit() -> None:
+    """4.8 GB: the 70B target's KV cache fits, its drafter's memory beside it does not. `plan` shows the plan auto
+    applies (the target alone), says why the pair as named cannot run, and lists no drafter it will not load."""
+    result = runner.invoke(app, ["plan", "llama3.1-70b", "--machine", "ram=4800M,disk=2GB/s"])
+    assert result.exit_code == 0, result.output
+    assert "budget none (plain decoding)" in result.stdout and "with its drafter it cannot run here" in result.stdout
+    assert "drafter settings" not in result.stdout and "chosen: plain decoding" in result.stdout
+
+
 def test_plan_errors_are_one_line(tmp_path: Path) -> None:
     result = runner.invoke(app, ["plan", "llama3.1-70b", "--machine", "ram=lots"])
     assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "ram=lots is not a size" in result.stderr
@@ -476,3 +485,27 @@ def test_under_a_memory_limit_auto_plans_smaller_trees_until_the_logits_fit() ->
     assert plan_pair(pair, *shapes(pair), parse_machine("ram=4G,disk=3GB/s")).tree.n_tokens == 256
     with pytest.raises(UserError, match="memory limit"):
         plan_pair(replace(pair, budget=255), *shapes(pair), capped)
+
+
+def test_the_plan_prices_passes_at_the_rates_this_machine_measured(tmp_path: Path) -> None:
+    """Where --budget auto has timed this target's passes in RAM here (pass-times.json), the plan prices a pass with
+    the RAM rate and compute those passes imply, not the assumed ones; a damaged entry is passed over."""
+    from edge.models.cache import cache_dir
+    from edge.models.opening import materialize
+    from edge.models.planning import measured_rates
+    from edge.offload.probe import machine_key
+
+    target = materialize(load_registry().pair("smollm2-135m").target, lambda message: None)
+    machine = parse_machine("ram=8G,disk=2GB/s,cores=2")
+    assert measured_rates(machine, target) == machine  # nothing timed yet
+    stat_ = target.stat()
+    key = f"{machine_key(target)}|{target.name}|{stat_.st_size}|{stat_.st_mtime_ns}|drafter|ram|readahead None"
+    store = JsonFile(cache_dir() / "pass-times.json")
+    store.write({key + "|damaged": {"target_ms": "x"}, key: {"target_ms": {"1": 10.0, "64": 80.0}}})
+    measured = measured_rates(machine, target)
+    shape = Shape.from_gguf(target)
+    assert measured.ram_gbps == pytest.approx(shape.streamed_bytes / 0.010 / 1e9, rel=1e-2)
+    assert measured.cpu_gflops_per_core == pytest.approx(2 * shape.n_params * 64 / 0.080 / 2 / 1e9, rel=1e-2)
+    assert "rambw" not in measured.assumed
+    plan = plan_pair(load_registry().pair("smollm2-135m"), shape, None, measured, plain=True)
+    assert plan.one_token.seconds == pytest.approx(0.010, rel=0.05)
