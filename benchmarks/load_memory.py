@@ -36,10 +36,11 @@ def _anon() -> int:
 
 def measure(pair: str, use: str, tokens: int) -> dict:
     steps: dict[str, int] = {"start": _anon()}
-    import edge
     from edge.models.loading import resolve_spec
     from edge.models.planning import make_choice
     from edge.offload.plan import _headroom
+
+    import edge
     from edge.options import LoadOptions
 
     steps["imported"] = _anon()

@@ -398,14 +398,15 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
     if kv_ram > ram_left:
         raise UserError(f"pair {pair.name} cannot run here: the target's {kv_type} KV cache for {pair.ctx} tokens "
                         f"needs {gib(kv_ram)} of RAM{' off the GPU' if n_gpu else ''} but {gib(max(ram_left, 0))} "
-                        f"is free past the drafter and {room}; lower the context (--ctx) or "
-                        f"free memory")
+                        f"is free past the drafter and {room}; lower the context (ctx) or free memory", "ctx")
     off_gpu = shape.file_bytes - round(n_gpu * layer) - (head if with_head else 0)  # lookup table included
+    # of the looked-up table, only the rows of the context's tokens are ever read (mapped: only they take memory)
+    in_use = off_gpu - lookup + touched_rows(shape, pair.ctx)
     resident = 0
     if with_head:
         placement, ram = "gpu", kv_ram + lookup
-    elif off_gpu <= ram_left - kv_ram:
-        placement, ram = "ram", kv_ram + off_gpu
+    elif in_use <= ram_left - kv_ram:
+        placement, ram = "ram", kv_ram + in_use
     else:
         # Mapped: what the memory holds past the KV cache and the stream's own room stays resident, the rest passes
         # through the page cache on every pass.
@@ -416,6 +417,15 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
     common["repack"] = placement != "ssd"
     return ModelPlan(placement=placement, n_gpu_layers=n_gpu + (1 if with_head else 0), ram_bytes=ram,
                      vram_bytes=vram, resident_bytes=resident, **common)
+
+
+def touched_rows(shape: Shape, ctx: int) -> int:
+    """Bytes of a looked-up token table that a context of `ctx` tokens reads: a row per token at most (a 152k-token
+    table of 131 MiB holds 4096 tokens' rows in 5 MiB)."""
+    table = shape.file_bytes - shape.streamed_bytes
+    if not shape.n_vocab:
+        return table
+    return min(table, ctx * -(-table // shape.n_vocab))
 
 
 def stream_room(shape: Shape) -> int:

@@ -66,7 +66,7 @@ class WindowedStreamer(SsdStreamer):
     def __init__(self, path: Path, window: int, resident: int = 0):
         super().__init__(path, readahead=True)
         self.window = window
-        self.spans = self._spans()
+        self.spans = _split_at(self._spans(), resident)
         self.resident = _resident_prefix(self.spans, resident)  # indices of the spans that stay
         streamed = [span for index, span in enumerate(self.spans) if index not in self.resident]
         self._ranges = [(span.start, span.end) for span in streamed]  # what a whole read-ahead reads
@@ -246,6 +246,23 @@ class WindowedTarget(SsdTarget):
         streamer = WindowedStreamer(path, window, resident)
         streamer.readahead = target.follow_layers(streamer.on_layer, streamer.following)
         super().__init__(target, path, streamer=streamer)
+
+
+def _split_at(spans: list[Span], resident: int) -> list[Span]:
+    """The spans with the one the resident set ends in cut in two at a page (the resident set then holds exactly
+    what the memory has room for: a large tensor, such as the head read last, need not stream whole because all of
+    it does not fit)."""
+    total = 0
+    for index, span in enumerate(spans):
+        if total + span.size > resident:
+            cut = span.start + (resident - total) // mmap.PAGESIZE * mmap.PAGESIZE
+            if span.start < cut < span.end:
+                head = Span(span.start, cut, span.offset, cut - span.start, span.layer)
+                tail = Span(cut, span.end, span.offset + cut - span.start, span.end - cut, span.layer)
+                return [*spans[:index], head, tail, *spans[index + 1:]]
+            return spans
+        total += span.size
+    return spans
 
 
 def _resident_prefix(spans: list[Span], resident: int) -> frozenset[int]:
