@@ -1,6 +1,6 @@
 """How long a pair's chat replies run under a sampling set: each chat prompt, a fresh conversation, up to N tokens,
 for a few seeds. A reply that reaches N has not ended its turn (it loops or rambles). Chat's default sampling
-(edge.sampling.CHAT_DEFAULTS) was chosen with it:
+(edge.sampling.chat_defaults: llama.cpp's set and CHAT_REPEAT_PENALTY) was chosen with it:
 
     python benchmarks/chat_lengths.py --seeds 1,2,3,4
     python benchmarks/chat_lengths.py --seeds 1,2,3,4 --set repeat_penalty=1.0      # llama.cpp's set alone
@@ -27,10 +27,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import edge
+    from edge.sampling import chat_defaults
 
     prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
     with edge.load(args.pair) as pair:
-        sampling = pair.sampling
+        sampling = chat_defaults(pair.sampling, pair.recommended)
         for change in args.set:
             name, _, value = change.partition("=")
             kind = type(getattr(sampling, name))

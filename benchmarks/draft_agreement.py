@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 from edge.models.bench import read_prompts
+from replay import plain_replies  # benchmarks/replay.py, beside this script
 
 import edge
-from edge.replay import plain_replies
 from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
 

@@ -29,9 +29,9 @@ from edge.models.opening import open_drafter
 from edge.models.pair import CALIBRATION_TEXT, Pair
 from edge.offload.tuning import expand_ms
 from edge.runtimes.onnx import graph
+from replay import plain_replies  # benchmarks/replay.py, beside this script
 
 import edge
-from edge.replay import plain_replies
 from edge.sampling import SamplingConfig
 
 _kept_init = graph.DecoderBuilder.__init__

@@ -90,7 +90,7 @@ def main() -> None:
         if args.grow_after_eviction:
             _grow_after_eviction(pair.target)
         recorder = _Recorder(config, pair.target.streamer)
-        decoder = Decoder(pair.target, pair.drafter, None, SamplingConfig(), policy=recorder)
+        decoder = Decoder(pair.target, pair.drafter, recorder, SamplingConfig())
         for text in texts:
             decoder.reset()
             decoder.load(pair.prompt_tokens(text))

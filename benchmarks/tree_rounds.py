@@ -1,5 +1,5 @@
 """Tree against chain round by round, from the same state: where a greedy tree of a budget yields less than a
-chain drafting as many tokens, replayed against the target's own text (edge.replay, as benchmarks/tree_yield.py does).
+chain drafting as many tokens, replayed against the target's own text (benchmarks/replay.py, as tree_yield.py does).
 
     python benchmarks/tree_rounds.py --pair smollm2-135m --prompts benchmarks/chat-prompts.txt --budget 16
 
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 from edge.models.bench import read_prompts
+from replay import ReplayTarget, plain_replies, replay  # benchmarks/replay.py, beside this script
 
 import edge
 from edge.generate import Decoder
 from edge.grow import GrowConfig, grow
-from edge.policy import GREEDY_DRAFT_TEMPERATURE
 from edge.protocols import Drafter
-from edge.replay import ReplayTarget, plain_replies, replay
+from edge.rules import GREEDY_DRAFT_TEMPERATURE
 from edge.sampling import SamplingConfig
 from edge.speculative import RoundResult
 from edge.tree import TokenTree
@@ -110,7 +110,7 @@ def main() -> None:
         references = plain_replies(pair.target, prompts, args.n, SamplingConfig())
         target = ReplayTarget.like(pair.target)
         policy = ChainBeside(args.budget, target, pair.drafter)
-        decoder = Decoder(target, pair.drafter, None, SamplingConfig(), policy=policy)
+        decoder = Decoder(target, pair.drafter, policy, SamplingConfig())
         for prompt, reference in zip(prompts, references, strict=True):
             replay(decoder, prompt, reference)
         shifts = [masked_slot_shift(pair.drafter, prompt) for prompt in prompts]

@@ -7,7 +7,7 @@ With greedy decoding the target's answer at every node of a tree is its plain gr
 plainly once tells how many tokens any tree would have yielded. Sampling with a seed works the same way
 (`--temperature`): acceptance draws each token with the same random numbers plain sampling uses for it, so a tree
 yields the plain text too. The rounds then run as a run does, over a target that answers from that text
-(edge.replay): the trees grow with the pair's real drafter, acceptance is learned (edge/acceptance.py), and it
+(benchmarks/replay.py): the trees grow with the pair's real drafter, acceptance is learned (edge/acceptance.py), and it
 prints tokens per pass and growth time per round for a chain and a tree of each budget, in the same order as
 `edge-spec bench` runs its rows (each prompt through every row in turn). With a batch-invariant target (the pairs'
 Q4_1 / Q8_0 files) the figures are what `edge-spec bench` measures; with `--target-dtype f16` a near-tie can round
@@ -17,7 +17,7 @@ the other way in a tree pass.
         --methods tree --temperature 0.8 --accept match,residual
 
 The residual rule (`--accept residual`, edge/residual.py) does not emit plain sampling's text, so no reply can be
-replayed for it: its rows run over edge.replay.PathTarget, the real target run only on the nodes acceptance reads,
+replayed for it: its rows run over replay.PathTarget, the real target run only on the nodes acceptance reads,
 one token a pass down the accepted path (plain decoding's cost, never the tree pass). Exact on a batch-invariant
 target, and the way to compare budgets whose tree passes are slow here (1024 nodes: seconds a pass on 2 cores).
 Rows in the same order as `edge-spec bench`: with a seed, each row's figures are a bench row's.
@@ -30,12 +30,12 @@ import sys
 from pathlib import Path
 
 from edge.models.bench import read_prompts
+from replay import PathTarget, ReplayTarget, plain_replies, replay  # benchmarks/replay.py, beside this script
 
 import edge
 from edge.generate import Decoder, Stats
 from edge.grow import GrowConfig
 from edge.protocols import Drafter
-from edge.replay import PathTarget, ReplayTarget, plain_replies, replay
 from edge.sampling import SamplingConfig
 from edge.speculative import RoundResult
 
@@ -48,7 +48,7 @@ class Row:
                  sampling: SamplingConfig):
         self.method, self.budget, self.accept = method, budget, accept
         self.config = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
-        self.decoder = Decoder(target, drafter, None, sampling, policy=self, accept=accept)
+        self.decoder = Decoder(target, drafter, self, sampling, accept=accept)
         self.stats = Stats()
         self.depths: list[int] = []
 

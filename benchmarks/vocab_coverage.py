@@ -19,9 +19,9 @@ from pathlib import Path
 from edge.models.bench import read_prompts
 from edge.models.loading import resolve_spec
 from edge.models.opening import head_ids
+from replay import plain_replies  # benchmarks/replay.py, beside this script
 
 import edge
-from edge.replay import plain_replies
 from edge.sampling import SamplingConfig
 
 

@@ -7,60 +7,50 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from edge.cli.app import app
 from edge.cli.options import (
     DECODING,
-    ChatSamplingOpt,
-    MinPOpt,
     ModelArg,
     NoSpecOpt,
     RawOpt,
-    RepeatOpt,
-    SeedOpt,
-    TempOpt,
-    TopKOpt,
-    TopPOpt,
     load_flags,
     load_pair,
     read_stdin,
     refuse_base_model,
-    sampling_config,
+    sampling_flags,
     user_errors,
 )
 from edge.cli.render import err, reply_stats, warning
+from edge.serve.limits import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 from rich.markup import escape
 
 from edge.errors import UserError
 from edge.options import LoadOptions, check_max_tokens
+from edge.sampling import SamplingConfig
 
 
 @app.command()
 @user_errors
 @load_flags("pair", "target", *DECODING, "target_dtype")
+@sampling_flags()
 def generate(
     ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(help="the prompt ('-' reads stdin)")],
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 256,
-    temperature: TempOpt = 0.0,
-    top_k: TopKOpt = 0,
-    top_p: TopPOpt = 1.0,
-    min_p: MinPOpt = 0.0,
-    repeat_penalty: RepeatOpt = 1.0,
-    seed: SeedOpt = None,
     no_spec: NoSpecOpt = False,
     raw: RawOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     *,
+    sampling: SamplingConfig,
     load: LoadOptions,
 ) -> None:
     """Complete one prompt, streaming the text (or one JSON object with --json)."""
     from edge.options import check_max_tokens
 
     check_max_tokens(max_tokens)  # before anything loads: a bad value is its one line
-    sampling = sampling_config(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     text = read_stdin() if prompt == "-" else prompt
     import edge
 
@@ -92,19 +82,14 @@ def generate(
 @app.command()
 @user_errors
 @load_flags(*DECODING, pair=ModelArg)
+@sampling_flags(recommended=True)
 def chat(
     ctx: typer.Context,
     system: Annotated[str | None, typer.Option(help="system prompt", show_default=False)] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="most tokens per reply")] = 1024,
-    temperature: ChatSamplingOpt = None,
-    top_k: Annotated[int | None, typer.Option(help="default: the model's recommended, else 40", show_default=False)
-                     ] = None,
-    top_p: ChatSamplingOpt = None,
-    min_p: ChatSamplingOpt = None,
-    repeat_penalty: ChatSamplingOpt = None,
-    seed: SeedOpt = None,
     no_spec: NoSpecOpt = False,
     *,
+    sampling: dict[str, Any],
     load: LoadOptions,
 ) -> None:
     """Talk to a model. Piped stdin: one prompt per line, replies on stdout. Samples as the model recommends (its
@@ -113,19 +98,22 @@ def chat(
     from edge.models.cache import cache_dir
 
     check_max_tokens(max_tokens)
-    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
-             "min_p": min_p, "repeat_penalty": repeat_penalty, "seed": seed}
+    given = dict(sampling)
+    temperature, repeat_penalty = given["temperature"], given["repeat_penalty"]
     refuse_base_model(load, "use `edge-spec generate --raw`")
     with load_pair(alone(load, no_spec)) as loaded:
         if loaded.template is None:
             raise UserError(f"{loaded.name} has no chat template (a base model): use `edge-spec generate --raw`")
         from dataclasses import replace
 
+        from edge.sampling import chat_defaults
+
+        defaults = chat_defaults(loaded.sampling, loaded.recommended)
         if repeat_penalty is None and temperature is not None:  # --temperature 0 alone: generate's greedy text
-            given["repeat_penalty"] = greedy_penalty(temperature, loaded.sampling.repeat_penalty)
-        sampling = replace(loaded.sampling, **{name: value for name, value in given.items() if value is not None})
+            given["repeat_penalty"] = greedy_penalty(temperature, defaults.repeat_penalty)
+        chosen = replace(defaults, **{name: value for name, value in given.items() if value is not None})
         history = os.environ.get("EDGE_SPEC_CHAT_HISTORY") or cache_dir() / HISTORY_FILE
-        run_chat(loaded, sampling, system, max_tokens, no_spec, err, Path(history), repeat_penalty is not None)
+        run_chat(loaded, chosen, system, max_tokens, no_spec, err, Path(history), repeat_penalty is not None)
 
 
 @app.command()
@@ -145,6 +133,11 @@ def serve(
         show_default=False)] = None,
     no_spec: NoSpecOpt = False,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: debug, info, warning, error")] = "info",
+    head_timeout: Annotated[float, typer.Option(
+        help="seconds a connection has to send a whole request head (slow and idle clients are closed)")
+                            ] = HEAD_TIMEOUT_S,
+    body_timeout: Annotated[float, typer.Option(help="seconds a request's body has to arrive whole (else 408)")
+                            ] = BODY_TIMEOUT_S,
     *,
     load: LoadOptions,
 ) -> None:
@@ -157,6 +150,9 @@ def serve(
         raise UserError(f"--log-level must be debug, info, warning or error (got {log_level!r})")
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key is empty: give a key, or leave the option out")
+    for name, seconds in (("--head-timeout", head_timeout), ("--body-timeout", body_timeout)):
+        if not 0 < seconds <= 3600:
+            raise UserError(f"{name} must be more than 0 and at most 3600 seconds (got {seconds:g})")
     sock = bind(host, port)  # a port in use is said before a load of seconds
     try:
         if not is_loopback(host):
@@ -175,7 +171,8 @@ def serve(
                           "queue · Ctrl-C stops", soft_wrap=True, highlight=False)
 
             serve(loaded, sock, api_key=api_key, cors_origins=cors_origin or (), speculate=not no_spec,
-                  budget=None, log_level=log_level.lower(), ready=ready)
+                  budget=None, log_level=log_level.lower(), ready=ready, head_timeout_s=head_timeout,
+                  body_timeout_s=body_timeout)
     finally:
         sock.close()
 

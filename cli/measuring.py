@@ -10,18 +10,13 @@ import typer
 from edge.cli.app import app
 from edge.cli.options import (
     PLACING,
-    MinPOpt,
     ModelArg,
     RawOpt,
-    SeedOpt,
-    TempOpt,
     ThreadsOpt,
-    TopKOpt,
-    TopPOpt,
     load_flags,
     load_pair,
     named,
-    sampling_config,
+    sampling_flags,
     user_errors,
     working,
 )
@@ -30,11 +25,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from edge.options import LoadOptions
+from edge.sampling import SamplingConfig
 
 
 @app.command()
 @user_errors
 @load_flags("pair", "drafter", "lookup", "ctx", *PLACING, "target_dtype")
+@sampling_flags(seed=0)
 def bench(
     ctx: typer.Context,
     prompts: Annotated[Path | None, typer.Option(
@@ -43,13 +40,8 @@ def bench(
     budgets: Annotated[str, typer.Option(
         help="comma-separated tree budgets; auto picks one per round")] = "auto,1,16,64,255",
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 128,
-    temperature: TempOpt = 0.0,
-    top_k: TopKOpt = 0,
-    top_p: TopPOpt = 1.0,
-    min_p: MinPOpt = 0.0,
     accept: Annotated[str, typer.Option(
         help="acceptance rules to compare when sampling, comma-separated: match, residual, coupled, auto")] = "auto",
-    seed: SeedOpt = 0,
     raw: RawOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     drafters: Annotated[str | None, typer.Option(
@@ -61,6 +53,7 @@ def bench(
     plot: Annotated[Path | None, typer.Option(help="write a PNG: tokens/s and tokens per pass against the budget",
                                               show_default=False)] = None,
     *,
+    sampling: SamplingConfig,
     load: LoadOptions,
 ) -> None:
     """Plain decoding vs chain and tree speculation on the same prompts, the same placement, in one run."""
@@ -75,7 +68,6 @@ def bench(
     method_list = parse_methods(methods)
     accept_list = parse_accepts(accept)
     prompt_list = read_prompts(prompts)
-    sampling = sampling_config(temperature, top_k, top_p, min_p, 1.0, seed)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("bench: prompts x rows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())

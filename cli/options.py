@@ -82,9 +82,7 @@ TopPOpt = Annotated[float, typer.Option()]
 MinPOpt = Annotated[float, typer.Option()]
 RepeatOpt = Annotated[float, typer.Option(help="1 = off")]
 SeedOpt = Annotated[int | None, typer.Option(show_default=False)]
-ChatSamplingOpt = Annotated[float | None, typer.Option(
-    help="default: the model's recommended sampling (its GGUF's general.sampling.*), else llama.cpp's",
-    show_default=False)]
+RECOMMENDED = "default: the model's recommended sampling (its GGUF's general.sampling.*), else llama.cpp's"
 ThreadsOpt = Annotated[int | None, typer.Option(
     help="CPU threads (default: all cores; the drafter one fewer while an SSD target is read ahead)",
     show_default=False)]
@@ -112,6 +110,49 @@ CLI_DEFAULTS: dict[str, Any] = {"speculate": "auto"}
 PLACING = ("threads", "provider", "gpu_layers", "placement", "readahead", "overlap", "mlock")
 DECODING = ("drafter", "lookup", "budget", "accept", "ctx", "speculate", *PLACING)  # what the decoding commands share
 PARAMETERS = {"ctx": "ctx_size"}  # a field whose name the command's typer.Context already takes
+# SamplingConfig's fields that commands take as flags, declared once: the field, its flag, and its flag where the
+# model's recommended sampling fills what is not given (chat)
+SAMPLING_FLAGS: dict[str, tuple[Any, Any]] = {
+    "temperature": (TempOpt, Annotated[float | None, typer.Option(help=RECOMMENDED, show_default=False)]),
+    "top_k": (TopKOpt, Annotated[int | None, typer.Option(help=RECOMMENDED, show_default=False)]),
+    "top_p": (TopPOpt, Annotated[float | None, typer.Option(help=RECOMMENDED, show_default=False)]),
+    "min_p": (MinPOpt, Annotated[float | None, typer.Option(help=RECOMMENDED, show_default=False)]),
+    "repeat_penalty": (RepeatOpt, Annotated[float | None, typer.Option(
+        help=RECOMMENDED + "; chat's 1.1 where the model recommends none", show_default=False)]),
+    "seed": (SeedOpt, SeedOpt),
+}
+
+
+def sampling_flags(recommended: bool = False, **defaults: Any) -> Callable[[F], F]:
+    """Give a command the sampling flags (SAMPLING_FLAGS') and call it with them as `sampling`: a SamplingConfig
+    (the flags' defaults SamplingConfig's, or `defaults`); with `recommended`, the flags given as a dict (None where
+    not given: the model's recommended sampling fills them)."""
+    from dataclasses import fields as dataclass_fields
+
+    from edge.sampling import SamplingConfig
+
+    own = {field.name: field.default for field in dataclass_fields(SamplingConfig)} | defaults
+
+    def decorate(command: F) -> F:
+        signature = inspect.signature(command, eval_str=True)
+        kept = [p for p in signature.parameters.values() if p.name != "sampling"]
+        at = next((i for i, p in enumerate(kept) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(kept))
+        added = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                   default=None if recommended and name != "seed" else own[name],
+                                   annotation=flag[1] if recommended else flag[0])
+                 for name, flag in SAMPLING_FLAGS.items()]
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            given = {name: kwargs.pop(name) for name in SAMPLING_FLAGS}
+            return command(**kwargs, sampling=given if recommended else SamplingConfig(**given))
+
+        parameters = [*kept[:at], *added, *kept[at:]]
+        wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 def load_flags(*fields: str, **flags: Any) -> Callable[[F], F]:
@@ -141,14 +182,6 @@ def load_flags(*fields: str, **flags: Any) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorate
-
-
-def sampling_config(temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
-                    seed: int | None):
-    from edge.sampling import SamplingConfig
-
-    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                          repeat_penalty=repeat_penalty, seed=seed)
 
 
 def read_stdin() -> str:

@@ -21,9 +21,12 @@ def error(message: str) -> None:
     err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
 
 
+FLAGS = {"models_file": "--models"}  # library options whose flag is not their name
+
+
 def flag(option: str) -> str:
     """The command line's name for a library option: max_tokens -> --max-tokens."""
-    return "--" + option.replace("_", "-")
+    return FLAGS.get(option) or "--" + option.replace("_", "-")
 
 
 def worded(problem: UserError, in_chat: bool = False) -> str:

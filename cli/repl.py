@@ -21,7 +21,7 @@ from edge.chat import ChatSession
 from edge.errors import UserError
 from edge.generate import Stats, Step
 from edge.options import check_max_tokens, parse_budget
-from edge.sampling import SamplingConfig
+from edge.sampling import SamplingConfig, chat_defaults
 
 HELP = """commands:
   /help             this help
@@ -63,7 +63,8 @@ class Chat:
             if field == "repeat_penalty":
                 self.penalty_chosen = True
             elif field == "temperature" and not self.penalty_chosen:  # greedy is generate's greedy; sampling, chat's
-                changes["repeat_penalty"] = greedy_penalty(parsed, self.loaded.sampling.repeat_penalty)
+                changes["repeat_penalty"] = greedy_penalty(parsed, chat_defaults(self.loaded.sampling,
+                                                                                 self.loaded.recommended).repeat_penalty)
             self.sampling = dataclasses.replace(self.sampling, **changes)
             self.session.decoder.set_sampling(self.sampling)
             return f"sampling: {self.sampling.described()}"

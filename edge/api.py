@@ -63,33 +63,54 @@ def load(pair: str | LoadOptions | None = None, *, report: Callable[[str], None]
     return open_pair(load_options, report or logging.getLogger("edge").info)
 
 
-def stream_generate(pair: Pair, prompt: Prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0, seed: int | None = None,
-                    sampling: SamplingConfig | None = None, speculate: bool = True, budget: int | str | None = None,
-                    raw: bool | None = None, stop: str | Sequence[str] | None = None,
-                    should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
+@dataclass(frozen=True)
+class GenerateOptions:
+    """stream_generate's keywords. Sampling: temperature 0 is greedy; `sampling` replaces the separate fields (it also
+    holds the presence and frequency penalties). Output is the target's own whatever `speculate` and `budget`: they
+    change only how many tokens each target pass yields. `raw`: complete the text as-is, no chat template. `stop`:
+    stop strings; the reply ends before the first one its text contains (finish reason "stop"). `should_stop` is
+    asked after each token: True ends the reply ("interrupted")."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+    sampling: SamplingConfig | None = None
+    speculate: bool = True
+    budget: int | str | None = None
+    raw: bool | None = None
+    stop: str | Sequence[str] | None = None
+    should_stop: Callable[[], bool] | None = None
+
+    def sampled(self) -> SamplingConfig:
+        return self.sampling or SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                               min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed)
+
+
+def stream_generate(pair: Pair, prompt: Prompt, **options: Any) -> Iterator[Step]:
     """Yield one Step per new token, then a final Step whose `finish_reason` says why generation ended and whose
     `stats` cover the whole reply (prefill included).
 
     `prompt`: text (rendered with the pair's chat template unless `raw`; a base model completes it as-is), chat
-    messages, or token ids. Sampling: temperature 0 is greedy; `sampling` replaces the separate fields (it also holds
-    the presence and frequency penalties). Output is the target's own whatever `speculate` and `budget`: they change
-    only how many tokens each target pass yields. `stop`: stop strings; the reply ends before the first one its text
-    contains (finish reason "stop"). `should_stop` is asked after each token: True ends the reply ("interrupted").
+    messages, or token ids. `options`: GenerateOptions' fields (max_tokens, temperature, top_k, top_p, min_p,
+    repeat_penalty, seed, sampling, speculate, budget, raw, stop, should_stop).
 
     A pair runs one generation at a time: a call from another thread waits for its turn, a second generator on the
     same thread while one is unfinished raises UserError, and a generator dropped or closed ends its turn. After
     pair.close() a generation raises UserError.
     """
-    check_max_tokens(max_tokens)
-    sampling = sampling or SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                          repeat_penalty=repeat_penalty, seed=seed)
+    asked = GenerateOptions(**options)
+    check_max_tokens(asked.max_tokens)
+    sampling, max_tokens, should_stop, stop = asked.sampled(), asked.max_tokens, asked.should_stop, asked.stop
     stops = StopStrings([] if stop is None else stop)
     with pair.generating():  # one generation at a time per pair (another thread's waits its turn)
         with pair.stepping():
-            tokens = pair.prompt_tokens(prompt, raw)
+            tokens = pair.prompt_tokens(prompt, asked.raw)
             check_fits(tokens, pair.target.n_ctx)  # before a first --budget auto times the passes (seconds, once)
-            decoder = pair.reused_decoder(sampling, speculate, parse_budget(budget))
+            decoder = pair.reused_decoder(sampling, asked.speculate, parse_budget(asked.budget))
         if stops.stops:
             steps = cut_at_stop_strings(decoder.reply(tokens, max_tokens, stopping(stops, should_stop)), stops)
         else:

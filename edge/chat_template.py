@@ -173,7 +173,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as error:
             raise UserError(
                 f"the model's chat template has a syntax error (line {error.lineno}: {error.message}); "
-                "complete raw text instead (--raw, or raw=True in Python)"
+                "complete raw text instead (raw)", "raw"
             ) from None
         object.__setattr__(self, "_compiled", compiled)
 
@@ -194,14 +194,14 @@ class ChatTemplate:
         except (_TooBig, RecursionError, MemoryError) as error:
             what = {RecursionError: "it recurses without end", MemoryError: "it needs more memory than there is"}.get(
                 type(error), str(error))
-            raise UserError(f"the model's chat template was stopped: {what}; complete raw text instead "
-                            "(--raw, or raw=True in Python)") from None
+            raise UserError(f"the model's chat template was stopped: {what}; complete raw text instead (raw)",
+                            "raw") from None
         except jinja2.TemplateError as error:
             # SecurityError (a sandbox escape attempt) lands here too.
             raise UserError(f"the model's chat template failed: {error}") from None
         except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as error:
             # the template's own expressions ({{ 1/0 }}, an index past a list's end): the template's fault, in one line
             raise UserError(f"the model's chat template failed: {type(error).__name__}: {error}; complete raw text "
-                            "instead (--raw, or raw=True in Python)") from None
+                            "instead (raw)", "raw") from None
         finally:
             _RENDER.deadline = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 
@@ -16,9 +17,15 @@ class UserError(Exception):
         self.option = option
 
     def worded(self, name: Callable[[str], str]) -> str:
-        """The message with its option called `name(option)`."""
+        """The message with its option called `name(option)`: where it is written `option` (in backticks), else its
+        first mention as a word of its own (not inside a path or another name)."""
         text = str(self)
-        return text if self.option is None else text.replace(self.option, name(self.option), 1)
+        if self.option is None:
+            return text
+        quoted = f"`{self.option}`"
+        if quoted in text:
+            return text.replace(quoted, name(self.option), 1)
+        return re.sub(rf"(?<![\w./-]){re.escape(self.option)}(?![\w/-])", lambda _: name(self.option), text, count=1)
 
 
 class ContextFull(UserError):

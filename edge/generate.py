@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -15,11 +16,12 @@ from edge.coupled import Noise
 from edge.errors import ContextFull, Interrupted, UserError
 from edge.grow import GrowConfig
 from edge.lookup import Lookup
-from edge.overlap import Overlap, overlapped_round
-from edge.policy import LOOKUP_BRANCHES, BudgetPolicy, FixedBudget, RoundPlan, RoundPolicy
+from edge.overlap import Overlap
+from edge.policy import LOOKUP_BRANCHES, BudgetPolicy, FixedBudget, RoundPolicy
 from edge.protocols import Drafter, Target
+from edge.rules import Reply
 from edge.sampling import SamplingConfig
-from edge.speculative import RoundResult, speculative_round
+from edge.speculative import RoundPlan, RoundResult, run_round
 
 PLAIN = RoundPlan(None)
 
@@ -40,10 +42,15 @@ class Stats:
     decode_s: float = 0.0  # wall time of the rounds, prefill excluded
     plain_rounds: int = 0  # rounds a budget policy ran without a tree (speculation did not pay)
     lookup_rounds: int = 0  # rounds whose tree was lookup branches alone (no drafter pass)
-    residual_rounds: int = 0  # tree rounds verified by the residual rule (the rest: sample-and-match)
+    rule_rounds: dict[str, int] = dataclasses.field(default_factory=dict)  # tree rounds by acceptance rule
     budget_sum: int = 0  # draft nodes asked for, summed over rounds (mean budget = budget_sum / rounds)
     hidden_s: float = 0.0  # drafting done while target passes ran (edge/overlap.py): in verify_s, not in draft_s
     pregrown_rounds: int = 0  # rounds whose tree was grown during the previous round's pass
+
+    @property
+    def residual_rounds(self) -> int:
+        """Tree rounds the residual rule verified."""
+        return self.rule_rounds.get("residual", 0)
 
     @property
     def tokens_per_pass(self) -> float:
@@ -53,15 +60,15 @@ class Stats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.decode_s if self.decode_s else 0.0
 
-    def count(self, plan: RoundPlan, result: RoundResult, passes: int, seconds: float, pregrown: bool = False) -> None:
-        """One round: its plan, what it did, the target passes it ran, its wall time, and whether its tree was grown
-        during the previous pass."""
+    def count(self, plan: RoundPlan, result: RoundResult, passes: int, seconds: float) -> None:
+        """One round: its plan, what it did, the target passes it ran and its wall time."""
         self.rounds += 1
-        self.pregrown_rounds += pregrown
+        self.pregrown_rounds += result.pregrown
         self.hidden_s += result.seconds.get("hidden", 0.0)
         self.plain_rounds += plan.grow is None
         self.lookup_rounds += plan.grow is not None and not plan.drafting
-        self.residual_rounds += plan.grow is not None and plan.rule == "residual"
+        if plan.grow is not None:  # a new dict: the steps' copies of the figures keep theirs
+            self.rule_rounds = {**self.rule_rounds, plan.rule.name: self.rule_rounds.get(plan.rule.name, 0) + 1}
         self.budget_sum += 0 if plan.grow is None else plan.grow.budget
         self.target_passes += passes
         self.drafter_passes += result.drafter_passes
@@ -73,7 +80,11 @@ class Stats:
 
     def add(self, other: Stats) -> None:
         for field in dataclasses.fields(self):
-            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if isinstance(mine, dict):
+                setattr(self, field.name, {key: mine.get(key, 0) + theirs.get(key, 0) for key in {*mine, *theirs}})
+            else:
+                setattr(self, field.name, mine + theirs)
 
     def as_dict(self) -> dict[str, float | int]:
         """Every figure of a run, totals and per round: what --json prints and each bench row is made of."""
@@ -98,6 +109,7 @@ class Stats:
             "plain_rounds": self.plain_rounds,
             "lookup_rounds": self.lookup_rounds,
             "residual_rounds": self.residual_rounds,
+            "rule_rounds": dict(sorted(self.rule_rounds.items())),
             "mean_budget": round(self.budget_sum / rounds, 1),
             "hidden_s_per_round": round(self.hidden_s / rounds, 5),
             "pregrown_rounds": self.pregrown_rounds,
@@ -112,12 +124,11 @@ class Step:
     stats: Stats  # the reply's figures as of this step (a copy: later steps do not change it)
 
 
-class SharedCaches:
-    """Which decoder last loaded a prompt into some models' KV caches. Several decoders may share one pair's models
-    (the benchmark rows, the library's calls): a decoder reuses what the caches hold only if it loaded them last."""
-
-    def __init__(self) -> None:
-        self.holder: Decoder | None = None
+# Which decoder last loaded a prompt into a target's KV cache (and its drafter's), by the target: several decoders may
+# share one pair's models (the benchmark rows, the library's calls, a test's plain reference beside the pair's own
+# decoder), and a decoder reuses what the caches hold only if it loaded them last. Weak: a decoder dropped leaves no
+# entry, and while one lives its target does, so no other target can take its id.
+_HOLDERS: weakref.WeakValueDictionary[int, Decoder] = weakref.WeakValueDictionary()
 
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: a Ctrl-C waits for one such pass at most
@@ -126,25 +137,25 @@ PREFILL_CHUNK = 256  # prompt tokens per prefill pass: a Ctrl-C waits for one su
 class Decoder:
     """Owns a target (and optionally a drafter) and the committed context; both KV caches hold context[:-1].
 
-    Each round does what `rounds` (edge.policy.RoundPolicy) plans: a tree of some shape, or none (plain decoding),
-    and its acceptance rule. Without one it is made from the other arguments: `grow_config`'s tree every round, or
-    what a budget `policy` (`--budget auto`) chooses round by round; `accept` is the rule when sampling ("match",
-    "residual", "coupled" or "auto": coupled). `caches` says who last loaded the models' KV caches (a pair's decoders
-    share one).
+    Each round does what its round policy (edge.policy.RoundPolicy) plans: a tree of some shape, or none (plain
+    decoding), and its acceptance rule. `rounds` is that policy, or what it is made from: a GrowConfig (that tree
+    every round), a budget policy (`--budget auto`'s, choosing round by round), or None (plain decoding every
+    round); `accept` is then the rule when sampling ("match", "residual", "coupled" or "auto": coupled).
     """
 
-    def __init__(self, target: Target, drafter: Drafter | None = None, grow_config: GrowConfig | None = None,
-                 sampling: SamplingConfig | None = None, policy: BudgetPolicy | None = None, accept: str = "match",
-                 *, rounds: RoundPolicy | None = None, caches: SharedCaches | None = None,
-                 lookup: Lookup | None = None, overlap: bool = False):
+    def __init__(self, target: Target, drafter: Drafter | None = None,
+                 rounds: RoundPolicy | BudgetPolicy | GrowConfig | None = None, sampling: SamplingConfig | None = None,
+                 accept: str = "match", *, lookup: Lookup | None = None, overlap: bool = False):
         self.target = target
-        speculates = rounds is not None or policy is not None or grow_config is not None
+        speculates = rounds is not None
         self.drafter = drafter if speculates else None  # not run at all when every round is plain
         self.lookup = lookup if speculates else None  # continuations from the text so far (edge/lookup.py)
-        self.rounds = rounds or RoundPolicy(policy or FixedBudget(grow_config), accept, drafts=self.drafter is not None,
-                                            lookup=self.lookup is not None,
-                                            max_lookup=None if grow_config is None else grow_config.budget)
-        self.caches = caches or SharedCaches()
+        if not isinstance(rounds, RoundPolicy):
+            fixed = rounds is None or isinstance(rounds, GrowConfig)
+            budget = FixedBudget(rounds) if fixed else rounds
+            rounds = RoundPolicy(budget, accept, drafts=self.drafter is not None, lookup=self.lookup is not None,
+                                 max_lookup=rounds.budget if isinstance(rounds, GrowConfig) else None)
+        self.rounds = rounds
         # drafting during the target's passes (edge/overlap.py)
         self.overlap = Overlap() if overlap and self.drafter is not None else None
         self.context: list[int] = []
@@ -176,9 +187,9 @@ class Decoder:
         there."""
         check_fits(tokens, self.target.n_ctx)
         start = time.perf_counter()
-        if self.caches.holder is not self:  # another decoder has used the caches since: start over
+        if _HOLDERS.get(id(self.target)) is not self:  # another decoder has used the caches since: start over
             self.context = []
-        self.caches.holder = self
+        _HOLDERS[id(self.target)] = self
         keep = min(_common_prefix(self.context, tokens), len(tokens) - 1, max(len(self.context) - 1, 0))
         self.cached_tokens = keep
         self._forget_pregrown()
@@ -226,6 +237,7 @@ class Decoder:
         stats = Stats(prompt_tokens=len(self.context))
         # a coupled reply's key: drawn from the seeded generator, so a seed gives the same reply with or without a tree
         noise = Noise(int(self.rng.integers(1 << 63))) if self.rounds.coupled else None
+        reply = Reply(self.sampling, self.rng, self.draft_rng, noise, stop_tokens)
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         finish = None
         deferred = getattr(self.target, "deferred", 0) > 0  # its first pass runs the prompt (a plain target)
@@ -242,23 +254,14 @@ class Decoder:
             if self.drafter is not None or self.lookup is not None:
                 proposed = None if self.lookup is None else self.lookup.propose(min(LOOKUP_BRANCHES, room - 1))
                 plan = self.rounds.plan(room, max_tokens - stats.new_tokens, proposed)
-            pregrown = False
-            lookup_acceptance = self.rounds.lookup_acceptance if plan.lookup else None
-            if self.overlap is not None and plan.drafting and plan.rule in ("match", "coupled"):
-                result, pregrown = overlapped_round(self.target, self.drafter, self.context, plan.grow, self.sampling,
-                                                    self.rng, self.overlap, self.rounds.acceptances[plan.rule],
-                                                    stop_tokens, plan.lookup, lookup_acceptance, noise)
-            else:
-                self._forget_pregrown()
-                result = speculative_round(self.target, self.drafter if plan.drafting else None, self.context,
-                                           plan.grow, self.sampling, self.rng, self.rounds.acceptances[plan.rule],
-                                           stop_tokens, plan.rule, self.draft_rng, plan.lookup, lookup_acceptance,
-                                           noise)
+            if not (plan.drafting and plan.rule.overlaps):
+                self._forget_pregrown()  # a tree grown during the last pass is for a round like this one only
+            result = run_round(self.target, self.drafter, self.context, plan, reply, self.overlap)
             if self.drafter is not None and not plan.drafting:  # it catches up on the tokens at its next tree
                 self.drafter.commit(result.tree, result.path)
             self.rounds.observe(plan, result)
             elapsed = time.perf_counter() - started
-            stats.count(plan, result, self.target.passes - passes, elapsed, pregrown)
+            stats.count(plan, result, self.target.passes - passes, elapsed)
             if deferred:  # the round ran the prompt too, as llama.cpp runs one: reading it, not decoding
                 stats.decode_s -= elapsed
                 stats.prefill_s += elapsed

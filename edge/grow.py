@@ -50,6 +50,8 @@ class GrowConfig:
     # a chain of the budget takes): a fixed number of passes would cap the depth that a drafter agreeing with its
     # target for long stretches can use (docs/performance.md, "Tree against chain").
     extend_prob: float | None = None
+    # Expansions growth may add past the tree's while the tree's own pass runs (edge/overlap.py): room kept for them.
+    grow_on: int = 0
 
     @property
     def max_passes(self) -> int:
@@ -122,8 +124,7 @@ class Growth:
 
     def __init__(self, drafter: Drafter | None, root: int, config: GrowConfig, acceptance: Acceptance | None = None,
                  stop_tokens: frozenset[int] = frozenset(), expand: Expand | None = None,
-                 lookup: LookupTree | None = None, lookup_acceptance: Acceptance | None = None,
-                 extra_expansions: int = 0) -> None:
+                 lookup: LookupTree | None = None, lookup_acceptance: Acceptance | None = None) -> None:
         # Trees of up to MAX_LEAVES nodes run at most that many nodes through the drafter, as they always have; larger
         # ones may run as many as it has room for, and keep every node they ran (_leaf_bound_order).
         branches = [] if lookup is None else lookup.branches
@@ -131,7 +132,7 @@ class Growth:
             room, expansions = 0, 0
         else:
             room = drafter.expand_capacity if config.budget > MAX_LEAVES else min(drafter.expand_capacity, MAX_LEAVES)
-            expansions = config.max_steps * config.beams + config.max_passes - config.max_steps + extra_expansions
+            expansions = config.max_steps * config.beams + config.max_passes - config.max_steps + config.grow_on
         self.drafter, self.config, self.acceptance, self.expand = drafter, config, acceptance, expand
         capacity = 1 + len(branches) + min(expansions, room) * config.width
         self.extend_from = float(np.log(config.extend_prob)) if config.extend_prob else 0.0
@@ -147,8 +148,7 @@ class Growth:
         self.ran = np.zeros(capacity, bool)  # the drafter ran it (its keys are cached): its children may run
         self.stops = np.fromiter(stop_tokens, np.int32, len(stop_tokens))
         self.tokens[0], self.score[0], self.kept[0] = root, 0.0, True
-        n = 1 + _add_branches(branches, self.tokens, self.parents, self.depth, self.score, self.draft, self.rank,
-                              self.source, lookup_acceptance, frozenset(stop_tokens))
+        n = 1 + self._add_branches(branches, lookup_acceptance, frozenset(stop_tokens))
         self.kept[1:n] = self.depth[1:n] <= config.max_depth  # no deeper than the reply can use
         self.expanded[1:n] = np.isin(self.tokens[1:n], self.stops)
         self.children = {(int(self.parents[i]), int(self.tokens[i])): i for i in range(1, n)}  # lookup's nodes
@@ -161,6 +161,32 @@ class Growth:
         self.steps = 0
         self.budget = config.budget
         self.going_on = False
+
+    def _add_branches(self, branches: list, acceptance: Acceptance | None, stops: frozenset[int]) -> int:
+        """Lookup branches as nodes 1..k (their parents come first, -1: the root), but none below a stop token (the
+        reply ends there), scored by lookup's measured `acceptance`; returns k."""
+        tokens, parents, depth, score, draft, rank = self.tokens, self.parents, self.depth, self.score, self.draft, \
+            self.rank
+        node_of = {-1: 0}  # branch index -> its node
+        best: dict[int, float] = {}  # the likeliest branch under each parent: the others are runner-ups (rank 1)
+        for branch in branches:
+            best[branch.parent] = max(best.get(branch.parent, 0.0), branch.probability)
+        i = 0
+        for index, branch in enumerate(branches):
+            parent = node_of.get(branch.parent)
+            if parent is None or (parent > 0 and int(tokens[parent]) in stops):
+                continue
+            i += 1
+            node_of[index] = i
+            tokens[i], parents[i], depth[i] = branch.token, parent, depth[parent] + 1
+            draft[i] = np.log(branch.confidence)
+            rank[i] = branch.probability < best[branch.parent]
+            self.source[i] = LOOKED_UP
+        added = slice(1, i + 1)
+        gains = draft[added] if acceptance is None else acceptance.log_accept(draft[added], depth[added], rank[added])
+        for node, gain in enumerate(gains.tolist(), 1):  # parents come first
+            score[node] = score[parents[node]] + gain
+        return i
 
     def step(self) -> bool:
         """One drafter pass; False (and nothing run) once growth has stopped."""
@@ -296,31 +322,6 @@ class Growth:
         return node
 
 
-def _add_branches(branches: list, tokens: np.ndarray, parents: np.ndarray, depth: np.ndarray, score: np.ndarray,
-                  draft: np.ndarray, rank: np.ndarray, source: np.ndarray, acceptance: Acceptance | None,
-                  stops: frozenset[int] = frozenset()) -> int:
-    """Lookup branches as nodes 1..k (their parents come first, -1: the root), but none below a stop token (the
-    reply ends there); returns k."""
-    node_of = {-1: 0}  # branch index -> its node
-    best: dict[int, float] = {}  # the likeliest branch under each parent: the others are runner-ups (rank 1)
-    for branch in branches:
-        best[branch.parent] = max(best.get(branch.parent, 0.0), branch.probability)
-    i = 0
-    for index, branch in enumerate(branches):
-        parent = node_of.get(branch.parent)
-        if parent is None or (parent > 0 and int(tokens[parent]) in stops):
-            continue
-        i += 1
-        node_of[index] = i
-        tokens[i], parents[i], depth[i] = branch.token, parent, depth[parent] + 1
-        draft[i] = np.log(branch.confidence)
-        rank[i] = branch.probability < best[branch.parent]
-        source[i] = LOOKED_UP
-    added = slice(1, i + 1)
-    gains = draft[added] if acceptance is None else acceptance.log_accept(draft[added], depth[added], rank[added])
-    for node, gain in enumerate(gains.tolist(), 1):  # parents come first
-        score[node] = score[parents[node]] + gain
-    return i
 
 
 def _sharpen(log_probs: np.ndarray, temperature: float) -> np.ndarray:

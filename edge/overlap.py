@@ -5,7 +5,7 @@ target on a GPU leaves every core to the drafter).
     tree  = the tree grown before the pass, or the one grown during the previous pass (below)
     pass  = target.verify(tree), in a worker thread
     while the pass runs: the drafter grows on, best first, past the tree's budget
-    path, token = accept(tree, logits)                     # on the main thread, as in edge/speculative.py
+    path, token = accept(tree, logits)                     # on the main thread (edge/speculative.py run_round)
     next tree = what growth holds below path + token       # the outcome that happened, grown while it was unknown
 
 Growth goes on from the tree's own frontier, so the nodes it adds are the likeliest continuations of every outcome
@@ -31,20 +31,12 @@ has layers on a GPU (docs/performance.md, "Overlapped drafting", has the figures
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
-from edge.acceptance import Acceptance
-from edge.coupled import CoupledProposer, Noise
 from edge.grow import MAX_LEAVES, GrowConfig, Growth
-from edge.lookup import LookupTree
-from edge.protocols import Drafter, Target
-from edge.sampling import SamplingConfig
-from edge.speculative import RoundResult, Stopwatch, accept_and_learn
+from edge.protocols import Target
 from edge.tree import TokenTree
 
 GROW_ON = 4  # while a pass runs, growth may keep this many times the round's budget (MAX_LEAVES at most)
@@ -91,48 +83,6 @@ class Overlap:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-
-def overlapped_round(target: Target, drafter: Drafter, context: Sequence[int], config: GrowConfig,
-                     sampling: SamplingConfig, rng: np.random.Generator, overlap: Overlap,
-                     acceptance: Acceptance | None = None, stop_tokens: frozenset[int] = frozenset(),
-                     lookup: LookupTree | None = None,
-                     lookup_acceptance: Acceptance | None = None,
-                     noise: Noise | None = None) -> tuple[RoundResult, bool]:
-    """One sample-and-match round whose drafter works during the target's pass (see the module's docstring). Returns
-    the round and whether its tree was grown during the previous pass. With `noise` it is a coupled round
-    (edge/coupled.py): growth ranks children on the noise, whose positions are the text's, so a tree grown during
-    the previous pass was ranked on the same noise as one grown now."""
-    clock, passes = Stopwatch(), 0
-    tree = overlap.take(context, config)
-    pregrown = tree is not None
-    with clock("grow"):
-        expand = None if noise is None else CoupledProposer(drafter, sampling, context[:-1], noise).expand
-        growth = Growth(drafter, context[-1], config, acceptance, stop_tokens, expand, lookup, lookup_acceptance,
-                        extra_expansions=GROW_ON_EXPANSIONS)
-        if tree is None:
-            target.prefetch()  # a streamed target reads its weights while we draft
-            while growth.step():
-                passes += 1
-            tree = growth.tree()[0]
-    with clock("verify"):
-        verified = overlap.submit(target, tree)
-        growth.go_on(grow_on_budget(config))
-        started = time.perf_counter()
-        while not verified.done() and growth.step():
-            passes += 1
-        clock.seconds["hidden"] = time.perf_counter() - started
-        path, token = accept_and_learn(tree, verified.result(), sampling, context[:-1], rng, None, acceptance,
-                                       lookup_acceptance, noise)
-    with clock("commit"):
-        target.commit(tree, path)
-    with clock("drafter commit"):
-        drafter.commit(tree, path)  # by its tokens: whatever growth ran past the path goes
-    accepted = tree.path_tokens(path)
-    node = growth.find([*accepted, token])
-    if node is not None and token not in stop_tokens:
-        overlap.pending = Pending(len(context) + len(accepted), token, growth, node)
-    return RoundResult([*accepted[1:], token], tree, path, passes, clock.seconds), pregrown
 
 
 def grow_on_budget(config: GrowConfig) -> int:

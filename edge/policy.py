@@ -2,11 +2,12 @@
 rule that accepts it.
 
 Two parts make the choice: a budget policy (a fixed tree every round, or edge.budget.AutoBudget for `--budget auto`)
-and the acceptance rule ("match", "residual", or "coupled", which `--accept auto` means when sampling). Greedy
-decoding is always sample-and-match (at temperature 0 the rules are the same), decided here and nowhere else.
-"coupled" is a reply's rule, not a round's: every round of the reply draws by its noise (edge/coupled.py). The
-policy also keeps the measured acceptance rates growth ranks nodes by (edge/acceptance.py), one table per rule: they
-depend on how the target samples, so they start over when that changes.
+and the acceptance rule (edge/rules.py: "match", "residual", or "coupled", which `--accept auto` means when
+sampling). Greedy decoding is always sample-and-match (at temperature 0 the rules are the same), decided here and
+nowhere else. "coupled" is a reply's rule, not a round's: every round of the reply draws by its noise
+(edge/coupled.py). The policy also keeps the measured acceptance rates growth ranks nodes by (edge/acceptance.py),
+one table per rule: they depend on how the target samples, so they start over when that changes. A round's plan
+carries all of it: the tree's shape, the rule, lookup's branches and the rates to learn.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from edge.errors import UserError
 from edge.grow import GrowConfig
 from edge.lookup import LookupTree
 from edge.options import ACCEPT_RULES
+from edge.rules import MATCH, RULES, Rule
 from edge.sampling import SamplingConfig
-from edge.speculative import RULES, RoundResult
+from edge.speculative import RoundPlan, RoundResult
 
 # a lookup branch less likely than this to be reached and taken adds too little to price a pass for
 MIN_REACH = 0.01
@@ -33,7 +35,6 @@ YIELD_SMOOTHING = 0.25
 MIN_YIELD = 0.05
 YIELD_RECOVERY = 0.01
 LOOKUP_BRANCHES = 64  # continuations lookup proposes a round, at most (the round's budget takes the likeliest)
-GREEDY_DRAFT_TEMPERATURE = 0.5  # measured: tokens per pass 5.7 -> 6.3 at budget 64 (docs/performance.md)
 
 
 class BudgetPolicy(Protocol):
@@ -59,18 +60,6 @@ class FixedBudget:
 
     def pass_s(self, tokens: int) -> float | None:
         return None  # not measured: a fixed tree takes every lookup branch it has room for
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    grow: GrowConfig | None  # None: plain decoding
-    rule: str = "match"  # "match" (sample-and-match), "residual" or "coupled"
-    lookup: LookupTree | None = None  # lookup branches to merge into the tree (edge/lookup.py)
-    drafting: bool = False  # the drafter grows the tree (else its nodes are the lookup branches alone)
-    # lookup's proposal where the round decodes plainly: its first tokens are checked against the target's token, so
-    # lookup's measured rates keep learning while no tree of its own runs (one early miss would stop them for good)
-    unverified: LookupTree | None = None
-    expected: float = 0.0  # a tree of lookup's alone: the tokens its pass was expected to yield
 
 
 class RoundPolicy:
@@ -104,21 +93,21 @@ class RoundPolicy:
         if not unchanged:
             self._reset_rates()
 
-    def rule(self) -> str:
+    def rule(self) -> Rule:
         """The rule a round runs: sample-and-match when greedy, else the flag's ("auto": coupled)."""
         if self.sampling.greedy or self.accept == "match":
-            return "match"
-        return "coupled" if self.accept == "auto" else self.accept
+            return MATCH
+        return RULES["coupled" if self.accept == "auto" else self.accept]
 
     @property
     def coupled(self) -> bool:
         """Every round of a reply draws by the reply's noise (edge/coupled.py), plain rounds included."""
-        return self.rule() == "coupled"
+        return self.rule().coupled
 
     @property
     def acceptance(self) -> Acceptance:
         """The measured rates of the rule that runs now."""
-        return self.acceptances[self.rule()]
+        return self.acceptances[self.rule().name]
 
     def plan(self, room: int, wanted: int, lookup: LookupTree | None = None) -> RoundPlan:
         """The next round's plan: a tree of at most `room` nodes (root included: the context and the target's pass
@@ -126,25 +115,24 @@ class RoundPolicy:
         proposes now; they join the drafter's tree, and where the budget policy decodes plainly they may make a tree
         of their own, where their expected tokens pay for the larger pass."""
         lookup = lookup if self.uses_lookup and lookup else None
-        rule = self.rule() if self.drafts else "match"  # the budget's measured yield is the rule's own
-        config = self.budget.choose(room, rule) if self.drafts else None
+        rule = self.rule() if self.drafts else MATCH  # the budget's measured yield is the rule's own
+        config = self.budget.choose(room, rule.name) if self.drafts else None
         if config is None:
             most = room - 1 if self.max_lookup is None else min(room - 1, self.max_lookup)
             size, expected = (0, 1.0) if lookup is None or most < 1 else self._lookup_size(lookup, most)
             if not size:
                 return RoundPlan(None, unverified=lookup)
             config = GrowConfig(budget=size, beams=1, width=1, max_depth=max(wanted - 1, 1), max_steps=0)
-            return RoundPlan(config, "match", lookup, drafting=False, expected=expected)
-        # top-k scores sharpened to the target's temperature (sharper still when greedy); residual q already is at it,
-        # and coupled growth scores by the noisy keys' shares (edge/coupled.py)
-        draft_temperature = 1.0 if rule in ("residual", "coupled") else (
-            GREEDY_DRAFT_TEMPERATURE if self.sampling.greedy else self.sampling.temperature)
-        config = dataclasses.replace(config, draft_temperature=draft_temperature).within_reply(wanted)
+            return RoundPlan(config, MATCH, lookup, drafting=False, lookup_acceptance=self.lookup_acceptance,
+                             expected=expected)
+        config = dataclasses.replace(config, draft_temperature=rule.draft_temperature(self.sampling))
+        config = config.within_reply(wanted)
         if config.budget + 1 > room:
             if room <= 1:
                 return RoundPlan(None)
             config = dataclasses.replace(config, budget=room - 1)
-        return RoundPlan(config, rule, lookup, drafting=True)
+        return RoundPlan(config, rule, lookup, drafting=True, acceptance=self.acceptances[rule.name],
+                         lookup_acceptance=self.lookup_acceptance if lookup is not None else None)
 
     def _lookup_size(self, lookup: LookupTree, most: int) -> tuple[int, float]:
         """How many of the lookup branches (the likeliest, by their measured acceptance) a tree of their own should
@@ -199,7 +187,7 @@ class RoundPolicy:
 
     def observe(self, plan: RoundPlan, result: RoundResult) -> None:
         if plan.drafting or plan.grow is None:  # a tree of lookup branches alone says nothing of the drafter's
-            self.budget.observe(plan.grow, result, plan.rule)
+            self.budget.observe(plan.grow, result, plan.rule.name)
         if plan.unverified is not None and result.tokens:
             _observe_first_tokens(self.lookup_acceptance, plan.unverified, result.tokens[0])
             self.lookup_yield += (1.0 - self.lookup_yield) * YIELD_RECOVERY

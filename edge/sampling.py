@@ -6,7 +6,8 @@ untempered distribution), then temperature. temperature == 0 is greedy: the argm
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,24 +34,24 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (0 <= self.temperature < float("inf"), f"--temperature must be >= 0 and finite (got {self.temperature})"),
-            (self.seed is None or 0 <= self.seed < 1 << 63, f"--seed must be 0 to 2^63 - 1 (got {self.seed})"),
-            (self.top_k >= 0, f"--top-k must be >= 0, 0 turns it off (got {self.top_k})"),
-            (0 < self.top_p <= 1, f"--top-p must be in (0, 1] (got {self.top_p})"),
-            (0 <= self.min_p < 1, f"--min-p must be in [0, 1) (got {self.min_p})"),
+            (0 <= self.temperature < float("inf"), "temperature",
+             f"temperature must be >= 0 and finite (got {self.temperature})"),
+            (self.seed is None or 0 <= self.seed < 1 << 63, "seed", f"seed must be 0 to 2^63 - 1 (got {self.seed})"),
+            (self.top_k >= 0, "top_k", f"top_k must be >= 0, 0 turns it off (got {self.top_k})"),
+            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1] (got {self.top_p})"),
+            (0 <= self.min_p < 1, "min_p", f"min_p must be in [0, 1) (got {self.min_p})"),
             # past these, dividing or multiplying logits overflows float32: the reply would be NaN, not text
-            (MIN_PENALTY <= self.repeat_penalty <= MAX_PENALTY,
-             f"--repeat-penalty must be {MIN_PENALTY:g} to {MAX_PENALTY:g}, 1 turns it off "
-             f"(got {self.repeat_penalty})"),
-            (self.repeat_last_n >= 0, f"--repeat-last-n must be >= 0 (got {self.repeat_last_n})"),
-            (abs(self.presence_penalty) <= MAX_PENALTY,
+            (MIN_PENALTY <= self.repeat_penalty <= MAX_PENALTY, "repeat_penalty",
+             f"repeat_penalty must be {MIN_PENALTY:g} to {MAX_PENALTY:g}, 1 turns it off (got {self.repeat_penalty})"),
+            (self.repeat_last_n >= 0, "repeat_last_n", f"repeat_last_n must be >= 0 (got {self.repeat_last_n})"),
+            (abs(self.presence_penalty) <= MAX_PENALTY, "presence_penalty",
              f"presence_penalty must be finite, -{MAX_PENALTY:g} to {MAX_PENALTY:g} (got {self.presence_penalty})"),
-            (abs(self.frequency_penalty) <= MAX_PENALTY,
+            (abs(self.frequency_penalty) <= MAX_PENALTY, "frequency_penalty",
              f"frequency_penalty must be finite, -{MAX_PENALTY:g} to {MAX_PENALTY:g} (got {self.frequency_penalty})"),
         ]
-        for ok, message in checks:
+        for ok, option, message in checks:
             if not ok:
-                raise UserError(message)
+                raise UserError(message, option)
 
     @property
     def greedy(self) -> bool:
@@ -72,12 +73,22 @@ class SamplingConfig:
         return ", ".join(rules)
 
 
-# Chat's sampling where the model recommends none (general.sampling.* in its GGUF): llama.cpp's sampler defaults
-# (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) with ollama's repetition penalty (1.1 over the last 64
-# tokens). Greedy decoding of small chat models loops, and so does llama.cpp's set without the penalty: on the repo's
-# 8 chat prompts x seeds 1-4, SmolLM2-135M ran 5 of 32 replies to 512 tokens without it and 1 of 32 with it
+# A pair's sampling where its model recommends none (general.sampling.* in its GGUF): llama.cpp's sampler defaults,
+# what the library and the server (as llama-server) apply to what a caller leaves out.
+LLAMA_DEFAULTS = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+# `edge-spec chat` adds ollama's repetition penalty (1.1 over the last 64 tokens) where the model recommends none.
+# Greedy decoding of small chat models loops, and so does llama.cpp's set without the penalty: on the repo's 8 chat
+# prompts x seeds 1-4, SmolLM2-135M ran 5 of 32 replies to 512 tokens without it and 1 of 32 with it
 # (`python benchmarks/chat_lengths.py --seeds 1,2,3,4 [--set repeat_penalty=1.0]`).
-CHAT_DEFAULTS = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1)
+CHAT_REPEAT_PENALTY = 1.1
+
+
+def chat_defaults(sampling: SamplingConfig, recommended: Collection[str] = ()) -> SamplingConfig:
+    """Chat's sampling: a pair's (`sampling`, with the field names its model `recommended`), and chat's repetition
+    penalty unless the model recommends one."""
+    if "repeat_penalty" in recommended:
+        return sampling
+    return dataclasses.replace(sampling, repeat_penalty=CHAT_REPEAT_PENALTY)
 
 
 def penalized(logits: np.ndarray, config: SamplingConfig, history: Sequence[int],

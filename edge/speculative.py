@@ -1,23 +1,21 @@
-"""One round of lossless tree speculation: grow, verify, accept, commit.
+"""One round of lossless tree speculation: grow, verify, accept, commit (run_round).
 
     tree      = grow(drafter, root, budget)            # SpecExec best-first, drafter only
     logits    = target.verify(tree)                    # ONE target pass over every node
-    path, tok = accept(tree, logits, ...)              # sample-and-match below, or the residual rule
+    path, tok = accept(tree, logits, ...)              # the round's rule (edge/rules.py) draws at each node
     target.commit(path); drafter.commit(path)          # both caches hold the committed text
     emit tokens of path[1:], then tok                  # tok is the next round's root
 
-Acceptance (sample-and-match) is lossless for ANY drafter: at node v draw x from the target's own
-distribution at v; if some child of v carries x, move there, else emit x and stop. Every emitted token is
-a draw from the target given exactly the tokens before it, so the output has the target's distribution
-(greedy: the target's argmax, token for token); the drafter only decides how many draws one pass yields.
-The tree must not depend on those draws, and it does not: growth uses the drafter alone.
+Acceptance walks the tree from the root: at node v the target's token x is drawn (by the rule: sample-and-match
+draws from the target's own distribution; the residual rule tests the drafter's candidates first; coupled sampling
+draws by the reply's noise); if some child of v carries x, the walk moves there, else x is emitted and the round
+stops. Every emitted token is a draw from the target given exactly the tokens before it, so the output has the
+target's distribution (greedy: the target's argmax, token for token); the drafter only decides how many draws one
+pass yields. The tree must not depend on those draws, and it does not: growth uses the drafter alone.
 
-The residual rule (edge/residual.py, `rule="residual"`) draws each expanded node's children from the drafter's
-distribution q instead of taking its top-k, and at each node of the path tests them against the target's p
-(accept x with probability min(1, p(x)/q(x)), else go on with the residual); its token has p's distribution too.
-Coupled sampling (edge/coupled.py, `rule="coupled"`) is sample-and-match whose draws come from noise fixed by each
-token's position, the noise the drafter ranks its children on too.
-Which rule a round uses, and its tree's shape, is the round policy's choice (edge/policy.py).
+With an Overlap (edge/overlap.py) the same round runs its pass in a worker thread while the drafter grows on, and
+the tree grown for the outcome that happened becomes the next round's: where the rule allows it (not the residual
+rule, whose tree is drawn as it is verified). What each round does is the round policy's plan (edge/policy.py).
 """
 
 from __future__ import annotations
@@ -25,32 +23,41 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge.acceptance import Acceptance
-from edge.coupled import CoupledProposer, Noise, coupled_draw
 from edge.errors import ModelFault
-from edge.grow import GrowConfig, grow
+from edge.grow import GrowConfig, Growth
 from edge.lookup import LookupTree
 from edge.protocols import Drafter, Target
-from edge.residual import Proposer, residual_draw
-from edge.sampling import SamplingConfig, distribution, draw
+from edge.rules import MATCH, Reply, RoundRule, Rule
 from edge.tree import DRAFTED, LOOKED_UP, TokenTree
 
-RULES = ("match", "residual", "coupled")
+if TYPE_CHECKING:
+    from edge.overlap import Overlap
 
 
-def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, history: Sequence[int],
-           rng: np.random.Generator, proposer: Proposer | None = None,
-           noise: Noise | None = None) -> tuple[list[int], int]:
-    """logits: [n_nodes, n_vocab]. Returns the accepted path (node ids, root first) and the target's next token.
+@dataclass(frozen=True)
+class RoundPlan:
+    grow: GrowConfig | None  # None: plain decoding
+    rule: Rule = MATCH  # edge/rules.py: sample-and-match, the residual rule or coupled sampling
+    lookup: LookupTree | None = None  # lookup branches to merge into the tree (edge/lookup.py)
+    drafting: bool = False  # the drafter grows the tree (else its nodes are the lookup branches alone)
+    acceptance: Acceptance | None = None  # the rule's measured rates: growth ranks the drafter's nodes by them
+    lookup_acceptance: Acceptance | None = None  # lookup's, where the tree has its branches
+    # lookup's proposal where the round decodes plainly: its first tokens are checked against the target's token, so
+    # lookup's measured rates keep learning while no tree of its own runs (one early miss would stop them for good)
+    unverified: LookupTree | None = None
+    expected: float = 0.0  # a tree of lookup's alone: the tokens its pass was expected to yield
 
-    Touches only the rows on one path; `history` is the committed text before the root, for penalties. With a
-    `proposer` (the residual rule), a node whose children were drawn from q tests them first. With `noise` (coupled
-    sampling, edge/coupled.py) the target draws by the noise of each token's position instead of from `rng`.
-    """
+
+def accept(tree: TokenTree, logits: np.ndarray, history: Sequence[int], rule: RoundRule) -> tuple[list[int], int]:
+    """logits: [n_nodes, n_vocab]. Returns the accepted path (node ids, root first) and the target's next token, drawn
+    by `rule` at each node. Touches only the rows on one path; `history` is the committed text before the root, for
+    penalties."""
     path = [0]
     seen = [*history, int(tree.tokens[0])]
     while True:
@@ -58,11 +65,7 @@ def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, histor
         if np.isnan(row).any():
             raise ModelFault("the target's logits are not numbers (NaN): its model file is damaged or was changed "
                              "while loaded; download it again (edge-spec rm, then pull)")
-        proposal = None if proposer is None else proposer.at(seen[len(history):])
-        if proposal is None:
-            token = draw(row, sampling, seen, rng) if noise is None else coupled_draw(row, sampling, seen, noise)
-        else:
-            token = residual_draw(*distribution(row, sampling, seen), proposal, rng)
+        token = rule.token(row, seen)
         child = tree.child(path[-1], token)
         if child is None:
             return path, token
@@ -70,15 +73,14 @@ def accept(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, histor
         seen.append(token)
 
 
-def accept_and_learn(tree: TokenTree, logits: np.ndarray, sampling: SamplingConfig, history: Sequence[int],
-                     rng: np.random.Generator, proposer: Proposer | None, acceptance: Acceptance | None,
-                     lookup_acceptance: Acceptance | None, noise: Noise | None = None) -> tuple[list[int], int]:
-    """accept(), then each measured rate learns from the round: the drafter's nodes, and lookup's."""
-    path, token = accept(tree, logits, sampling, history, rng, proposer, noise)
-    if acceptance is not None:
-        acceptance.observe(tree, path, token, DRAFTED)
-    if lookup_acceptance is not None:
-        lookup_acceptance.observe(tree, path, token, LOOKED_UP)
+def accept_and_learn(tree: TokenTree, logits: np.ndarray, history: Sequence[int], rule: RoundRule,
+                     plan: RoundPlan) -> tuple[list[int], int]:
+    """accept(), then each measured rate of the plan learns from the round: the drafter's nodes, and lookup's."""
+    path, token = accept(tree, logits, history, rule)
+    if plan.acceptance is not None:
+        plan.acceptance.observe(tree, path, token, DRAFTED)
+    if plan.lookup is not None and plan.lookup_acceptance is not None:
+        plan.lookup_acceptance.observe(tree, path, token, LOOKED_UP)
     return path, token
 
 
@@ -104,6 +106,7 @@ class RoundResult:
     path: list[int]  # the accepted path, node ids, root first
     drafter_passes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # by step: grow, verify, commit, drafter commit
+    pregrown: bool = False  # its tree was grown during the previous round's pass (edge/overlap.py)
 
     @property
     def tree_size(self) -> int:
@@ -122,38 +125,53 @@ class RoundResult:
         return self.seconds.get("verify", 0.0)
 
 
-def speculative_round(target: Target, drafter: Drafter | None, context: Sequence[int], grow_config: GrowConfig | None,
-                      sampling: SamplingConfig, rng: np.random.Generator,
-                      acceptance: Acceptance | None = None, stop_tokens: frozenset[int] = frozenset(),
-                      rule: str = "match", draft_rng: np.random.Generator | None = None,
-                      lookup: LookupTree | None = None, lookup_acceptance: Acceptance | None = None,
-                      noise: Noise | None = None) -> RoundResult:
-    """context: every committed token; its last one is the root. Without a grow config, or with neither a drafter nor
-    lookup branches, this is plain decoding. `acceptance` (optional) ranks the drafter's nodes by measured acceptance
-    and learns from this round, `lookup_acceptance` the lookup branches'; the tree grows nothing past `stop_tokens`.
-    `rule`: "match" or "residual" (whose children are drawn with `draft_rng`: the target's draws must not depend on
-    them) or "coupled", which needs the reply's `noise`: the target draws by it in every round, plain ones included,
-    and the drafter's children are ranked on it (edge/coupled.py). A lookup branch is accepted whenever the target's
-    own draw lands on it, under any rule."""
-    clock, proposer, expand, passes = Stopwatch(), None, None, 0
+def run_round(target: Target, drafter: Drafter | None, context: Sequence[int], plan: RoundPlan, reply: Reply,
+              overlap: Overlap | None = None) -> RoundResult:
+    """One round as `plan` says: context holds every committed token, its last one the root. A plan without a tree
+    (or one with neither a drafter nor lookup branches) is plain decoding; the drafter grows only where the plan
+    drafts. With `overlap`, where the plan drafts and its rule allows it, the round takes the tree grown during the
+    previous pass for this root (if any) and grows on during its own pass (edge/overlap.py)."""
+    from edge.overlap import GROW_ON_EXPANSIONS, Pending, grow_on_budget
+
+    clock, passes = Stopwatch(), 0
+    drafting = drafter if plan.drafting else None
+    rule = plan.rule.start(drafting, context[:-1], reply)
+    ahead = overlap if overlap is not None and drafting is not None and plan.rule.overlaps else None
+    tree = None if ahead is None or plan.grow is None else ahead.take(context, plan.grow)
+    pregrown, growth = tree is not None, None
     with clock("grow"):
-        tree = TokenTree.root(context[-1])
-        if grow_config is not None and (drafter is not None or lookup):
-            if drafter is not None:
-                target.prefetch()  # a streamed target reads its weights while we draft
-                if rule == "residual":
-                    proposer = Proposer(drafter, sampling, context[:-1], draft_rng or np.random.default_rng())
-                    expand = proposer.expand
-                elif rule == "coupled" and noise is not None:
-                    expand = CoupledProposer(drafter, sampling, context[:-1], noise).expand
-            tree, passes = grow(drafter, context[-1], grow_config, acceptance, stop_tokens, expand, lookup,
-                                lookup_acceptance)
+        if plan.grow is not None and (drafting is not None or plan.lookup):
+            config = replace(plan.grow, grow_on=GROW_ON_EXPANSIONS) if ahead is not None else plan.grow
+            growth = Growth(drafting, context[-1], config, plan.acceptance, reply.stop_tokens, rule.expand,
+                            plan.lookup, plan.lookup_acceptance)
+            if tree is None:
+                if drafting is not None:
+                    target.prefetch()  # a streamed target reads its weights while we draft
+                while growth.step():
+                    passes += 1
+                tree = growth.tree()[0]
+        if tree is None:
+            tree = TokenTree.root(context[-1])
     with clock("verify"):
-        path, token = accept_and_learn(tree, target.verify(tree), sampling, context[:-1], rng, proposer, acceptance,
-                                       lookup_acceptance, noise)
+        if ahead is not None and growth is not None:
+            verified = ahead.submit(target, tree)
+            growth.go_on(grow_on_budget(plan.grow))
+            started = time.perf_counter()
+            while not verified.done() and growth.step():
+                passes += 1
+            clock.seconds["hidden"] = time.perf_counter() - started
+            logits = verified.result()
+        else:
+            logits = target.verify(tree)
+        path, token = accept_and_learn(tree, logits, context[:-1], rule, plan)
     with clock("commit"):
         target.commit(tree, path)
     with clock("drafter commit"):
-        if drafter is not None:
-            drafter.commit(tree, path)
-    return RoundResult([*tree.path_tokens(path[1:]), token], tree, path, passes, clock.seconds)
+        if drafting is not None:
+            drafting.commit(tree, path)  # by its tokens: whatever growth ran past the path goes
+    accepted = tree.path_tokens(path)
+    if ahead is not None and growth is not None:
+        node = growth.find([*accepted, token])
+        if node is not None and token not in reply.stop_tokens:
+            ahead.pending = Pending(len(context) + len(accepted), token, growth, node)
+    return RoundResult([*accepted[1:], token], tree, path, passes, clock.seconds, pregrown)

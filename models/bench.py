@@ -143,7 +143,7 @@ def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_t
             else:
                 grow = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
             lookup = Lookup(Corpus()) if looks else None
-            runs.append((method, budget, accept, Decoder(pair.target, drafter, grow, sampling, policy, accept,
+            runs.append((method, budget, accept, Decoder(pair.target, drafter, policy or grow, sampling, accept,
                                                          lookup=lookup, overlap=pair.overlaps)))
         report(f"{label}: {', '.join(_label(m, b, a, accepts) for m, b, a, _ in runs)}; "
                f"{len(prompts)} prompts, each through every row in turn")
@@ -264,6 +264,7 @@ def _row(method: str, budget: int | str | None, stats: Stats, matches_plain: boo
         "plain_rounds": stats.plain_rounds if budget == "auto" else 0,
         "lookup_rounds": stats.lookup_rounds,
         "residual_rounds": stats.residual_rounds,
+        "rule_rounds": dict(sorted(stats.rule_rounds.items())),
         "hidden_s_per_round": figures["hidden_s_per_round"],  # drafting during the target's passes (--overlap)
         "pregrown_rounds": stats.pregrown_rounds,
         "matches_plain": matches_plain,

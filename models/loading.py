@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from edge.models.cache import ensure_space
+from edge.models.kept import open_corpus
 from edge.models.opening import drafter_model, graph_folder, head_ids, materialize, open_drafter, phase
-from edge.models.pair import NESTED, Pair, budget_refused, open_corpus, tree_nodes
+from edge.models.pair import NESTED, Pair, budget_refused, tree_nodes
 from edge.models.registry import ModelSpec, PairSpec, Registry, Source, load_registry
 from edge.models.sources import model_path
 from edge.offload.plan import AUTO_MAX_BUDGET
@@ -25,7 +26,7 @@ from edge.chat_template import ChatTemplate
 from edge.errors import UserError
 from edge.options import LoadOptions
 from edge.protocols import Drafter, Target
-from edge.sampling import CHAT_DEFAULTS, SamplingConfig
+from edge.sampling import LLAMA_DEFAULTS, SamplingConfig
 
 Report = Callable[[str], None]
 STOCK_KV = "f16"  # the KV cache a runtime's default gives (llama.cpp's), for a target decoding plainly alone
@@ -243,7 +244,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         nodes = min(nodes, max(planned.max_tree, 1 if budget == "auto" else int(budget) + 1))
     kind = traits(spec.target.runtime)
     if kind.max_tree is not None and nodes > kind.max_tree:  # refused before anything loads
-        raise UserError(budget_refused(spec.name, int(budget), kind.max_tree))
+        raise budget_refused(spec.name, int(budget), kind.max_tree)
     streamed = planned.streamed and kind.streams
     if kind.shared_cache and drafter_file is not None:
         with phase(times, "target and drafter (one shared KV cache)"):
@@ -269,7 +270,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         special = target.special
         template = ChatTemplate(info.chat_template, special.bos_text, special.eos_text) if info.chat_template else None
     return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
-                sampling=chat_sampling(target_file, report), load_seconds=times, report=report, streamed=streamed,
+                **dict(zip(("sampling", "recommended"), model_sampling(target_file, report), strict=True)),
+                load_seconds=times, report=report, streamed=streamed,
                 max_tree=planned.max_tree, plan_note=planned.note,
                 corpus=open_corpus(target_file, options.lookup, report))
 
@@ -281,16 +283,17 @@ def _dtype_fix(spec: PairSpec, models_file: Path | None) -> str:
     return f'target.quantize = "q8_0" under [pairs."{spec.name}"] in {models_file}'
 
 
-def chat_sampling(target_file: Path, report: Report = _quiet) -> SamplingConfig:
-    """The sampling the model's GGUF recommends (general.sampling.*), over CHAT_DEFAULTS for what it leaves out."""
+def model_sampling(target_file: Path, report: Report = _quiet) -> tuple[SamplingConfig, tuple[str, ...]]:
+    """The sampling the model's GGUF recommends (general.sampling.*), over llama.cpp's defaults (LLAMA_DEFAULTS) for
+    what it leaves out, and the fields it gave."""
     from edge.runtimes.gguf_file import recommended_sampling
 
     recommended = recommended_sampling(target_file)
     try:
-        return replace(CHAT_DEFAULTS, **recommended)
+        return replace(LLAMA_DEFAULTS, **recommended), tuple(sorted(recommended))
     except UserError as problem:
         report(f"{target_file.name} recommends sampling edge-spec cannot use ({problem}); using llama.cpp's defaults")
-        return CHAT_DEFAULTS
+        return LLAMA_DEFAULTS, ()
 
 
 def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, draft_threads: int | None,

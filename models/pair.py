@@ -1,12 +1,11 @@
 """A loaded pair: a target and a drafter ready to decode (models/loading.py loads one), its prompts rendered with
-the chat template, its decoders and tree budgets, --budget auto's pass times (measured once, cached), and its drafter
-swapped for another (benchmarks).
+the chat template, its decoders and tree budgets, --budget auto's pass times (measured once, kept: models/kept.py),
+and its drafter swapped for another (benchmarks).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.models import mapped
-from edge.models.cache import JsonFile, cache_dir, file_stamp
+from edge.models.cache import file_stamp
+from edge.models.kept import keep_pass_times, pass_times, pass_times_key, save_corpus
 from edge.models.opening import drafter_model, head_ids, open_drafter, phase
 from edge.models.registry import PairSpec
 from edge.models.sources import model_path
@@ -28,7 +28,7 @@ from edge.grow import MAX_LEAVES, GrowConfig
 from edge.lookup import Corpus, Lookup
 from edge.options import LoadOptions
 from edge.protocols import Drafter, Target
-from edge.sampling import CHAT_DEFAULTS, SamplingConfig
+from edge.sampling import LLAMA_DEFAULTS, SamplingConfig
 
 if TYPE_CHECKING:
     from edge.budget import AutoBudget, Costs
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 Report = Callable[[str], None]
 
 NESTED = "· "  # load_seconds keys of phases that ran inside the one before (their times overlap)
-COSTS_VERSION = "costs 6"  # bumped when what the cached pass times measure changes (tree shapes, eviction, sizes)
 # Timing passes for --budget auto needs some context; what it says does not matter.
 CALIBRATION_TEXT = "The committee met on Tuesday to review the budget, and after a long discussion it agreed to"
 
@@ -59,7 +58,8 @@ class Pair:
     options: LoadOptions
     models_file: Path | None = None  # the models.toml the pair came from
     drafter_threads: int | None = None  # None: all cores
-    sampling: SamplingConfig = CHAT_DEFAULTS  # chat's and the server's: the model's recommended, else llama.cpp's
+    sampling: SamplingConfig = LLAMA_DEFAULTS  # the model's recommended, else llama.cpp's (the server's defaults)
+    recommended: tuple[str, ...] = ()  # the fields of `sampling` the model's file recommends (chat adds a penalty)
     costs: Costs | None = None  # measured pass times for --budget auto, once per load
     load_seconds: dict[str, float] = field(default_factory=dict)  # where loading took its time, by phase
     report: Report = field(default=_quiet, repr=False)
@@ -177,8 +177,8 @@ class Pair:
             if raw:
                 raise UserError("chat messages are rendered with the pair's chat template; give text to complete raw")
         if self.template is None:
-            raise UserError(f"{self.name} has no chat template (a base model): pass --raw to complete the prompt "
-                            "as-is (raw=True in Python)")
+            raise UserError(f"{self.name} has no chat template (a base model): complete the prompt as-is instead "
+                            "(raw)", "raw")
         return prompt_tokens(tokenizer, self.template.render(_messages(messages)), self.template.bos_token)
 
     def decoder(self, sampling: SamplingConfig, speculate: bool = True, budget: int | str | None = None) -> Decoder:
@@ -194,7 +194,7 @@ class Pair:
             self.fit_budget(int(budget))
             return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling,
                            accept=self.options.accept, lookup=proposer, overlap=self.overlaps)
-        return Decoder(self.target, self.drafter, None, sampling, policy=self.auto_budget(), accept=self.options.accept,
+        return Decoder(self.target, self.drafter, self.auto_budget(), sampling, accept=self.options.accept,
                        lookup=proposer, overlap=self.overlaps)
 
     @property
@@ -235,7 +235,7 @@ class Pair:
         if budget + 1 <= before and (self.drafter is None or budget <= self.drafter.expand_capacity):
             return
         if not fit_trees(self.target, self.drafter, budget + 1):
-            raise UserError(budget_refused(self.name, budget, before))
+            raise budget_refused(self.name, budget, before)
         self._decoder = self._decoder_key = None  # the caches were emptied
 
     def auto_budget(self) -> AutoBudget:
@@ -246,8 +246,8 @@ class Pair:
 
         if self.costs is None:
             with phase(self.load_seconds, "pass times (--budget auto)"):
-                key, cache = self._costs_key(), JsonFile(cache_dir() / "pass-times.json")
-                known = cache.read()
+                key = self._costs_key()
+                known = pass_times()
                 if key is not None and key in known:
                     try:
                         self.costs = Costs.from_json(known[key])
@@ -259,7 +259,7 @@ class Pair:
                     prefix = self.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
                     self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree)
                     if key is not None:
-                        cache.write(_newest({**known, key: {**self.costs.to_json(), "measured": time.time()}}))
+                        keep_pass_times(key, self.costs.to_json())
         limit = budget_limit(self.costs)  # the larger trees its measured flat passes allow, within the plan's bound
         self.fit_budget(limit if self.max_tree is None else min(limit, self.max_tree - 1))
         return AutoBudget(self.costs)
@@ -290,64 +290,15 @@ class Pair:
         self.costs = None
 
     def _costs_key(self) -> str | None:
-        from edge.offload.probe import machine_key
-
         path = model_path(self.spec.target)
         if path is None or not path.is_file():
             return None
-        stat = path.stat()
         drafter = "lookup" if self.drafter is None else f"{type(self.drafter).__name__}:{self.drafter.vocab}"
         streamer = self.target.streamer
         readahead = None if streamer is None else streamer.readahead
         if streamer is not None and streamer.window is not None:  # offload/window.py: read ahead within a window
             readahead = f"{readahead} window {streamer.window >> 20} MiB"
-        return (f"{machine_key(path)}|{path.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{self.placement}|"
-                f"readahead {readahead}|drafter threads {self.drafter_threads}|{COSTS_VERSION}"
-                + ("" if self.max_tree is None else f"|trees up to {self.max_tree}"))  # a memory limit's plan
-
-
-PASS_TIMES_KEPT = 64  # pass-times.json keeps the newest entries: one is made per machine, placement and file
-
-
-def corpus_path(target: Path) -> Path:
-    """Where lookup keep saves the replies drafted from: in the cache, one file per target file (token ids are its
-    vocabulary's)."""
-    size = target.stat().st_size if target.is_file() else 0
-    return cache_dir() / "lookup" / f"{target.name}-{size}.npy"
-
-
-def open_corpus(target: Path, mode: str, report: Report = _quiet) -> Corpus | None:
-    """The replies lookup drafts from: None with lookup off; empty with on; with keep, those an earlier run saved (a
-    damaged file is said and started over)."""
-    if mode == "off":
-        return None
-    path = corpus_path(target)
-    if mode != "keep" or not path.is_file():
-        return Corpus()
-    try:
-        import numpy as np
-
-        tokens = np.load(path, allow_pickle=False)
-        if tokens.dtype != np.int32 or tokens.ndim != 1:
-            raise ValueError(f"{tokens.dtype} array of {tokens.ndim} dimensions, not int32 tokens")
-        return Corpus.from_array(tokens)
-    except (OSError, ValueError) as problem:
-        report(f"lookup keep: {path} cannot be read ({problem}); starting a new one")
-        return Corpus()
-
-
-def save_corpus(corpus: Corpus, target: Path, report: Report = _quiet) -> None:
-    """Save the replies for the next run's lookup (written whole, then renamed: a crash leaves the old file)."""
-    import numpy as np
-
-    path = corpus_path(target)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial.npy")
-        np.save(partial, corpus.to_array(), allow_pickle=False)
-        partial.replace(path)
-    except OSError as problem:
-        report(f"lookup keep: cannot save {path} ({problem.strerror}); this run's replies are not kept")
+        return pass_times_key(path, drafter, self.placement, str(readahead), self.drafter_threads, self.max_tree)
 
 
 def tree_nodes(budget: int | str) -> int:
@@ -356,18 +307,9 @@ def tree_nodes(budget: int | str) -> int:
     return int(budget) + 1 if budget != "auto" and int(budget) > MAX_LEAVES else MAX_LEAVES + 1
 
 
-def budget_refused(name: str, budget: int, max_tree: int) -> str:
-    return (f"--budget {budget}: {name} verifies at most {max_tree} nodes a pass (an onnx target, QuantSpec); use "
-            f"--budget {max_tree - 1} or less, or auto")
-
-
-def _newest(entries: dict[str, Any]) -> dict[str, Any]:
-    """The PASS_TIMES_KEPT most recently measured entries (entries without a date count as oldest)."""
-    def measured(item: tuple[str, Any]) -> float:
-        value = item[1].get("measured") if isinstance(item[1], dict) else None
-        return float(value) if isinstance(value, int | float) else 0.0
-
-    return dict(sorted(entries.items(), key=measured)[-PASS_TIMES_KEPT:])
+def budget_refused(name: str, budget: int, max_tree: int) -> UserError:
+    return UserError(f"budget {budget}: {name} verifies at most {max_tree} nodes a pass (an onnx target, QuantSpec); "
+                     f"use {max_tree - 1} or less, or auto", "budget")
 
 
 def _messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:

@@ -51,13 +51,11 @@ def measured_rates(machine: Machine, target: Path) -> Machine:
     """The machine with the RAM rate and CPU compute its own passes of this target showed, in RAM, where `--budget
     auto` has timed them (pass-times.json: once per machine, placement and file), in place of the assumed ones
     (offload.plan.fit_constants: the one-token pass reads the weights, the largest computes)."""
+    from edge.models.kept import target_entries
     from edge.offload.plan import ModelPlan, fit_constants
-    from edge.offload.probe import machine_key
 
-    stat = target.stat()
-    prefix = f"{machine_key(target)}|{target.name}|{stat.st_size}|{stat.st_mtime_ns}|"
-    for key, entry in JsonFile(cache_dir() / "pass-times.json").read().items():
-        if not (key.startswith(prefix) and "|ram|" in key and isinstance(entry, dict)):
+    for key, entry in target_entries(target).items():
+        if "|ram|" not in key:
             continue
         try:
             passes = {int(n): [float(ms) / 1000] for n, ms in entry["target_ms"].items()}

@@ -130,7 +130,8 @@ MAX_MODELS_FILE = 16 << 20  # a models.toml past this is not one (and /dev/zero 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO would wait for a writer forever
-            raise UserError(f"{path} is not a regular file; give --models the path of a models.toml file")
+            raise UserError(f"{path} is not a regular file; give `models_file` the path of a models.toml file",
+                            "models_file")
         with path.open("rb") as f:
             text = f.read(MAX_MODELS_FILE + 1)
         if len(text) > MAX_MODELS_FILE:
@@ -139,7 +140,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise UserError(f"models file {path} not found") from None
     except IsADirectoryError:
-        raise UserError(f"{path} is a directory; give --models the path of a models.toml file") from None
+        raise UserError(f"{path} is a directory; give `models_file` the path of a models.toml file",
+                        "models_file") from None
     except PermissionError:
         raise UserError(f"cannot read {path}: permission denied") from None
     except UnicodeDecodeError:

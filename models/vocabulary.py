@@ -37,9 +37,10 @@ def parse_vocab_sizes(values: list[str]) -> list[int]:
     try:
         sizes = {int(part) for value in values for part in value.split(",") if part.strip()}
     except ValueError:
-        raise UserError(f"--vocab takes token counts, like 16384 or 8192,16384 (got {' '.join(values)!r})") from None
+        raise UserError(f"vocab takes token counts, like 16384 or 8192,16384 (got {' '.join(values)!r})",
+                        "vocab") from None
     if not sizes or min(sizes) < 1:
-        raise UserError(f"--vocab sizes must be positive (got {' '.join(values)!r})")
+        raise UserError(f"vocab sizes must be positive (got {' '.join(values)!r})", "vocab")
     return sorted(sizes)
 
 
@@ -56,10 +57,10 @@ def build_vocabs(pair: Pair, target: ModelSpec, sizes: list[int], prompts_path: 
     special = pair.target.special.ids
     for k in sizes:
         if k > n_vocab:
-            raise UserError(f"--vocab {k} is larger than {pair.name}'s vocabulary of {n_vocab} tokens")
+            raise UserError(f"vocab {k} is larger than {pair.name}'s vocabulary of {n_vocab} tokens", "vocab")
         if k < len(special):
-            raise UserError(f"--vocab {k} cannot hold {pair.name}'s {len(special)} special tokens, "
-                            "which are always kept; ask for more")
+            raise UserError(f"vocab {k} cannot hold {pair.name}'s {len(special)} special tokens, "
+                            "which are always kept; ask for more", "vocab")
     prompts_path = prompts_path or default_prompts(pair)
     prompts = read_prompts(prompts_path)
     scoring = ScoringTarget(pair.target)

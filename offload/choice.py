@@ -19,14 +19,15 @@ rounds (docs/plan.md, "Choosing a use of the memory"): a pair whose drafter agre
 
 from __future__ import annotations
 
-import math
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from edge.offload.expected import ExpectedRate
 from edge.offload.machine import gib
 from edge.offload.plan import Plan, pass_cost, plan_pair
 
+from edge.budget import prior_tokens
 from edge.errors import UserError
 
 if TYPE_CHECKING:
@@ -36,9 +37,9 @@ if TYPE_CHECKING:
 
 USES = ("drafter", "plain", "lookup")
 BUDGETS = (4, 8, 16, 32, 64)  # the trees a use is priced at (the best is its price)
-# tokens a tree pass yields at budget b: 1 + YIELD_PER_LOG_NODE * ln(1 + b). The real pair (Qwen2.5-Coder-1.5B drafted
-# by its 0.5B) yielded 3.87 tokens a pass at a mean budget of 10.3 (from the SSD) and 4.79 at 28 (under a limit).
-YIELD_PER_LOG_NODE = 1.15
+# Tokens a tree pass yields at budget b: --budget auto's prior (edge.budget.prior_tokens, 1 + 0.85 log2(1 + b)), the
+# one prior of both. The real pair (Qwen2.5-Coder-1.5B drafted by its 0.5B) yielded 3.87 tokens a pass at a mean
+# budget of 10.3 (from the SSD: the prior says 3.98) and 4.79 at 28 (under a limit: 5.13).
 # drafter passes a tree of b nodes costs: DRAFT_FIXED_PASSES + b (the real pair: 0.28 s a round at budget 10 and
 # 0.51 s at 28, with a drafter pass of about 13 ms)
 DRAFT_FIXED_PASSES = 11
@@ -48,16 +49,11 @@ PRIOR_MARGIN = 1.1  # a use that drafts is chosen over plain decoding only where
 
 
 @dataclass(frozen=True)
-class Use:
-    name: str  # one of USES
-    plan: Plan
-    budget: int  # the tree budget priced (0: plain decoding)
-    tokens_per_pass: float
-    round_s: float  # drafting and the target's pass
+class Use(ExpectedRate):
+    """A use of the memory, priced as a round (ExpectedRate: the plan's one economy)."""
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_pass / self.round_s
+    name: str = "plain"  # one of USES
+    plan: Plan | None = None
 
     def describe(self) -> str:
         target = self.plan.target
@@ -79,10 +75,6 @@ class Use:
                 "streamed_gib": round(self.plan.ssd_bytes / 2**30, 3), "placement": self.plan.target.placement}
 
 
-def expected_tokens(budget: int) -> float:
-    return 1 + YIELD_PER_LOG_NODE * math.log1p(budget)
-
-
 def weigh_uses(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Machine,
                lookup: bool = True) -> list[Use]:
     """Every use of the memory that fits here, priced; `lookup`: lookup drafting is allowed. Raises the plan's
@@ -100,12 +92,12 @@ def weigh_uses(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Ma
         if not uses and refusal is not None:
             raise refusal from None
         raise
-    uses.append(Use("plain", alone, 0, 1.0, alone.one_token.seconds))
+    uses.append(Use(0, 1.0, 0.0, alone.one_token.seconds, "plain", alone))
     if lookup:
         with suppress(UserError):
             looked = plan_pair(replace(pair, budget=LOOKUP_BUDGET), target, None, machine)
             verify = pass_cost(looked.target, machine, LOOKUP_BUDGET + 1).seconds
-            uses.append(Use("lookup", looked, LOOKUP_BUDGET, LOOKUP_TOKENS_PER_PASS, verify))
+            uses.append(Use(LOOKUP_BUDGET, LOOKUP_TOKENS_PER_PASS, 0.0, verify, "lookup", looked))
     return uses
 
 
@@ -114,10 +106,10 @@ def _drafting(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine) -
     drafter_pass = pass_cost(plan.drafter, machine, 1).seconds
     best: Use | None = None
     for budget in (b for b in BUDGETS if b + 1 <= plan.tree.n_tokens):
-        tokens = expected_tokens(budget)
+        tokens = prior_tokens(budget)
         draft = drafter_pass * (DRAFT_FIXED_PASSES + budget)
         verify = pass_cost(plan.target, machine, budget + max(round(tokens), 1)).seconds
-        use = Use("drafter", plan, budget, tokens, draft + verify)
+        use = Use(budget, tokens, draft, verify, "drafter", plan)
         if best is None or use.tokens_per_s > best.tokens_per_s:
             best = use
     assert best is not None  # BUDGETS starts below the smallest tree a plan sizes (CAPPED_MIN_TREE)

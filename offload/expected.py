@@ -21,7 +21,7 @@ from edge.errors import UserError
 
 
 @dataclass(frozen=True)
-class Acceptance:
+class BenchYield:
     """Tokens per target pass and drafter seconds per round by tree budget, from one bench run."""
 
     tokens_per_pass: dict[int, float]
@@ -31,6 +31,9 @@ class Acceptance:
 
 @dataclass(frozen=True)
 class ExpectedRate:
+    """A round's price, the plan's one economy (offload/choice.py prices the uses of the memory with it too):
+    tokens/s = tokens per pass / (drafting + the target's pass), as --budget auto prices a budget (edge/budget.py)."""
+
     budget: int  # 0: plain decoding
     tokens_per_pass: float
     draft_s: float
@@ -53,7 +56,7 @@ class ExpectedRate:
 MAX_BENCH_JSON = 64 << 20  # a bench's JSON is kilobytes; past this it is not one
 
 
-def read_acceptance(path: Path) -> Acceptance:
+def read_acceptance(path: Path) -> BenchYield:
     """The tree rows of a bench JSON (`edge-spec bench --json`): for a budget run several times (acceptance rules,
     drafters), the row with the most tokens per pass."""
     what = f"--acceptance {path}"
@@ -88,11 +91,11 @@ def read_acceptance(path: Path) -> Acceptance:
                         "--json > FILE`")
     source = (f"{data.get('pair')} ({data.get('target')}, placement {data.get('placement')}, "
               f"{data.get('sampling') or 'T=' + str(data.get('temperature'))})")
-    return Acceptance({b: float(r["tokens_per_pass"]) for b, r in sorted(best.items())},
+    return BenchYield({b: float(r["tokens_per_pass"]) for b, r in sorted(best.items())},
                       {b: float(r["draft_s_per_round"]) for b, r in sorted(best.items())}, source)
 
 
-def expected_rates(plan: Plan, acceptance: Acceptance) -> list[ExpectedRate]:
+def expected_rates(plan: Plan, acceptance: BenchYield) -> list[ExpectedRate]:
     """Plain decoding first, then each budget of `acceptance`, with the plan's pass times."""
     rows = [ExpectedRate(0, 1.0, 0.0, plan.one_token.seconds)]
     for budget, tokens in acceptance.tokens_per_pass.items():

@@ -86,7 +86,8 @@ def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
     probed = probe_machine()
     ram_gb = probed["ram_free_gb"] or probed["ram_total_gb"]
     if ram_gb is None:
-        raise UserError("cannot tell how much RAM is free here; describe the machine: --machine ram=16G,disk=2GB/s")
+        raise UserError("cannot tell how much RAM is free here; describe it (machine): ram=16G,disk=2GB/s",
+                        "machine")
     gpus = probed["gpus"]
     gpu = max(gpus, key=lambda g: g["vram_free_gb"]) if gpus else None  # one GPU: layers are not split across GPUs
     disk = disk_read_gbps(_existing(model_file), store) if model_file is not None else None
@@ -126,8 +127,8 @@ def _rate(value: str, key: str) -> float:
 
 
 def _machine_error(problem: str) -> NoReturn:
-    raise UserError(f"--machine: {problem}; write it like ram=32G,vram=24G,disk=3GB/s "
-                    f"(keys: {', '.join(MACHINE_KEYS)})")
+    raise UserError(f"machine: {problem}; write it like ram=32G,vram=24G,disk=3GB/s "
+                    f"(keys: {', '.join(MACHINE_KEYS)})", "machine")
 
 
 def gib(n_bytes: float) -> str:

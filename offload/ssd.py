@@ -5,7 +5,7 @@ would for a model bigger than RAM: after each pass the target's weight pages are
 (`madvise(MADV_DONTNEED)` unmaps them from llama.cpp's read-only mapping, then `posix_fadvise(DONTNEED)` drops
 them from the page cache). The bytes the process really read from storage (/proc/self/io) prove it.
 
-Overlap: while the drafter grows the next tree (speculative_round calls the target's `prefetch`), a thread
+Overlap: while the drafter grows the next tree (run_round calls the target's `prefetch`), a thread
 reads the weights ahead with `madvise(MADV_POPULATE_READ)` on the target's own mapping, in the order the
 pass uses them (layer by layer; the embedding table as `readahead_order` says). That both reads the pages and
 maps them, so the pass neither waits on the disk nor takes a fault per page, and no byte is copied into

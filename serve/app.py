@@ -8,7 +8,6 @@ ending in `data: [DONE]`, as OpenAI's. A client that leaves stops its generation
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import secrets
 import time
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from edge.serve.hosts import loopback_host
+from edge.serve.limits import BODY_TIMEOUT_S
 from edge.serve.schemas import (
     FINISH_REASONS,
     ChatRequest,
@@ -39,7 +39,6 @@ from starlette.requests import ClientDisconnect
 
 from edge.errors import ContextFull, UserError
 from edge.generate import Stats, check_fits
-from edge.sampling import CHAT_DEFAULTS
 
 if TYPE_CHECKING:
     from edge.models.pair import Pair
@@ -49,12 +48,12 @@ MAX_BODY_BYTES = 32 << 20  # a request body larger than this is refused before i
 TRIM_AFTER_BYTES = 1 << 20  # after a request body this large, freed memory is handed back to the OS
 MAX_MESSAGES = 16_384  # messages in one request, counted before they are validated (and the context counts too)
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
-BODY_TIMEOUT_S = 20.0  # a request body not whole by then is refused (408): a slow sender holds no connection for long
 SHUTDOWN_GRACE_S = 4.0  # on shutdown a stream has this long to send its error event and [DONE] (uvicorn waits 5 s)
 
 
 def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
-               cors_origins: Sequence[str] = (), loopback_only: bool = False) -> FastAPI:
+               cors_origins: Sequence[str] = (), loopback_only: bool = False,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The app over `pair`. A request from a web page (its Origin header) is served only from `cors_origins` ("*":
     any); `loopback_only` (a server bound to a loopback address) also refuses a Host header that names another
     machine (DNS rebinding). With `api_key`, every endpoint but /health asks for it, the OpenAPI document too."""
@@ -73,11 +72,9 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
     model_name, created = pair.name, int(time.time())
-    # Sampling for what a request leaves out: the pair's (the model's recommended, else llama.cpp's), without chat's
-    # repetition penalty unless the model recommends one: OpenAI's API and llama-server apply none by default.
+    # Sampling for what a request leaves out: the pair's (the model's recommended, else llama.cpp's); no repetition
+    # penalty unless the model recommends one, as OpenAI's API and llama-server
     defaults = pair.sampling
-    if defaults.repeat_penalty == CHAT_DEFAULTS.repeat_penalty and CHAT_DEFAULTS.repeat_penalty != 1.0:
-        defaults = dataclasses.replace(defaults, repeat_penalty=1.0)
 
     app.add_middleware(_Gate, origins=allowed_origins, loopback_only=loopback_only)  # outside CORS: it runs first
 
@@ -186,7 +183,7 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Any:
-        body = await _body(request, ChatRequest)
+        body = await _body(request, ChatRequest, body_timeout_s)
         if pair.template is None:
             check_model(body.model)
             raise Refused(400, f"{model_name} has no chat template (a base model): use /v1/completions to complete "
@@ -197,7 +194,7 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Any:
-        body = await _body(request, CompletionRequest)
+        body = await _body(request, CompletionRequest, body_timeout_s)
         work = await prepare(body, body.one_prompt(), True, body.reply_tokens())
         return await respond(Reply("text", model_name), body, work, request)
 
@@ -220,9 +217,9 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
     return app
 
 
-async def _body(request: Request, schema: type[RequestT]) -> RequestT:
-    """The request's JSON body, checked against `schema`; read as JSON whatever the Content-Type says (curl -d sends
-    a form's), as llama.cpp's server does."""
+async def _body(request: Request, schema: type[RequestT], timeout_s: float = BODY_TIMEOUT_S) -> RequestT:
+    """The request's JSON body, checked against `schema`, whole within `timeout_s`; read as JSON whatever the
+    Content-Type says (curl -d sends a form's), as llama.cpp's server does."""
     chunks: list[bytes] = []
 
     async def read() -> None:
@@ -234,11 +231,11 @@ async def _body(request: Request, schema: type[RequestT]) -> RequestT:
             chunks.append(chunk)
 
     try:
-        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+        await asyncio.wait_for(read(), timeout_s)
     except ClientDisconnect:
         raise Refused(400, "the client closed the connection before its request body ended") from None
     except TimeoutError:
-        raise Refused(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s: send it whole") from None
+        raise Refused(408, f"the request body did not arrive within {timeout_s:g} s: send it whole") from None
     raw = b"".join(chunks)
     try:
         data = json.loads(raw)

@@ -10,13 +10,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from edge.serve.hosts import is_loopback
+from edge.serve.limits import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 
 from edge.errors import UserError
 
 if TYPE_CHECKING:
     from edge.models.pair import Pair
 
-HEAD_TIMEOUT_S = 10.0  # a connection must send a whole request head within this (slow and idle clients are closed)
 KEEP_ALIVE_S = 5  # an idle kept-alive connection is closed after this (uvicorn's default)
 
 
@@ -62,8 +62,10 @@ def url(sock: socket.socket, host: str) -> str:
 
 def serve(pair: Pair, sock: socket.socket, *, api_key: str | None = None, cors_origins: Sequence[str] = (),
           speculate: bool = True, budget: int | str | None = None, log_level: str = "info",
-          ready: Callable[[], None] | None = None) -> None:
-    """Serve `pair` on `sock` until Ctrl-C (or SIGTERM); closes the socket, not the pair."""
+          ready: Callable[[], None] | None = None, head_timeout_s: float = HEAD_TIMEOUT_S,
+          body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+    """Serve `pair` on `sock` until Ctrl-C (or SIGTERM); closes the socket, not the pair. A client has
+    `head_timeout_s` to send a request's head and `body_timeout_s` its body."""
     import uvicorn
     from edge.serve.app import create_app
     from edge.serve.worker import Worker
@@ -81,9 +83,10 @@ def serve(pair: Pair, sock: socket.socket, *, api_key: str | None = None, cors_o
                 ready()
 
     bound = sock.getsockname()[0]
-    app = create_app(pair, worker, api_key, cors_origins, loopback_only=is_loopback(str(bound)))
+    app = create_app(pair, worker, api_key, cors_origins, loopback_only=is_loopback(str(bound)),
+                     body_timeout_s=body_timeout_s)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
-                            log_config=_log_config(log_level), http=_guarded_protocol(),
+                            log_config=_log_config(log_level), http=_guarded_protocol(head_timeout_s),
                             timeout_keep_alive=KEEP_ALIVE_S)
     try:
         Server(config).run(sockets=[sock])
@@ -92,11 +95,11 @@ def serve(pair: Pair, sock: socket.socket, *, api_key: str | None = None, cors_o
         sock.close()
 
 
-def _guarded_protocol() -> type:
+def _guarded_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type:
     """uvicorn's h11 protocol with a deadline on each request's head: a connection that has not sent a whole
-    request line and headers HEAD_TIMEOUT_S after it opened (or after its last reply) is closed. uvicorn's own
+    request line and headers `head_timeout_s` after it opened (or after its last reply) is closed. uvicorn's own
     keep-alive timer restarts on every byte, so a client trickling a byte a second would hold a connection for
-    ever; this deadline does not move. The body has its own bound (serve/app.py BODY_TIMEOUT_S)."""
+    ever; this deadline does not move. The body has its own bound (BODY_TIMEOUT_S, serve/app.py)."""
     import asyncio
 
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -124,7 +127,7 @@ def _guarded_protocol() -> type:
 
         def _arm(self) -> None:
             self._disarm()
-            self._deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._expire)
+            self._deadline = self.loop.call_later(head_timeout_s, self._expire)
 
         def _disarm(self) -> None:
             if self._deadline is not None:

@@ -260,7 +260,7 @@ def test_a_text_of_many_special_tokens_is_tokenized_in_runs(files: dict[str, Pat
 def test_lookup_keep_carries_past_replies_to_the_next_run() -> None:
     """lookup="keep": the replies a run drafted from are saved when the pair closes and read by the next load of the
     same target file; a damaged file is said and started over; lookup="on" starts empty."""
-    from edge.models.pair import corpus_path
+    from edge.models.kept import corpus_path
 
     with edge.load("smollm2-135m", lookup="keep", budget=4) as pair:
         saved = corpus_path(pair.target.path)
@@ -300,7 +300,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_passes_are_timed(default_pai
 
 
 def test_pass_times_keep_the_newest_entries() -> None:
-    from edge.models.pair import PASS_TIMES_KEPT, _newest
+    from edge.models.kept import PASS_TIMES_KEPT, _newest
 
     entries = {f"file {i}": {"target_ms": {}, "measured": float(i)} for i in range(PASS_TIMES_KEPT + 6)}
     entries["undated"] = {"target_ms": {}}

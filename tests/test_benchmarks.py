@@ -1,5 +1,6 @@
 """The benchmark scripts keep running (each one's --help, and a one-prompt run of the cheap ones on the offline pair),
-and edge.replay's target, which tree_yield.py and tree_rounds.py replay growth with, answers as the real target did."""
+and benchmarks/replay.py's target, which tree_yield.py and tree_rounds.py replay growth with, answers as the real
+target did."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.replay import ReplayTarget, plain_replies, replay
 from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.protocols import SpecialTokens
-from edge.replay import ReplayTarget, plain_replies, replay
 from edge.sampling import SamplingConfig
 from edge.tree import TokenTree
 from tests.tiny import TinyModel

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 from edge.models.registry import load_registry
-from edge.offload.choice import choose, expected_tokens, reason, weigh_uses
+from edge.offload.choice import choose, reason, weigh_uses
 from edge.offload.machine import Machine, parse_machine
 from edge.offload.plan import GIB, RAM_HEADROOM, Shape, plan_pair, stream_room
 
+from edge.budget import prior_tokens
 from edge.errors import UserError
 from tests.test_plan import LLAMA_70B, plan_on, shapes
 
@@ -98,7 +99,7 @@ def test_where_neither_fits_a_slow_drive_makes_the_drafters_trees_pay() -> None:
     use, uses = chosen(1000, disk_gbps=0.05)  # a slow drive (a network share): the read is nearly all of a pass
     assert {u.plan.target.placement for u in uses.values()} == {"ssd"}
     assert use.name == "drafter" and use.budget >= 8
-    assert use.tokens_per_pass == pytest.approx(expected_tokens(use.budget))
+    assert use.tokens_per_pass == pytest.approx(prior_tokens(use.budget))
     assert uses["plain"].plan.target.resident_bytes > use.plan.target.resident_bytes  # the drafter's memory
 
 

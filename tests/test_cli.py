@@ -51,9 +51,30 @@ def test_piped_chat_fails_when_no_prompt_was_answered(smollm2: Pair) -> None:
 def test_piped_chat_transcript(smollm2: Pair) -> None:
     result = run("chat", "--max-tokens", "20", input="What is the capital of France?\n/stats\nAnd of Italy?\n")
     assert result.exit_code == 0, result.output
-    replies = [line for line in result.stdout.splitlines() if line.strip()]
-    assert len(replies) >= 2
     assert result.stderr.count("tokens/pass") == 3  # two replies and /stats
+    greedy = run("chat", "--max-tokens", "20", "--temperature", "0",
+                 input="What is the capital of France?\n/stats\nAnd of Italy?\n")
+    assert_transcript(greedy.stdout, chat_replies(smollm2, ["What is the capital of France?", "And of Italy?"], 20))
+
+
+def chat_replies(pair: Pair, prompts: list[str], max_tokens: int) -> list[str]:
+    """The greedy replies of one conversation, by the library's chat session (plain decoding)."""
+
+    session = ChatSession(Decoder(pair.target), pair.template, pair.target.tokenizer, None)
+    replies = ["".join(step.text for step in session.send(text, max_tokens)) for text in prompts]
+    session.decoder.reset()
+    return replies
+
+
+def assert_transcript(stdout: str, replies: list[str]) -> None:
+    """Piped chat prints each reply, then a line break: nothing else on stdout, nothing left out."""
+    assert replies and all(reply.strip() for reply in replies)
+    assert stdout == "".join(reply + "\n" for reply in replies)
+
+
+def assert_rounds_add_up(row: dict) -> None:
+    """A row's rounds: each plain, or a tree under some rule, and at least one."""
+    assert row["rounds"] > 0 and row["plain_rounds"] + sum(row["rule_rounds"].values()) == row["rounds"]
 
 
 def test_models_json(smollm2: Pair, gemma3: Pair) -> None:
@@ -94,7 +115,7 @@ def test_bench_methods_auto_and_plot(smollm2: Pair, tmp_path: Path) -> None:
     for row in out["rows"]:
         assert row["matches_plain"] and row["speedup"] > 0 and "bytes_read_per_pass" in row
     auto = out["rows"][2]
-    assert auto["rounds"] > 0 and 0 <= auto["plain_rounds"] <= auto["rounds"]
+    assert_rounds_add_up(auto)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -268,9 +289,10 @@ def test_chat_defaults_end_every_reply_by_end_of_turn(smollm2: Pair) -> None:
 
 
 def test_chat_samples_by_default_and_takes_greedy(smollm2: Pair) -> None:
-    from edge.sampling import CHAT_DEFAULTS
+    from edge.sampling import CHAT_REPEAT_PENALTY, LLAMA_DEFAULTS, chat_defaults
 
-    assert smollm2.sampling == CHAT_DEFAULTS  # SmolLM2's file recommends no sampling
+    assert smollm2.sampling == LLAMA_DEFAULTS and smollm2.recommended == ()  # SmolLM2's file recommends no sampling
+    assert chat_defaults(smollm2.sampling, smollm2.recommended).repeat_penalty == CHAT_REPEAT_PENALTY
     greedy = run("chat", "--max-tokens", "16", "--temperature", "0", input="Name three colors.\n")
     plain = json.loads(run("generate", "Name three colors.", "-n", "16", "--json").stdout)
     assert greedy.stdout.strip() == plain["text"].strip()

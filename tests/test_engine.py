@@ -104,7 +104,7 @@ def test_no_tree_reaches_past_the_replys_last_token() -> None:
         def observe(self, config: GrowConfig | None, result, rule: str = "match") -> None:
             depths.append(int(result.tree.depth.max()))
 
-    decoder = Decoder(target, target, policy=Recorder(GrowConfig.chain(16)))  # the target drafts itself: all taken
+    decoder = Decoder(target, target, Recorder(GrowConfig.chain(16)))  # the target drafts itself: all taken
     decoder.load([0, 1])
     steps = list(decoder.generate(5, stop_tokens=frozenset()))
     assert steps[-1].finish_reason == "length" and len(steps) == 6
@@ -196,7 +196,8 @@ def test_sampled_speculation_has_the_targets_distribution() -> None:
 def test_the_distribution_test_catches_a_biased_acceptance(monkeypatch: pytest.MonkeyPatch) -> None:
     """The test above can fail: accepting the drafter's first child whenever the target gives it p > 0.2."""
 
-    def biased_accept(tree, logits, sampling, history, rng, proposer=None, noise=None):
+    def biased_accept(tree, logits, history, rule):
+        sampling, rng = rule.reply.sampling, rule.reply.rng
         path = [0]
         while True:
             children = np.flatnonzero(tree.parents == path[-1])

@@ -172,9 +172,9 @@ def test_a_misaligned_tensor_is_refused_as_invalid_not_truncated(tiny: Path, tmp
 def test_recommended_sampling_is_read_from_the_header(tmp_path: Path) -> None:
     """general.sampling.* (llama.cpp's keys) over llama.cpp's defaults; a value edge-spec cannot use is said once
     and the defaults stay."""
-    from edge.models.loading import chat_sampling
+    from edge.models.loading import model_sampling
 
-    from edge.sampling import CHAT_DEFAULTS
+    from edge.sampling import LLAMA_DEFAULTS
 
     def written(name: str, **values: float) -> Path:
         path = tmp_path / name
@@ -192,10 +192,11 @@ def test_recommended_sampling_is_read_from_the_header(tmp_path: Path) -> None:
         writer.close()
         return path
 
-    assert chat_sampling(written("none.gguf")) == CHAT_DEFAULTS
-    recommended = chat_sampling(written("qwen-like.gguf", temp=0.7, top_k=20, top_p=0.8, min_p=0.0))
+    assert model_sampling(written("none.gguf")) == (LLAMA_DEFAULTS, ())
+    recommended, fields = model_sampling(written("qwen-like.gguf", temp=0.7, top_k=20, top_p=0.8, min_p=0.0))
     assert (recommended.temperature, recommended.top_k, recommended.top_p, recommended.min_p) == \
         (pytest.approx(0.7), 20, pytest.approx(0.8), 0.0)
+    assert fields == ("min_p", "temperature", "top_k", "top_p") and recommended.repeat_penalty == 1.0
     said: list[str] = []
-    assert chat_sampling(written("bad.gguf", top_p=5.0), said.append) == CHAT_DEFAULTS
-    assert len(said) == 1 and "top-p" in said[0]
+    assert model_sampling(written("bad.gguf", top_p=5.0), said.append) == (LLAMA_DEFAULTS, ())
+    assert len(said) == 1 and "top_p" in said[0]

@@ -10,6 +10,7 @@ from dataclasses import replace
 import edge.offload.tuning as tuning
 import numpy as np
 import pytest
+from edge.cli.render import flag
 from edge.models.pair import Pair
 from edge.offload.tuning import measure_costs
 
@@ -140,8 +141,8 @@ def test_a_budget_past_an_onnx_targets_pass_is_one_line() -> None:
     pair.decoder(SamplingConfig(), budget=255)
     with pytest.raises(UserError) as refused:
         pair.decoder(SamplingConfig(), budget=1024)
-    assert str(refused.value) == ("--budget 1024: qs verifies at most 256 nodes a pass (an onnx target, QuantSpec); "
-                                  "use --budget 255 or less, or auto")
+    assert refused.value.worded(flag) == ("--budget 1024: qs verifies at most 256 nodes a pass (an onnx target, "
+                                          "QuantSpec); use 255 or less, or auto")
 
 
 def flat_costs(large: bool) -> Costs:

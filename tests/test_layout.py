@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from itertools import pairwise
@@ -211,3 +212,72 @@ def test_the_wheel_installs_one_top_level_package_and_no_benchmark_tooling(tmp_p
         == set(SUBPACKAGES)
     assert "edge/models/models.toml" in names and "edge/models/benchmarks/chat-prompts.txt" in names
     assert not [name for name in names if name.endswith(("memcap.py", "serve_process.py", "_bench.py"))]
+
+
+LIBRARY = ("edge", "models", "runtimes", "quant", "offload")  # below the front ends (cli/, serve/)
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]*")
+COMMAND = re.compile(r"`edge-spec [^`]*`")  # a command a message tells to run, flags and all (itself a front end's)
+
+
+def _raised_texts(path: Path) -> list[tuple[int, str]]:
+    """The string pieces of every exception raised or built in `path` (f-strings' literal parts included)."""
+    texts = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Raise) and node.exc is not None and not isinstance(node.exc, ast.Call):
+            call = node.exc  # raise error (a name): its text was built elsewhere
+        elif isinstance(node, ast.Call) and _is_error(node.func):
+            call = node
+        else:
+            continue
+        pieces = {id(part) for sub in ast.walk(call) if isinstance(sub, ast.JoinedStr) for part in sub.values}
+        texts += [(sub.lineno, _text(sub)) for sub in ast.walk(call) if isinstance(sub, ast.JoinedStr)
+                  or (isinstance(sub, ast.Constant) and isinstance(sub.value, str) and id(sub) not in pieces)]
+    return texts
+
+
+def _text(node: ast.expr) -> str:
+    """A string constant, or an f-string with each value as X."""
+    if isinstance(node, ast.JoinedStr):
+        return "".join(part.value if isinstance(part, ast.Constant) else "X" for part in node.values)
+    return node.value
+
+
+def _is_error(func: ast.expr) -> bool:
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return name.endswith(("Error", "Fault", "Full", "Refused"))
+
+
+def test_the_library_words_its_errors_by_option_not_by_flag() -> None:
+    """A library error names the option (`temperature`), and each front end words it its way (`UserError.option`:
+    the command line says --temperature, the server "temperature"): no message below cli/ and serve/ names a flag."""
+    found = [f"{path.relative_to(REPO)}:{line}: {text!r}" for package in LIBRARY for path in (REPO / package).rglob(
+        "*.py") for line, text in _raised_texts(path) if FLAG.search(COMMAND.sub("", text))]
+    assert not found, "\n".join(found)
+
+
+def test_a_broken_twin_is_caught_and_options_are_worded_as_words() -> None:
+    """The scan above finds a flag in a raised message (its broken twin), and the command line words an option
+    where it stands as a word of its own, not inside a path or a longer name."""
+    from edge.cli.render import flag
+
+    from edge.errors import UserError
+
+    twin = 'def f(x):\n    raise UserError(f"--temperature must be >= 0 (got {x})")\n'
+    hits = [text for _, text in _raised_texts_of(twin) if FLAG.search(COMMAND.sub("", text))]
+    assert hits == ["--temperature must be >= 0 (got X)"]
+    problem = UserError("/tmp/models_file/x is a directory; give `models_file` a models.toml", "models_file")
+    assert problem.worded(flag) == "/tmp/models_file/x is a directory; give --models a models.toml"
+    problem = UserError("the openvino execution provider failed; set `provider` to cpu", "provider")
+    assert problem.worded(flag).endswith("set --provider to cpu") and "execution provider" in problem.worded(flag)
+    assert UserError("top_k must be >= 0 (got -1)", "top_k").worded(flag) == "--top-k must be >= 0 (got -1)"
+
+
+def _raised_texts_of(source: str) -> list[tuple[int, str]]:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as handle:
+        handle.write(source)
+    try:
+        return _raised_texts(Path(handle.name))
+    finally:
+        Path(handle.name).unlink()

@@ -124,7 +124,6 @@ def plain_outputs() -> dict:
 
 def test_greedy_speculation_equals_plain_decoding(pair: Pair, plain_outputs: dict) -> None:
     prompts = prompts_for(pair)
-    assert len(prompts) >= 8
     for i, text in enumerate(prompts):
         tokens = prompt_tokens(pair, text)
         plain, _ = generate(pair, tokens, None)
@@ -135,6 +134,13 @@ def test_greedy_speculation_equals_plain_decoding(pair: Pair, plain_outputs: dic
             spec, decoder = generate(pair, tokens, budget)
             assert spec == plain, f"budget {budget} differs on {text!r}"
             assert_caches_hold_exactly(pair, decoder)
+    assert_replies_differ([plain_outputs[(pair.name, text)] for text in prompts])
+
+
+def assert_replies_differ(replies: list[list[int]]) -> None:
+    """Eight prompts, eight replies, none empty and no two the same: a decoder that answered every prompt alike
+    (the prompt never read, or one reply cached for all) would make every comparison above hold."""
+    assert len(replies) >= 8 and all(replies) and len({tuple(reply) for reply in replies}) == len(replies)
 
 
 def assert_caches_hold_exactly(pair: Pair, decoder: Decoder) -> None:

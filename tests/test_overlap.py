@@ -10,8 +10,10 @@ import pytest
 
 from edge.generate import Decoder
 from edge.grow import GrowConfig
-from edge.overlap import Overlap, overlapped_round
+from edge.overlap import Overlap
+from edge.rules import MATCH, Reply
 from edge.sampling import SamplingConfig
+from edge.speculative import RoundPlan, run_round
 from edge.tree import TokenTree
 from tests.tiny import TinyModel
 
@@ -98,6 +100,14 @@ def test_coupled_sampling_with_overlap_is_plain_coupled_sampling() -> None:
     assert decoder.acceptances["coupled"].hits.sum() > 0  # coupled trees ran, overlapped
 
 
+def overlapped_round(target, drafter, context: list[int], config: GrowConfig, overlap: Overlap):
+    """A greedy sample-and-match round with `overlap` (Decoder.generate's, without the decoder): the round, and
+    whether its tree was grown during the previous pass."""
+    reply = Reply(SamplingConfig(), np.random.default_rng(0), np.random.default_rng(1))
+    result = run_round(target, drafter, context, RoundPlan(config, MATCH, drafting=True), reply, overlap)
+    return result, result.pregrown
+
+
 def test_a_tree_grown_for_another_outcome_is_dropped_without_effect() -> None:
     """The tree grown during a pass roots at the token the target drew; any other outcome leaves nothing behind: the
     next round takes no tree, and the drafter's cache holds the committed text alone (no branch grown past it)."""
@@ -107,8 +117,7 @@ def test_a_tree_grown_for_another_outcome_is_dropped_without_effect() -> None:
     overlap = Overlap()
     context = list(PROMPT)
     config = GrowConfig.for_budget(16)
-    result, pregrown = overlapped_round(target, drafter, context, config, SamplingConfig(), np.random.default_rng(0),
-                                        overlap)
+    result, pregrown = overlapped_round(target, drafter, context, config, overlap)
     assert not pregrown and overlap.pending is not None  # growth reached the target's token during the pass
     after = [*context, *result.tokens]
     assert drafter.cache + drafter.pending == after[:-1]  # the accepted path, nothing of the branches grown past it
@@ -116,8 +125,7 @@ def test_a_tree_grown_for_another_outcome_is_dropped_without_effect() -> None:
     # another outcome: the same length, another token at the end (or another length): no tree for it
     other = [*after[:-1], (after[-1] + 1) % target.n_vocab]
     assert overlap.take(other, config) is None and overlap.pending is None  # taken once, then gone
-    _, pregrown2 = overlapped_round(target, drafter, after, config, SamplingConfig(), np.random.default_rng(0),
-                                    overlap)
+    _, pregrown2 = overlapped_round(target, drafter, after, config, overlap)
     assert not pregrown2  # nothing pending: this round grew its own tree before its pass
     overlap.close()
     # a tree that is taken is the subtree for the outcome that happened, re-rooted there, within the budget
@@ -125,8 +133,7 @@ def test_a_tree_grown_for_another_outcome_is_dropped_without_effect() -> None:
     for model in (target2, drafter2):
         model.prefill(PROMPT[:-1])
     overlap2 = Overlap()
-    result3, _ = overlapped_round(target2, drafter2, list(PROMPT), config, SamplingConfig(), np.random.default_rng(0),
-                                  overlap2)
+    result3, _ = overlapped_round(target2, drafter2, list(PROMPT), config, overlap2)
     after3 = [*PROMPT, *result3.tokens]
     tree = overlap2.take(after3, GrowConfig.for_budget(4))
     assert tree is not None and tree.tokens[0] == after3[-1] and tree.parents[0] == -1

@@ -15,6 +15,7 @@ import edge.offload.probe as probe
 import numpy as np
 import pytest
 from edge.cli.main import app
+from edge.cli.render import flag
 from edge.models.cache import JsonFile
 from edge.models.registry import ModelFacts, load_registry
 from edge.models.sources import model_path
@@ -80,7 +81,8 @@ def test_bad_machine_descriptions(text: str, fragment: str) -> None:
     with pytest.raises(UserError) as info:
         parse_machine(text)
     message = str(info.value)
-    assert message.startswith("--machine: ") and fragment in message and "\n" not in message
+    assert message.startswith("machine: ") and fragment in message and "\n" not in message
+    assert info.value.worded(flag).startswith("--machine: ")
     assert "ram=32G,vram=24G,disk=3GB/s" in message  # says what to write instead
 
 
@@ -203,7 +205,8 @@ def test_refuses_a_kv_cache_that_does_not_fit() -> None:
     with pytest.raises(UserError) as info:
         plan_on("ram=4G")
     message = str(info.value)
-    assert "KV cache for 8192 tokens needs 2.50 GiB of RAM but 1.21 GiB is free" in message and "--ctx" in message
+    assert "KV cache for 8192 tokens needs 2.50 GiB of RAM but 1.21 GiB is free" in message
+    assert "lower the context (--ctx)" in info.value.worded(flag)
     small_ctx = replace(LLAMA_70B, ctx=2048)
     assert plan_on("ram=4G", small_ctx).target.placement == "ssd"
 
@@ -487,7 +490,7 @@ def test_under_a_memory_limit_auto_plans_smaller_trees_until_the_logits_fit() ->
         plan_pair(replace(pair, budget=255), *shapes(pair), capped)
 
 
-def test_the_plan_prices_passes_at_the_rates_this_machine_measured(tmp_path: Path) -> None:
+def test_the_plan_prices_passes_at_the_rates_this_machine_measured(tmp_path: Path, monkeypatch) -> None:
     """Where --budget auto has timed this target's passes in RAM here (pass-times.json), the plan prices a pass with
     the RAM rate and compute those passes imply, not the assumed ones; a damaged entry is passed over."""
     from edge.models.cache import cache_dir
@@ -496,6 +499,7 @@ def test_the_plan_prices_passes_at_the_rates_this_machine_measured(tmp_path: Pat
     from edge.offload.probe import machine_key
 
     target = materialize(load_registry().pair("smollm2-135m").target, lambda message: None)
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a pass-times.json of its own (the run's may have some)
     machine = parse_machine("ram=8G,disk=2GB/s,cores=2")
     assert measured_rates(machine, target) == machine  # nothing timed yet
     stat_ = target.stat()

@@ -58,7 +58,7 @@ def wrong_residual_draw(p_ids, p, proposal, rng) -> int:
 
 @pytest.mark.parametrize("sampling", CONFIGS, ids=["t0.7", "t1.3-penalty"])
 def test_the_chi_square_test_catches_a_wrong_rule(sampling: SamplingConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("edge.speculative.residual_draw", wrong_residual_draw)
+    monkeypatch.setattr("edge.rules.residual_draw", wrong_residual_draw)
     exact = first_tokens_distribution(4, TinyModel(n_vocab=4, seed=8, scale=1.0), 3, sampling)
     statistic, critical = chi_square(residual_counts(sampling), exact, RUNS)
     assert statistic > critical
@@ -116,7 +116,7 @@ def test_auto_samples_coupled_and_greedy_stays_match() -> None:
         decoder = Decoder(TinyModel(n_vocab=40, seed=3, scale=2.0), drafter, grow, sampling, accept="auto")
         decoder.load([1, 2, 3])
         replies.append([s.token for s in decoder.generate(60) if s.finish_reason is None])
-        assert decoder.rounds.rule() == "coupled" and decoder.rounds.coupled
+        assert decoder.rounds.rule().name == "coupled" and decoder.rounds.coupled
     assert replies[0] == replies[1]
     decoder.set_sampling(SamplingConfig())
-    assert decoder.rounds.rule() == "match" and not decoder.rounds.coupled
+    assert decoder.rounds.rule().name == "match" and not decoder.rounds.coupled

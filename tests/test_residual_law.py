@@ -1,5 +1,5 @@
-"""The residual rule's exact law (tests/oracles.py: residual_law), and PathTarget (edge.replay), which runs the rule
-without tree passes.
+"""The residual rule's exact law (tests/oracles.py: residual_law), and PathTarget (benchmarks/replay.py), which runs
+the rule without tree passes.
 
 residual_law is checked against residual_draw's frequencies with the candidates fixed, and against p once the
 candidate draws are averaged out (exactly, by enumeration): the rule is lossless, computed rather than sampled.
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from edge.models.pair import Pair
 
+from benchmarks.replay import PathTarget
 from edge.generate import Decoder
 from edge.grow import GrowConfig
-from edge.replay import PathTarget
 from edge.residual import Proposal, residual_draw
 from edge.sampling import SamplingConfig
 from tests.conftest import prompt_tokens

@@ -54,13 +54,22 @@ def streamed_chat(client: openai.OpenAI, content: str, **kwargs) -> tuple[str, l
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
 
 
+def assert_figures_add_up(figures: dict, completion_tokens: int) -> None:
+    """A reply's `edge_spec` figures agree with each other and with its usage: its tokens (the stop token, if it
+    ended on one, counted too) over its target passes, and rounds that were plain or a tree under some rule."""
+    assert figures["new_tokens"] in (completion_tokens, completion_tokens + 1) and figures["target_passes"] >= 1
+    assert figures["tokens_per_pass"] == pytest.approx(figures["new_tokens"] / figures["target_passes"], abs=1e-3)
+    assert figures["plain_rounds"] + sum(figures["rule_rounds"].values()) == figures["rounds"]
+
+
 def test_greedy_chat_and_completion_equal_generate(client: openai.OpenAI) -> None:
     reply = chat(client, PROMPT, max_tokens=24, temperature=0)
     assert reply.choices[0].message.content == generate_text(PROMPT, "-n", "24", "--temperature", "0")
     assert reply.choices[0].message.role == "assistant" and reply.model == MODEL
     assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 0
     figures = reply.model_extra["edge_spec"]
-    assert figures["target_passes"] >= 1 and figures["tokens_per_pass"] >= 1 and figures["mean_budget"] > 0
+    assert_figures_add_up(figures, reply.usage.completion_tokens)
+    assert figures["mean_budget"] > 0
     assert {"draft_s", "verify_s"} <= figures.keys()
 
     completion = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=24, temperature=0)

@@ -28,15 +28,25 @@ def server() -> Iterator[ServerProcess]:
     assert "Traceback" not in running.log and '" 500' not in running.log, running.log[-3000:]
 
 
-def test_slow_and_idle_connections_are_closed(server: ServerProcess) -> None:
-    """A connection that has sent no whole request head HEAD_TIMEOUT_S after it opened is closed, idle or trickling
+@pytest.fixture(scope="module")
+def impatient() -> Iterator[ServerProcess]:
+    """A server whose clients have 2 s for a request's head and 3 s for its body (--head-timeout, --body-timeout)."""
+    with ServerProcess([*SERVER_ARGS, "--head-timeout", str(HEAD_S), "--body-timeout", str(BODY_S)]) as running:
+        yield running
+    assert running.process.returncode == 130, running.log[-3000:]
+    assert "Traceback" not in running.log and '" 500' not in running.log, running.log[-3000:]
+
+
+HEAD_S, BODY_S = 2, 3
+
+
+def test_slow_and_idle_connections_are_closed(impatient: ServerProcess) -> None:
+    """A connection that has sent no whole request head --head-timeout after it opened is closed, idle or trickling
     a byte at a time (uvicorn's keep-alive timer restarts on every byte); a body that does not arrive whole within
-    BODY_TIMEOUT_S gets a JSON 408. Others are served meanwhile."""
+    --body-timeout gets a JSON 408. Others are served meanwhile."""
     import socket
 
-    from edge.serve.app import BODY_TIMEOUT_S
-    from edge.serve.run import HEAD_TIMEOUT_S
-
+    server = impatient
     url = urlsplit(server.url)
     address = (url.hostname, url.port)
     idle = [socket.create_connection(address) for _ in range(10)]
@@ -47,12 +57,12 @@ def test_slow_and_idle_connections_are_closed(server: ServerProcess) -> None:
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {KEY}\r\n".encode()
     started = time.monotonic()
     sent = 0
-    while time.monotonic() - started < max(HEAD_TIMEOUT_S, BODY_TIMEOUT_S) + 3:
+    while time.monotonic() - started < max(HEAD_S, BODY_S) + 2:
         for connection in slow:
             with contextlib.suppress(OSError):
                 connection.send(head[sent:sent + 1])
         sent += 1
-        time.sleep(0.5)
+        time.sleep(0.25)
     assert sent < len(head)  # no head was ever whole
     assert health(server)["status"] == "ok"
     for connection in idle + slow:

@@ -319,7 +319,7 @@ def test_what_killed_runs_left_is_cleaned(tmp_path: Path) -> None:
 def test_a_helper_dies_with_a_killed_edge_spec(tmp_path: Path) -> None:
     """pip, run by a download, must not outlive an edge-spec killed with SIGKILL."""
     parent = subprocess.Popen([sys.executable, "-c",
-                               "from models.sources import run_child; run_child(['sleep', '60'])"])
+                               "from edge.models.sources import run_child; run_child(['sleep', '60'])"])
     children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
     deadline = time.time() + 20
     while not children.read_text().split() and time.time() < deadline:

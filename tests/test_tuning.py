@@ -151,7 +151,7 @@ def test_auto_is_lossless_and_uses_trees_when_the_target_is_slow(seed: int) -> N
     expected = [s.token for s in plain.generate(n) if s.token is not None and s.finish_reason is None]
     target = TinyModel(n_vocab=9, seed=seed)
     policy = AutoBudget(flat_costs(target_ms=100, drafter_ms=1))
-    decoder = Decoder(target, target.noisy(0.5), None, SamplingConfig(), policy=policy)
+    decoder = Decoder(target, target.noisy(0.5), policy, SamplingConfig())
     decoder.load(prompt)
     steps = list(decoder.generate(n))
     assert [s.token for s in steps if s.token is not None and s.finish_reason is None] == expected

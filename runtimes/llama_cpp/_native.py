@@ -350,7 +350,7 @@ class Context:
         self._ptr = ll.llama_init_from_model(model.ptr, params)
         if not self._ptr:
             raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "
-                            f"for {model.path.name}; lower --ctx or use another KV type")
+                            f"for {model.path.name}; lower ctx or use another KV type", "ctx")
         # `threadpool`: the passes keep their worker threads (a target decoding alone, as llama.cpp's programs run it;
         # beside a drafter, threads polling for the next pass would take the drafter's cores)
         self._threadpool = Threadpool(threads) if threadpool else None

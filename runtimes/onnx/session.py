@@ -55,7 +55,8 @@ class DecoderSession:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             if provider != "cpu":  # the provider's compiler refused the graph: the file is fine
                 raise UserError(f"the {provider} execution provider could not run the drafter's graph "
-                                f"({lines[-1] if lines else type(e).__name__}); run with --provider cpu") from None
+                                f"({lines[-1] if lines else type(e).__name__}); set `provider` to cpu",
+                                "provider") from None
             raise UserError(f"onnxruntime could not load {path} ({lines[0] if lines else type(e).__name__}); "
                             "delete it so `edge-spec prepare` builds it again") from None
         self.input_names = {i.name for i in self.session.get_inputs()}

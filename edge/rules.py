@@ -1,0 +1,142 @@
+"""The acceptance rules, each one object: how its trees are drafted, how the target's token is drawn at each node of
+the accepted path, and whether its trees may be grown during the previous round's pass (edge/overlap.py).
+
+    rule = RULES[name]                                   # "match", "residual" or "coupled"
+    round_rule = rule.start(drafter, history, reply)      # one round's: its `expand` for growth, and `token`
+    token = round_rule.token(row, seen)                  # at each node of the path, the target's draw there
+
+- **match** (sample-and-match): growth takes the drafter's top tokens; at each node the target draws from its own
+  distribution and the round goes on where a child carries the draw. Lossless for any drafter.
+- **residual** (SpecInfer's multi-candidate rule, edge/residual.py): growth draws each node's children from the
+  drafter's q; at each node they are tested against the target's p in draw order. Its token has p's distribution.
+  Its tree is drawn as it is verified, so it never grows during the previous pass.
+- **coupled** (edge/coupled.py): sample-and-match whose draws come from noise fixed by each token's position, the
+  noise growth ranks the drafter's children on. A reply's rule: every round draws by the reply's noise, plain ones
+  too, so a seed gives the same reply with and without a tree.
+
+A new rule is a new module with a Rule and its RoundRule, and one line in RULES.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from edge.coupled import CoupledProposer, Noise, coupled_draw
+from edge.grow import Expand
+from edge.protocols import Drafter
+from edge.residual import Proposer, residual_draw
+from edge.sampling import SamplingConfig, distribution, draw
+
+GREEDY_DRAFT_TEMPERATURE = 0.5  # measured: tokens per pass 5.7 -> 6.3 at budget 64 (docs/performance.md)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every round of one reply draws with: how the target samples, its random numbers (the target's, and the
+    residual rule's drafter's, apart so that the target's draws never depend on the tree), a coupled reply's noise,
+    and the tokens that end it (growth expands nothing past them)."""
+
+    sampling: SamplingConfig
+    rng: np.random.Generator
+    draft_rng: np.random.Generator
+    noise: Noise | None = None
+    stop_tokens: frozenset[int] = frozenset()
+
+
+class RoundRule(Protocol):
+    """A rule's state for one round."""
+
+    expand: Expand | None  # growth's expansion (None: the drafter's top tokens)
+
+    def token(self, row: np.ndarray, seen: Sequence[int]) -> int:
+        """The target's token at a node: `row` its logits there, `seen` the text up to and including the node."""
+        ...
+
+
+class Rule(Protocol):
+    name: str
+    overlaps: bool  # its trees may be grown during the previous round's pass (edge/overlap.py)
+    coupled: bool  # every round of a reply, plain ones too, draws by the reply's noise
+
+    def draft_temperature(self, sampling: SamplingConfig) -> float:
+        """The temperature growth sharpens the drafter's scores to."""
+        ...
+
+    def start(self, drafter: Drafter | None, history: Sequence[int], reply: Reply) -> RoundRule:
+        """The round's rule state; `drafter` None: nothing is drafted this round; `history`: the text before the
+        root."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    """Sample-and-match's round: the target draws from its own distribution (by the reply's noise, coupled)."""
+
+    reply: Reply
+    expand: Expand | None = None
+
+    def token(self, row: np.ndarray, seen: Sequence[int]) -> int:
+        if self.reply.noise is not None:
+            return coupled_draw(row, self.reply.sampling, seen, self.reply.noise)
+        return draw(row, self.reply.sampling, seen, self.reply.rng)
+
+
+class Match:
+    name, overlaps, coupled = "match", True, False
+
+    def draft_temperature(self, sampling: SamplingConfig) -> float:
+        """Top-k scores sharpened to the target's temperature, sharper still when greedy."""
+        return GREEDY_DRAFT_TEMPERATURE if sampling.greedy else sampling.temperature
+
+    def start(self, drafter: Drafter | None, history: Sequence[int], reply: Reply) -> RoundRule:
+        return _Drawn(reply)
+
+
+class Coupled(Match):
+    name, overlaps, coupled = "coupled", True, True
+
+    def draft_temperature(self, sampling: SamplingConfig) -> float:
+        return 1.0  # growth scores by the noisy keys' shares
+
+    def start(self, drafter: Drafter | None, history: Sequence[int], reply: Reply) -> RoundRule:
+        if drafter is None or reply.noise is None:
+            return _Drawn(reply)
+        return _Drawn(reply, CoupledProposer(drafter, reply.sampling, history, reply.noise).expand)
+
+
+@dataclass(frozen=True)
+class _Residual:
+    """The residual rule's round: the candidates drawn at each expanded node are tested first."""
+
+    reply: Reply
+    proposer: Proposer | None
+    history_length: int
+
+    @property
+    def expand(self) -> Expand | None:
+        return None if self.proposer is None else self.proposer.expand
+
+    def token(self, row: np.ndarray, seen: Sequence[int]) -> int:
+        proposal = None if self.proposer is None else self.proposer.at(seen[self.history_length:])
+        if proposal is None:
+            return draw(row, self.reply.sampling, seen, self.reply.rng)
+        return residual_draw(*distribution(row, self.reply.sampling, seen), proposal, self.reply.rng)
+
+
+class Residual:
+    name, overlaps, coupled = "residual", False, False
+
+    def draft_temperature(self, sampling: SamplingConfig) -> float:
+        return 1.0  # q is already at the target's temperature
+
+    def start(self, drafter: Drafter | None, history: Sequence[int], reply: Reply) -> RoundRule:
+        proposer = None if drafter is None else Proposer(drafter, reply.sampling, history, reply.draft_rng)
+        return _Residual(reply, proposer, len(history))
+
+
+RULES: dict[str, Rule] = {rule.name: rule for rule in (Match(), Residual(), Coupled())}
+MATCH = RULES["match"]
