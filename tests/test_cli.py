@@ -54,16 +54,20 @@ def test_piped_chat_transcript(smollm2: Pair) -> None:
     assert result.stderr.count("tokens/pass") == 3  # two replies and /stats
     greedy = run("chat", "--max-tokens", "20", "--temperature", "0",
                  input="What is the capital of France?\n/stats\nAnd of Italy?\n")
-    assert_transcript(greedy.stdout, chat_replies(smollm2, ["What is the capital of France?", "And of Italy?"], 20))
+    import edge
+
+    # the pair as the command line loads it (speculate auto: in RAM, the target alone on llama.cpp's own kernels)
+    with edge.load(smollm2.name, speculate="auto", report=lambda line: None) as same:
+        expected = chat_replies(same, ["What is the capital of France?", "And of Italy?"], 20)
+    assert_transcript(greedy.stdout, expected)
 
 
 def chat_replies(pair: Pair, prompts: list[str], max_tokens: int) -> list[str]:
-    """The greedy replies of one conversation, by the library's chat session (plain decoding)."""
+    """The greedy replies of one conversation, by the library's chat session over `pair`'s own decoder."""
+    from edge.sampling import SamplingConfig
 
-    session = ChatSession(Decoder(pair.target), pair.template, pair.target.tokenizer, None)
-    replies = ["".join(step.text for step in session.send(text, max_tokens)) for text in prompts]
-    session.decoder.reset()
-    return replies
+    session = ChatSession(pair.decoder(SamplingConfig()), pair.template, pair.target.tokenizer, None)
+    return ["".join(step.text for step in session.send(text, max_tokens)) for text in prompts]
 
 
 def assert_transcript(stdout: str, replies: list[str]) -> None:
