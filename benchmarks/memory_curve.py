@@ -37,9 +37,9 @@ def points(result: dict) -> dict[str, float]:
     """Each line's tokens/s at one limit: the best speculative configuration of llama.cpp's is its own line."""
     rows = {row["row"]: row for row in result.get("rows", [])}
     out = {label: rows[label]["decode_tokens_per_s"] for label in LINES[:3]
-           if label in rows and rows[label]["decode_tokens_per_s"]}
+           if label in rows and rows[label].get("decode_tokens_per_s")}
     speculative = [row["decode_tokens_per_s"] for label, row in rows.items()
-                   if label.startswith("llama.cpp speculative") and row["decode_tokens_per_s"]]
+                   if label.startswith("llama.cpp speculative") and row.get("decode_tokens_per_s")]
     if speculative:
         out["llama.cpp best speculative"] = max(speculative)
     return out

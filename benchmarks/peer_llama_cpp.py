@@ -283,18 +283,31 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from memcap import call_capped
 
-    runs = {}
+    runs, failed = {}, {}
     for speculate in ("on", "auto"):  # the pair as named (its plain decoding), then as a person gets it by default
         say(f"edge-spec, speculate {speculate}{'' if cap is None else f', under a {args.cap_mb} MB cap'}")
-        done = call_capped(edge_job, {**job, "speculate": speculate}, limit_bytes=cap, drop_cache=[])
+        try:
+            done = call_capped(edge_job, {**job, "speculate": speculate}, limit_bytes=cap, drop_cache=[])
+        except (RuntimeError, MemoryError) as problem:  # the pair as named may not fit where auto's choice does
+            failed[speculate] = str(problem).strip().splitlines()[-1]
+            say(f"  it cannot run: {failed[speculate]}")
+            continue
         runs[speculate] = done.value | {"peak_mib": done.peak_bytes >> 20, "peak_anon_mib": done.peak_anon_bytes >> 20}
-    ours, chosen = runs["on"], runs["auto"]
-    ours["rows"] |= chosen["rows"]
-    reference = [r["tokens"] for r in ours["rows"]["edge-spec plain"]] if args.temperature == 0 else None
-    results = [summary(label, rows, reference) for label, rows in ours["rows"].items()]
-    results[0] |= {"peak_mib": ours["peak_mib"], "peak_anon_mib": ours["peak_anon_mib"]}
-    for row in results[1:]:
-        row |= {"plan": chosen["plan"], "peak_mib": chosen["peak_mib"], "peak_anon_mib": chosen["peak_anon_mib"]}
+    if not runs:
+        raise SystemExit(f"edge-spec ran under neither setting: {failed}")
+    ours = runs.get("on") or runs["auto"]
+    rows = {**runs.get("on", {}).get("rows", {}), **runs.get("auto", {}).get("rows", {})}
+    reference = [r["tokens"] for r in rows["edge-spec plain"]] if args.temperature == 0 and "on" in runs else None
+    results = []
+    for label, row_list in rows.items():
+        run = runs["on" if label == "edge-spec plain" else "auto"]
+        extra = {"peak_mib": run["peak_mib"], "peak_anon_mib": run["peak_anon_mib"]}
+        results.append(summary(label, row_list, reference) | extra | ({} if label == "edge-spec plain"
+                                                                       else {"plan": run["plan"]}))
+    results = ([{"row": "edge-spec plain", "error": failed["on"]}] if "on" in failed else []) + results
+    if "auto" in failed:
+        results.append({"row": "edge-spec auto", "error": failed["auto"]})
+    ours["rows"] = rows
     files = [Path(ours["target"])] + ([Path(ours["drafter"])] if ours["drafter"] else [])
     common = ["-m", ours["target"], "-c", str(ours["ctx"]), "-t", str(threads), "-tb", str(threads)]
     if amx_crashes():
@@ -316,19 +329,20 @@ def main() -> None:
         results.append(summary(label, rows, reference))
     if "llama.cpp plain" in peer_tokens and args.temperature == 0:
         for row in results:
-            if row["row"].startswith("edge-spec"):
+            if row["row"].startswith("edge-spec") and row["row"] in ours["rows"]:
                 same = [r["tokens"] == theirs for r, theirs in zip(ours["rows"][row["row"]],
                                                                     peer_tokens["llama.cpp plain"], strict=True)]
                 row["matches_llama_plain"] = all(same)
                 row["prompts_matching_llama_plain"] = sum(same)
     if args.tokens:  # every row's token ids, prompt by prompt (to compare texts across runs)
         for row in results:
-            row["tokens"] = peer_tokens.get(row["row"]) or [r["tokens"] for r in ours["rows"][row["row"]]]
-    base = results[0]["decode_tokens_per_s"]
+            row["tokens"] = peer_tokens.get(row["row"]) or [r["tokens"] for r in ours["rows"].get(row["row"], [])]
+    base = results[0].get("decode_tokens_per_s")
     peer_plain = next((row for row in results if row["row"] == "llama.cpp plain"), None)
     for row in results:
-        row["vs_edge_plain"] = round(row["decode_tokens_per_s"] / base, 3) if row["decode_tokens_per_s"] else None
-        if peer_plain is not None and row["decode_tokens_per_s"] and peer_plain["decode_tokens_per_s"]:
+        row["vs_edge_plain"] = round(row["decode_tokens_per_s"] / base, 3) if row.get("decode_tokens_per_s") and base \
+            else None
+        if peer_plain is not None and row.get("decode_tokens_per_s") and peer_plain["decode_tokens_per_s"]:
             row["vs_llama_plain"] = round(row["decode_tokens_per_s"] / peer_plain["decode_tokens_per_s"], 3)
     out = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads, "cap_mb": args.cap_mb,
            "temperature": args.temperature, "overlap": ours["overlap"],
@@ -338,6 +352,9 @@ def main() -> None:
         print(json.dumps(out, indent=2))
         return
     for row in results:
+        if "error" in row:
+            print(f"{row['row']:40s} cannot run: {row['error']}")
+            continue
         print(f"{row['row']:40s} {row['decode_tokens_per_s']} tok/s ({row['vs_edge_plain']}x) · same as edge-spec "
               f"plain: {row['matches_plain']}" + (f" · {row['tokens_per_pass']} tokens/pass" if "tokens_per_pass" in
                                                    row else "")

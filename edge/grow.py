@@ -48,7 +48,7 @@ class GrowConfig:
     # Past max_steps, keep extending the single best node, one pass at a time, while the target would reach and
     # accept it with at least this chance (its score; None: stop at max_steps), up to `budget` passes in all (what
     # a chain of the budget takes): a fixed number of passes would cap the depth that a drafter agreeing with its
-    # target for long stretches can use (docs/performance.md, "Tree against chain").
+    # target for long stretches can use (docs/performance-log.md, "Tree against chain").
     extend_prob: float | None = None
     # Expansions growth may add past the tree's while the tree's own pass runs (edge/overlap.py): room kept for them.
     grow_on: int = 0

@@ -26,7 +26,7 @@ residual round grows its tree first, as without overlap.
 A drafter and a target that share the CPU contend for its cores while the pass computes (llama.cpp's threads wait
 for each other by spinning, so a pass slows down sharply when another process takes a core); the overlap pays where
 the pass leaves the cores idle: a target on a GPU. `LoadOptions.overlap` is "auto" by default: on where the target
-has layers on a GPU (docs/performance.md, "Overlapped drafting", has the figures from the SSD on a 2-core CPU).
+has layers on a GPU (docs/performance-log.md, "Overlapped drafting", has the figures from the SSD on a 2-core CPU).
 """
 
 from __future__ import annotations

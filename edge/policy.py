@@ -65,7 +65,7 @@ class FixedBudget:
 class RoundPolicy:
     """The Decoder's one source of each round's plan. `budget` chooses trees; `accept` is the rule when sampling:
     "match", "residual", "coupled" or "auto" (coupled: the rule that yielded most on a real pair of two models,
-    docs/performance.md "Coupled sampling")."""
+    docs/performance-log.md "Coupled sampling")."""
 
     def __init__(self, budget: BudgetPolicy, accept: str = "match", drafts: bool = True, lookup: bool = True,
                  max_lookup: int | None = None) -> None:

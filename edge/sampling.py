@@ -121,10 +121,11 @@ def distribution(logits: np.ndarray, config: SamplingConfig, history: Sequence[i
     `log_mass`, the log of the whole row's softmax normalizer: the same transforms then run on those tokens alone,
     top-p reading their true probabilities where no top-k renormalizes them first."""
     x = penalized(logits, config, history, ids)
+    if config.greedy:  # (no id array of the vocabulary's size for one argmax: a token's worth of work saved)
+        best = int(np.argmax(x))
+        return np.array([best if ids is None else int(ids[best])]), np.ones(1)
     if ids is None:
         ids = np.arange(len(x))
-    if config.greedy:
-        return np.array([int(ids[np.argmax(x)])]), np.ones(1)
     x = x.astype(np.float64)
     if 0 < config.top_k < len(x):
         keep = np.argpartition(-x, config.top_k - 1)[: config.top_k]

@@ -202,7 +202,7 @@ class Pair:
         """Whether the drafter grows during the target's passes (edge/overlap.py): --overlap on, or auto where the
         target's pass leaves the cores to the drafter (layers on a GPU). A target computing on the CPU's cores shares
         them with the drafter: from the SSD here, with no read-ahead, overlap slowed its passes from 1.0 to 1.6-1.9 s
-        (docs/performance.md, "Overlapped drafting")."""
+        (docs/performance-log.md, "Overlapped drafting")."""
         mode = self.options.overlap
         if mode != "auto":
             return mode == "on"

@@ -11,7 +11,7 @@ pass uses them (layer by layer; the embedding table as `readahead_order` says). 
 maps them, so the pass neither waits on the disk nor takes a fault per page, and no byte is copied into
 Python. It does not run during plain decoding, where it would race the pass's own page faults. As a pass
 starts, the embedding rows of its tokens are asked for all at once (`fetch_rows`), not one page fault after
-another. The ways of evicting and reading that were tried, measured: docs/performance.md, "The SSD regime".
+another. The ways of evicting and reading that were tried, measured: docs/performance-log.md, "The SSD regime".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 a window that follows the pass.
 
 Where the plan streams a target, the kernel reads its weights by page faults on every pass, one fault after another
-in the computing threads: about half the drive's speed (docs/performance.md, "under a memory cap"). The SSD regime's
+in the computing threads: about half the drive's speed (docs/performance-log.md, "under a memory cap"). The SSD regime's
 read-ahead (offload/ssd.py) reads the whole file ahead while the drafter grows a tree; with less room than the file,
 that reading evicts its own first pages before the pass gets to them. Here the read-ahead holds at most `window`
 bytes past the layer the pass has computed last:
