@@ -225,6 +225,17 @@ def edge_job(job: dict) -> dict:
     return out
 
 
+def drafter_file(pair: str) -> str | None:
+    """The drafter file the pair names, where it is here (None otherwise)."""
+    from edge.models.loading import resolve_spec
+    from edge.models.sources import model_path
+
+    from edge.options import LoadOptions
+
+    path = model_path(resolve_spec(LoadOptions(pair=pair))[0].drafter)
+    return str(path) if path is not None and path.is_file() else None
+
+
 def summary(label: str, rows: list[dict], reference: list[list[int]] | None) -> dict:
     """A row's figures; `reference`: edge-spec's plain tokens, None when sampling (each side's own draws)."""
     tokens = sum(len(r["tokens"]) for r in rows)
@@ -313,6 +324,9 @@ def main() -> None:
     if amx_crashes():
         common.append("--no-repack")  # its AMX buffers crash on a prompt's batch on this CPU (see amx_crashes)
     configs = [] if args.edge_only else [("llama.cpp plain", [])]
+    if ours["drafter"] is None:  # the pair as named did not run here (auto loaded the target alone): its drafter file
+        ours["drafter"] = drafter_file(args.pair)
+        files += [] if ours["drafter"] is None else [Path(ours["drafter"])]
     if configs and ours["drafter"] and ours["drafter"].endswith(".gguf"):
         # --spec-type draft-simple: llama.cpp infers the kind of drafting from the draft file's metadata, and a plain
         # model file names none (it would load the drafter and never draft)
