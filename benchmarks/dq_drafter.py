@@ -36,6 +36,8 @@ def _dynamic_quantize_linear(self, x: str, name: str, w: np.ndarray | None = Non
                              grid=None) -> str:
     """DecoderBuilder.linear with DynamicQuantizeMatMul for 4-bit layers and the head."""
     w = self.w.get(name) if w is None else w
+    if isinstance(w, graph.TensorRows):  # the head, which the builder packs a chunk of rows at a time: whole here
+        w = self.read(w)
     kind = self.w.tensors[source or name].tensor_type.name
     head = (source or name) in ("output.weight", "token_embd.weight")
     if self.opt.weights != "int4" or (kind not in FOUR_BIT and not head):

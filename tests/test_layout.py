@@ -281,3 +281,19 @@ def _raised_texts_of(source: str) -> list[tuple[int, str]]:
         return _raised_texts(Path(handle.name))
     finally:
         Path(handle.name).unlink()
+
+
+def test_no_engine_function_takes_more_than_eight_parameters() -> None:
+    """A function of the engine (edge/) takes at most 8 parameters (self and cls not counted, *args and **kwargs
+    counted once): more travel together as one object (a RoundPlan, a Reply, LoadOptions, GenerateOptions)."""
+    wide = []
+    for path in (REPO / "edge").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args
+                names = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+                count = len(names) + bool(args.vararg) + bool(args.kwarg)
+                count -= bool(names) and names[0].arg in ("self", "cls")
+                if count > 8:
+                    wide.append(f"{path.name}:{node.lineno} {node.name} ({count})")
+    assert not wide, wide
