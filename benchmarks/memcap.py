@@ -285,3 +285,31 @@ def _read(path: Path) -> str | None:
         return path.read_text()
     except OSError:
         return None
+
+
+def main() -> None:
+    """`python benchmarks/memcap.py --cap-mb 900 -- edge-spec generate -m qwen2.5-coder-1.5b -n 48 "..."`: the command
+    in a cgroup of that limit, its output passed through; then one JSON line on stderr: its exit code, peak memory
+    (page cache included), peak anonymous memory, whether the kernel killed it, and its seconds."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    parser.add_argument("--cap-mb", type=int, default=None, help="the limit in MiB (default: none; the cgroup counts)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --")
+    if (why := unavailable()) is not None:
+        raise SystemExit(why)
+    run = run_capped(command, None if args.cap_mb is None else args.cap_mb << 20, capture=False)
+    print(json.dumps({"returncode": run.returncode, "cap_mib": args.cap_mb, "peak_mib": run.peak_bytes >> 20,
+                      "peak_anon_mib": run.peak_anon_bytes >> 20, "oom_kills": run.oom_kills,
+                      "seconds": round(run.seconds, 1)}), file=sys.stderr)
+    raise SystemExit(run.returncode)
+
+
+if __name__ == "__main__":
+    main()

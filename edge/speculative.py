@@ -79,7 +79,7 @@ def accept_and_learn(tree: TokenTree, logits: np.ndarray, history: Sequence[int]
     path, token = accept(tree, logits, history, rule)
     if plan.acceptance is not None:
         plan.acceptance.observe(tree, path, token, DRAFTED)
-    if plan.lookup is not None and plan.lookup_acceptance is not None:
+    if plan.lookup_acceptance is not None:
         plan.lookup_acceptance.observe(tree, path, token, LOOKED_UP)
     return path, token
 
@@ -133,9 +133,9 @@ def run_round(target: Target, drafter: Drafter | None, context: Sequence[int], p
     previous pass for this root (if any) and grows on during its own pass (edge/overlap.py)."""
     from edge.overlap import GROW_ON_EXPANSIONS, Pending, grow_on_budget
 
-    clock, passes = Stopwatch(), 0
+    clock, history = Stopwatch(), context[:-1]
     drafting = drafter if plan.drafting else None
-    rule = plan.rule.start(drafting, context[:-1], reply)
+    rule = plan.rule.start(drafting, history, reply)
     ahead = overlap if overlap is not None and drafting is not None and plan.rule.overlaps else None
     tree = None if ahead is None or plan.grow is None else ahead.take(context, plan.grow)
     pregrown, growth = tree is not None, None
@@ -148,7 +148,7 @@ def run_round(target: Target, drafter: Drafter | None, context: Sequence[int], p
                 if drafting is not None:
                     target.prefetch()  # a streamed target reads its weights while we draft
                 while growth.step():
-                    passes += 1
+                    pass
                 tree = growth.tree()[0]
         if tree is None:
             tree = TokenTree.root(context[-1])
@@ -158,12 +158,12 @@ def run_round(target: Target, drafter: Drafter | None, context: Sequence[int], p
             growth.go_on(grow_on_budget(plan.grow))
             started = time.perf_counter()
             while not verified.done() and growth.step():
-                passes += 1
+                pass
             clock.seconds["hidden"] = time.perf_counter() - started
             logits = verified.result()
         else:
             logits = target.verify(tree)
-        path, token = accept_and_learn(tree, logits, context[:-1], rule, plan)
+        path, token = accept_and_learn(tree, logits, history, rule, plan)
     with clock("commit"):
         target.commit(tree, path)
     with clock("drafter commit"):
@@ -174,4 +174,5 @@ def run_round(target: Target, drafter: Drafter | None, context: Sequence[int], p
         node = growth.find([*accepted, token])
         if node is not None and token not in reply.stop_tokens:
             ahead.pending = Pending(len(context) + len(accepted), token, growth, node)
+    passes = 0 if growth is None else growth.steps  # drafter passes, before the target's pass and during it
     return RoundResult([*accepted[1:], token], tree, path, passes, clock.seconds, pregrown)

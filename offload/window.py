@@ -336,10 +336,10 @@ def free_memory() -> int:
     """Memory this process may still fill now: under a memory cgroup's limit, the limit less what the kernel cannot
     reclaim (offload/probe.py); otherwise the machine's available memory."""
     import psutil
-    from edge.offload.probe import memory_limit
+    from edge.offload.probe import free_bytes
 
-    limit = memory_limit()
-    return limit.room if limit is not None else int(psutil.virtual_memory().available)
+    free = free_bytes()
+    return free if free is not None else int(psutil.virtual_memory().available)
 
 
 def _layer(name: str) -> int | None:
