@@ -54,6 +54,13 @@ class PackedWeight:
             zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(self.n, -1)
         return zp[:, : self.k_blocks]
 
+    def zero_point_bytes(self) -> np.ndarray:
+        """uint8 [N, bytes a row]: the zero points as MatMulNBits stores them, the implicit ones written out."""
+        if self.zero_points is not None:
+            return self.zero_points.reshape(self.n, -1)
+        zero = self.zero_point_per_block()
+        return zero if self.bits == 8 else _nibbles(zero)
+
     def dequantize(self) -> np.ndarray:
         """float32 [N, K]: the matrix MatMulNBits multiplies by, scale * (q - zp) computed in float32."""
         q = self.codes().reshape(self.n, self.k_blocks, self.block).astype(np.float32)
@@ -79,6 +86,38 @@ class PackedWeight:
 
     def attrs(self) -> dict[str, int]:
         return {"K": self.k, "N": self.n, "bits": self.bits, "block_size": self.block}
+
+
+class StackedRows:
+    """Packed chunks of consecutive rows stacked into one PackedWeight (and its residual), filled in place."""
+
+    def __init__(self, rows: int):
+        self.rows, self.filled = rows, 0
+        self.implicit = True  # every chunk leaves its zero points to the kernel
+        self.residual: np.ndarray | None = None
+
+    def add(self, part: PackedWeight, residual: np.ndarray | None) -> None:
+        if self.filled == 0:
+            self.shape = part
+            self.packed = np.empty((self.rows, *part.packed.shape[1:]), np.uint8)
+            self.scales = np.empty((self.rows, part.k_blocks), np.float32)
+            self.zero = np.empty((self.rows, part.zero_point_bytes().shape[1]), np.uint8)
+        rows = slice(self.filled, self.filled + part.n)
+        self.packed[rows], self.scales[rows] = part.packed, part.scales.reshape(part.n, -1)
+        self.zero[rows] = part.zero_point_bytes()
+        self.implicit &= part.zero_points is None
+        if residual is not None:
+            if self.residual is None:
+                self.residual = np.zeros((self.rows, part.k_blocks), np.float32)
+            self.residual[rows] = residual
+        self.filled += part.n
+
+    def result(self) -> tuple[PackedWeight, np.ndarray | None]:
+        first = self.shape
+        packed = PackedWeight(packed=self.packed, scales=self.scales.reshape(-1),
+                              zero_points=None if self.implicit else self.zero.reshape(-1), n=self.rows, k=first.k,
+                              bits=first.bits, block=first.block)
+        return packed, self.residual
 
 
 def quantize_weight(w: np.ndarray, bits: int = 4, block: int = 32, symmetric: bool = False) -> PackedWeight:
@@ -138,9 +177,7 @@ def pack_exact(w: np.ndarray, grid) -> tuple[PackedWeight, np.ndarray | None] | 
     codes = codes.reshape(n, k_blocks, grid.block)
     if bits == 4:
         packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-        padded = np.zeros((n, k_blocks + k_blocks % 2), np.uint8)
-        padded[:, :k_blocks] = zero
-        zero_points = (padded[:, 0::2] | (padded[:, 1::2] << 4)).astype(np.uint8)
+        zero_points = _nibbles(zero)
     else:
         packed, zero_points = codes, zero
     implicit = bool((zero == 1 << (bits - 1)).all())  # the kernel's own zero point: leave it out
@@ -148,3 +185,10 @@ def pack_exact(w: np.ndarray, grid) -> tuple[PackedWeight, np.ndarray | None] | 
                                  zero_points=None if implicit else zero_points.reshape(-1), n=n, k=k, bits=bits,
                                  block=grid.block)
     return packed_weight, (residual if np.any(residual) else None)
+
+
+def _nibbles(zero: np.ndarray) -> np.ndarray:
+    """uint8 [N, B] zero points (one a block) two to a byte, low nibble first, an odd last one padded with 0."""
+    padded = np.zeros((zero.shape[0], zero.shape[1] + zero.shape[1] % 2), np.uint8)
+    padded[:, : zero.shape[1]] = zero
+    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).astype(np.uint8)

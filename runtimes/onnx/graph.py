@@ -31,7 +31,7 @@ from typing import BinaryIO
 import numpy as np
 import onnx
 from edge.quant.grid import BlockGrid
-from edge.quant.int4 import PackedWeight, pack_exact
+from edge.quant.int4 import PackedWeight, StackedRows, pack_exact
 from edge.runtimes.onnx.arch import GGUFWeights
 from onnx import TensorProto, helper, numpy_helper
 
@@ -84,50 +84,6 @@ class TensorRows:
 
     source: str
     ids: np.ndarray | None = None
-
-
-class _Stacked:
-    """Packed chunks of consecutive rows stacked into one PackedWeight (and its residual), filled in place."""
-
-    def __init__(self, rows: int):
-        self.rows, self.filled = rows, 0
-        self.implicit = True  # every chunk leaves its zero points to the kernel
-        self.residual: np.ndarray | None = None
-
-    def add(self, part: PackedWeight, residual: np.ndarray | None) -> None:
-        if self.filled == 0:
-            self.shape = part
-            self.packed = np.empty((self.rows, *part.packed.shape[1:]), np.uint8)
-            self.scales = np.empty((self.rows, part.k_blocks), np.float32)
-            self.zero = np.empty((self.rows, _zero_points(part).shape[1]), np.uint8)
-        rows = slice(self.filled, self.filled + part.n)
-        self.packed[rows], self.scales[rows] = part.packed, part.scales.reshape(part.n, -1)
-        self.zero[rows] = _zero_points(part)
-        self.implicit &= part.zero_points is None
-        if residual is not None:
-            if self.residual is None:
-                self.residual = np.zeros((self.rows, part.k_blocks), np.float32)
-            self.residual[rows] = residual
-        self.filled += part.n
-
-    def result(self) -> tuple[PackedWeight, np.ndarray | None]:
-        first = self.shape
-        packed = PackedWeight(packed=self.packed, scales=self.scales.reshape(-1),
-                              zero_points=None if self.implicit else self.zero.reshape(-1), n=self.rows, k=first.k,
-                              bits=first.bits, block=first.block)
-        return packed, self.residual
-
-
-def _zero_points(part: PackedWeight) -> np.ndarray:
-    """uint8 [N, bytes a row]: the zero points as MatMulNBits stores them, the kernel's implicit ones written out."""
-    if part.zero_points is not None:
-        return part.zero_points.reshape(part.n, -1)
-    zero = part.zero_point_per_block()
-    if part.bits == 8:
-        return zero
-    padded = np.zeros((part.n, part.k_blocks + part.k_blocks % 2), np.uint8)
-    padded[:, : part.k_blocks] = zero
-    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).astype(np.uint8)
 
 
 class _Graph:
@@ -256,7 +212,7 @@ class DecoderBuilder:
         picks = [slice(start, min(start + step, total)) if rows.ids is None else rows.ids[start : start + step]
                  for start in range(0, total, step)]
         if exact and self.w.grid(source, slice(0, 1)) is not None:
-            stacked = _Stacked(total)
+            stacked = StackedRows(total)
             for pick in picks:
                 part = pack_exact(self.w.rows(source, pick), self.w.grid(source, pick))
                 if part is None:
@@ -264,7 +220,7 @@ class DecoderBuilder:
                 stacked.add(*part)
             else:
                 return stacked.result()
-        stacked = _Stacked(total)
+        stacked = StackedRows(total)
         for pick in picks:
             stacked.add(self.quantize(self.w.rows(source, pick), source, symmetric_only), None)
         return stacked.result()
