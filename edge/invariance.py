@@ -60,34 +60,59 @@ def sequential_logits(target: Target, prefix: list[int], tokens: list[int]) -> n
     """Plain decoding, one token per pass after `prefix`: [len(tokens), n_vocab]."""
     target.truncate(0)
     target.prefill(prefix)
-    rows = []
-    for token in tokens:
-        root = TokenTree.root(token)
-        rows.append(target.verify(root)[0].copy())
-        target.commit(root, [0])
-    return np.array(rows)
+    return np.array([_one_pass(target, token) for token in tokens])
 
 
-def compare(target: Target, tree: TokenTree, prefix: list[int], max_paths: int = 60) -> tuple[int, float, int]:
-    """(nodes checked, max |difference|, argmax differences) between the tree pass and plain decoding."""
+def _one_pass(target: Target, token: int) -> np.ndarray:
+    """Run `token` alone after what the cache holds and keep it there: its logits."""
+    root = TokenTree.root(token)
+    logits = target.verify(root)[0].copy()
+    target.commit(root, [0])
+    return logits
+
+
+def compare(target: Target, tree: TokenTree, prefix: list[int], max_paths: int = 60,
+            cuts: bool = True) -> tuple[int, float, int]:
+    """(nodes checked, max |difference|, argmax differences) between the tree pass and plain decoding, on the nodes
+    of up to `max_paths` root-to-leaf paths.
+
+    Plain decoding walks those nodes depth first, one pass a node, each seeing exactly its path's cells, each cell
+    made by a one-token pass as plain decoding makes it. Stepping back to a node's parent cuts the cache there
+    (a cell depends on its position and the cells before it, not on what ran after it): one pass per checked node.
+    `cuts=False` for a cache a cut does not restore bit for bit (a QuantSpec cache re-runs a cut group as one batch):
+    the prompt and the node's ancestors then run anew, as decoding each path from the prompt would."""
     target.truncate(0)
     target.prefill(prefix)
     tree_logits = target.verify(tree).copy()  # [n_nodes, n_vocab]
     mask = tree.ancestor_mask()
     leaves = tree.leaves()
-    checked: set[int] = set()
-    worst, flips = 0.0, 0
+    chosen = np.zeros(len(tree), bool)
     for leaf in leaves[:: max(1, len(leaves) // max_paths)]:
-        path = np.flatnonzero(mask[leaf])
-        new = [node for node in path.tolist() if node not in checked]
-        reference = sequential_logits(target, prefix, tree.path_tokens(path.tolist()))
-        rows = np.searchsorted(path, new)
-        diff = np.abs(reference[rows] - tree_logits[new])
-        worst = max(worst, float(diff.max(initial=0.0)))
-        flips += int((reference[rows].argmax(axis=1) != tree_logits[new].argmax(axis=1)).sum())
-        checked.update(new)
+        chosen |= mask[leaf]
+    children: dict[int, list[int]] = {}
+    for node in np.flatnonzero(chosen)[1:].tolist():
+        children.setdefault(int(tree.parents[node]), []).append(node)
+    target.truncate(len(prefix))
+    held = 0  # path nodes the cache holds past the prompt
+    worst, flips = 0.0, 0
+    stack = [0]
+    while stack:
+        node = stack.pop()
+        depth = int(tree.depth[node])
+        if held > depth and cuts:
+            target.truncate(len(prefix) + depth)
+        elif held > depth:
+            target.truncate(0)
+            target.prefill(prefix)
+            for ancestor in np.flatnonzero(mask[node])[:-1].tolist():
+                _one_pass(target, int(tree.tokens[ancestor]))
+        reference = _one_pass(target, int(tree.tokens[node]))
+        held = depth + 1
+        worst = max(worst, float(np.abs(reference - tree_logits[node]).max()))
+        flips += int(reference.argmax() != tree_logits[node].argmax())
+        stack.extend(reversed(children.get(node, [])))
     target.truncate(0)
-    return len(checked), worst, flips
+    return int(chosen.sum()), worst, flips
 
 
 def check_batch_invariance(target: Target, drafter: Drafter, tokens: list[int],
