@@ -99,7 +99,7 @@ def _guarded_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type:
     """uvicorn's h11 protocol with a deadline on each request's head: a connection that has not sent a whole
     request line and headers `head_timeout_s` after it opened (or after its last reply) is closed. uvicorn's own
     keep-alive timer restarts on every byte, so a client trickling a byte a second would hold a connection for
-    ever; this deadline does not move. The body has its own bound (BODY_TIMEOUT_S, serve/app.py)."""
+    ever; this deadline does not move. The body has its own bound (BODY_TIMEOUT_S, serve/reading.py)."""
     import asyncio
 
     from uvicorn.protocols.http.h11_impl import H11Protocol
