@@ -52,4 +52,6 @@ if __name__ == "__main__":
     try:
         main()
     except edge.UserError as error:
-        sys.exit(f"error: {error}")
+        from edge.cli.render import worded
+
+        sys.exit(f"error: {worded(error)}")

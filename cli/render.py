@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
-from edge.errors import ContextFull, UserError
+from edge.errors import ContextFull, Remedy, UserError
 from edge.generate import Stats, Step
 
 err = Console(stderr=True, highlight=False)
@@ -31,10 +31,20 @@ def flag(option: str) -> str:
 
 def worded(problem: UserError, in_chat: bool = False) -> str:
     """A library error in the command line's words: its option as a flag (in a chat, as /set names it: the library's
-    own name), and for a prompt that does not fit, what to do here."""
+    own name), the step that fixes it as the command to run, and for a prompt that does not fit, what to do here."""
     if isinstance(problem, ContextFull):
         return f"{problem}: shorten it, {'/clear the chat, ' if in_chat else ''}or raise --ctx"
-    return str(problem) if in_chat else problem.worded(flag)
+    text = str(problem) if in_chat else problem.worded(flag)
+    return text if problem.remedy is None else f"{text}: `{command(problem.remedy)}`"
+
+
+def command(remedy: Remedy) -> str:
+    """The command line that runs `remedy`: Remedy("prepare", "gemma3-270m", (("vocab", 16384),)) ->
+    edge-spec prepare gemma3-270m --vocab 16384."""
+    words = ["edge-spec", remedy.task, *([remedy.on] if remedy.on else [])]
+    for option, value in remedy.options:
+        words += [flag(option), *([] if value is None else [str(value)])]
+    return " ".join(words)
 
 
 def warning(message: str) -> None:

@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """What the user can run to fix a problem, in the library's terms: one of edge-spec's tasks (prepare, pull, models,
+    bench), what it runs on (a pair's name, or PAIR where the library does not know it), and its options by their
+    library names (None: an option without a value). The command line words it as a command (cli/render.py)."""
+
+    task: str
+    on: str | None = None
+    options: tuple[tuple[str, object], ...] = ()
 
 
 class UserError(Exception):
     """Something the user can fix (a path, an option, a pair, a prompt): the message says what went wrong.
 
     `option` names the option the message is about as the library spells it (max_tokens, ctx, budget): the command
-    line says --max-tokens there, the server "max_tokens" (`worded`)."""
+    line says --max-tokens there, the server "max_tokens" (`worded`). `remedy`: the task that fixes it, which the
+    message says in words ("prepare the pair") and a front end may name its own way (the command line's command)."""
 
-    def __init__(self, message: str, option: str | None = None):
+    def __init__(self, message: str, option: str | None = None, remedy: Remedy | None = None):
         super().__init__(message)
-        self.option = option
+        self.option, self.remedy = option, remedy
 
     def worded(self, name: Callable[[str], str]) -> str:
         """The message with its option called `name(option)`: where it is written `option` (in backticks), else its

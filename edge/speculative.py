@@ -64,7 +64,7 @@ def accept(tree: TokenTree, logits: np.ndarray, history: Sequence[int], rule: Ro
         row = logits[path[-1]]  # read once: a replayed target's rows can be read only down one path
         if np.isnan(row).any():
             raise ModelFault("the target's logits are not numbers (NaN): its model file is damaged or was changed "
-                             "while loaded; download it again (edge-spec rm, then pull)")
+                             "while loaded; remove it and download it again")
         token = rule.token(row, seen)
         child = tree.child(path[-1], token)
         if child is None:

@@ -20,7 +20,7 @@ from edge.models.registry import ModelSpec, PairSpec
 from edge.models.sources import download_folder, fetch, prepared_path, source_path, vocab_path
 from edge.runtimes import ModelOptions, names, runtime, tools, traits
 
-from edge.errors import UserError
+from edge.errors import Remedy, UserError
 from edge.grow import MAX_LEAVES
 from edge.protocols import Drafter
 
@@ -130,7 +130,6 @@ def head_ids(spec: PairSpec, model: ModelSpec) -> Any:
 
     path = vocab_path(spec.target, model.vocab)
     if not path.exists():
-        raise UserError(f"pair {spec.name}: no {model.vocab}-token vocabulary yet; "
-                        f"run `edge-spec prepare {spec.name} --vocab {model.vocab}` (one target run over the "
-                        "calibration prompts)")
+        raise UserError(f"pair {spec.name}: no {model.vocab}-token vocabulary yet; prepare it first (one target run "
+                        "over the calibration prompts)", remedy=Remedy("prepare", spec.name, (("vocab", model.vocab),)))
     return RankedVocab.load(path).ids

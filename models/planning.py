@@ -16,7 +16,7 @@ from edge.offload.plan import Plan, Shape, plan_pair
 if TYPE_CHECKING:
     from edge.offload.choice import Use
 
-from edge.errors import UserError
+from edge.errors import Remedy, UserError
 
 
 def make_plan(pair: PairSpec, machine: str | None, models_file: Path, stream: bool = False,
@@ -84,10 +84,10 @@ def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) 
         raise UserError(f"{model.source.path}: no such file (the {role}); check the path")
     if model.quantize and source is not None and source.is_file():
         raise UserError(f"pair {pair.name}: the {role} is not prepared yet ({model.quantize} of {source.name}); "
-                        f"run `edge-spec prepare {pair.name}` first")
-    raise UserError(f"pair {pair.name}: the {role} file is not here and {models_file} gives no facts about it; "
-                    f"run `edge-spec prepare {pair.name}` (downloads it), or add {role}.size_gb, {role}.layers, "
-                    f"{role}.embd, {role}.kv_heads and {role}.head_dim to the pair")
+                        "prepare the pair first", remedy=Remedy("prepare", pair.name))
+    raise UserError(f"pair {pair.name}: the {role} file is not here and {models_file} gives no facts about it; add "
+                    f"{role}.size_gb, {role}.layers, {role}.embd, {role}.kv_heads and {role}.head_dim to the pair, or "
+                    "prepare it (which downloads it)", remedy=Remedy("prepare", pair.name))
 
 
 def _local_file(model: ModelSpec) -> Path | None:

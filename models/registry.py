@@ -12,7 +12,7 @@ from typing import Any
 
 from edge.runtimes import DEFAULT, names, traits  # the names models.toml may give, for its readers too
 
-from edge.errors import UserError
+from edge.errors import Remedy, UserError
 from edge.options import MAX_BUDGET, PROVIDERS
 
 KV_TYPES = ("f16", "q8_0", "q4_0", "f32", "bf16")
@@ -97,9 +97,7 @@ class Registry:
         key = self.default if name is None else name
         if key not in self.pairs:
             known = ", ".join(self.pairs)
-            raise UserError(
-                f"unknown pair '{key}' in {self.path}; known pairs: {known} (see `edge-spec models`)"
-            )
+            raise UserError(f"unknown pair '{key}' in {self.path}; known pairs: {known}", remedy=Remedy("models"))
         return self.pairs[key]
 
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from edge.offload.plan import Plan, pass_cost
 
-from edge.errors import UserError
+from edge.errors import Remedy, UserError
+
+BENCH_JSON = Remedy("bench", options=(("json", None),))  # its output, saved to a file, is a bench JSON
 
 
 @dataclass(frozen=True)
@@ -59,23 +61,25 @@ MAX_BENCH_JSON = 64 << 20  # a bench's JSON is kilobytes; past this it is not on
 def read_acceptance(path: Path) -> BenchYield:
     """The tree rows of a bench JSON (`edge-spec bench --json`): for a budget run several times (acceptance rules,
     drafters), the row with the most tokens per pass."""
-    what = f"--acceptance {path}"
+    what = f"acceptance {path}"  # the option, as each front end words it (UserError.option)
     try:
         if path.exists() and not path.is_file():  # a FIFO or a device would be read forever
-            raise UserError(f"{what} is not a regular file; write one with `edge-spec bench --json > FILE`")
+            raise UserError(f"{what} is not a regular file; write one with a bench run's JSON output", "acceptance",
+                            BENCH_JSON)
         with path.open("rb") as f:
             text = f.read(MAX_BENCH_JSON + 1)
         if len(text) > MAX_BENCH_JSON:
-            raise UserError(f"{what} is larger than {MAX_BENCH_JSON >> 20} MiB: not a bench JSON")
+            raise UserError(f"{what} is larger than {MAX_BENCH_JSON >> 20} MiB: not a bench JSON", "acceptance")
         data = json.loads(text.decode("utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{what}: no such file; write one with `edge-spec bench --json > FILE`") from None
+        raise UserError(f"{what}: no such file; write one with a bench run's JSON output", "acceptance",
+                        BENCH_JSON) from None
     except (OSError, ValueError, RecursionError) as problem:  # JSONDecodeError and UnicodeDecodeError among them
-        raise UserError(f"{what} is not a bench JSON ({problem}); write one with `edge-spec bench --json > FILE`"
-                        ) from None
+        raise UserError(f"{what} is not a bench JSON ({problem}); write one with a bench run's JSON output",
+                        "acceptance", BENCH_JSON) from None
     rows = data.get("rows") if isinstance(data, dict) else None
     if not isinstance(rows, list):
-        raise UserError(f"{what} has no \"rows\": not the output of `edge-spec bench --json`")
+        raise UserError(f"{what} has no \"rows\": not a bench run's JSON output", "acceptance", BENCH_JSON)
     best: dict[int, dict] = {}
     for row in rows:
         if not isinstance(row, dict) or row.get("method") != "tree" or isinstance(row.get("budget"), bool) \
@@ -83,12 +87,12 @@ def read_acceptance(path: Path) -> BenchYield:
             continue  # plain decoding, chains, and `auto` (no single budget)
         if not all(isinstance(row.get(key), int | float) for key in ("tokens_per_pass", "draft_s_per_round")):
             raise UserError(f"{what}: the tree row of budget {row['budget']} lacks tokens_per_pass or "
-                            "draft_s_per_round; run the bench again")
+                            "draft_s_per_round; run the bench again", "acceptance")
         if row["budget"] not in best or row["tokens_per_pass"] > best[row["budget"]]["tokens_per_pass"]:
             best[row["budget"]] = row
     if not best:
-        raise UserError(f"{what} has no tree rows with a fixed budget; run `edge-spec bench --budgets 16,64,255 "
-                        "--json > FILE`")
+        raise UserError(f"{what} has no tree rows with a fixed budget; run a bench with fixed budgets", "acceptance",
+                        Remedy("bench", options=(("budgets", "16,64,255"), ("json", None))))
     source = (f"{data.get('pair')} ({data.get('target')}, placement {data.get('placement')}, "
               f"{data.get('sampling') or 'T=' + str(data.get('temperature'))})")
     return BenchYield({b: float(r["tokens_per_pass"]) for b, r in sorted(best.items())},

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.errors import UserError
+from edge.errors import Remedy, UserError
+
+VOCAB_STEP = Remedy("prepare", "PAIR", (("vocab", "K"),))  # builds a K-token vocabulary for a pair
 
 _KEYS = {"ids", "counts", "n_vocab", "source"}
 
@@ -46,7 +48,7 @@ class RankedVocab:
     @classmethod
     def load(cls, path: Path) -> RankedVocab:
         if not path.is_file():
-            raise UserError(f"vocabulary file {path} not found; build it with `edge-spec prepare PAIR --vocab K`")
+            raise UserError(f"vocabulary file {path} not found; prepare the pair's vocabulary", remedy=VOCAB_STEP)
         try:
             with np.load(path, allow_pickle=False) as npz:
                 if set(npz.files) != _KEYS:
@@ -54,8 +56,8 @@ class RankedVocab:
                 vocab = cls(npz["ids"], npz["counts"], int(npz["n_vocab"]), str(npz["source"]))
             _check(vocab)
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
-            raise UserError(f"{path} is not a valid vocabulary file ({error}); delete it and run "
-                            "`edge-spec prepare PAIR --vocab K` again") from None
+            raise UserError(f"{path} is not a valid vocabulary file ({error}); delete it and prepare the pair's "
+                            "vocabulary again", remedy=VOCAB_STEP) from None
         return vocab
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, LlamaFileType, ReaderField
 
-from edge.errors import UserError
+from edge.errors import Remedy, UserError
 
 GGUF_MAGIC = b"GGUF"
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$", re.IGNORECASE)
@@ -109,7 +109,8 @@ def check_gguf(path: str | Path) -> GGUFInfo:
     """Fail with one clear line if `path` is not a complete GGUF file; else return its metadata."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise UserError(f"model file {path} not found; check the path (or fetch it with edge-spec pull)")
+        raise UserError(f"model file {path} not found; check the path, or fetch the pair's files",
+                        remedy=Remedy("pull", "PAIR"))
     if path.is_dir():
         raise UserError(f"{path} is a directory, not a model file; give the path of the .gguf file inside it")
     try:
@@ -124,8 +125,7 @@ def check_gguf(path: str | Path) -> GGUFInfo:
             raise UserError(f"{path} is empty (0 bytes); download it again, or give the path of a .gguf model")
         if GGUF_MAGIC.startswith(head):
             raise UserError(
-                f"{path} is truncated: {len(head)} bytes; download it again (edge-spec pull PAIR)"
-            )
+                f"{path} is truncated: {len(head)} bytes; download it again", remedy=Remedy("pull", "PAIR"))
         raise UserError(
             f"{path} is not a GGUF file (starts with {head!r}); edge-spec runs GGUF models - "
             "convert it with llama.cpp's convert_hf_to_gguf.py"
@@ -199,9 +199,8 @@ def _read_info(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
         header = _read_header(path, size, mtime_ns)
     except _Truncated as cut:
         raise UserError(
-            f"{path} is truncated: {size} bytes, the header says at least {cut.needed}; "
-            "download it again (edge-spec pull PAIR)"
-        ) from None
+            f"{path} is truncated: {size} bytes, the header says at least {cut.needed}; download it again",
+            remedy=Remedy("pull", "PAIR")) from None
     except (ValueError, KeyError) as error:
         raise UserError(f"{path} is not a valid GGUF file ({error}); download or convert it again") from None
     fields = header.scalars

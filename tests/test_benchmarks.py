@@ -133,8 +133,8 @@ def test_vocab_coverage_runs(one_prompt: Path, cache_with_vocabularies: dict[str
     run = subprocess.run([sys.executable, *args, "--vocab", "3"], capture_output=True, text=True, cwd=REPO,
                          env=cache_with_vocabularies, timeout=300)
     assert (run.returncode, run.stdout) == (1, "")  # one line that says what to do, before the pair loads
-    assert run.stderr == (f"error: pair {PAIR}: no 3-token vocabulary yet; run `edge-spec prepare {PAIR} --vocab 3` "
-                          "(one target run over the calibration prompts)\n")
+    assert run.stderr == (f"error: pair {PAIR}: no 3-token vocabulary yet; prepare it first (one target run over the "
+                          f"calibration prompts): `edge-spec prepare {PAIR} --vocab 3`\n")
 
 
 def test_ssd_timeline_runs(one_prompt: Path) -> None:

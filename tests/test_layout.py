@@ -216,7 +216,8 @@ def test_the_wheel_installs_one_top_level_package_and_no_benchmark_tooling(tmp_p
 
 LIBRARY = ("edge", "models", "runtimes", "quant", "offload")  # below the front ends (cli/, serve/)
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]*")
-COMMAND = re.compile(r"`edge-spec [^`]*`")  # a command a message tells to run, flags and all (itself a front end's)
+COMMANDS = ("chat", "generate", "serve", "bench", "plan", "prepare", "pull", "check", "models", "rm", "list")
+COMMAND = re.compile(r"edge-spec (?:" + "|".join(COMMANDS) + r")\b")  # a command to run
 
 
 def _raised_texts(path: Path) -> list[tuple[int, str]]:
@@ -248,23 +249,27 @@ def _is_error(func: ast.expr) -> bool:
 
 
 def test_the_library_words_its_errors_by_option_not_by_flag() -> None:
-    """A library error names the option (`temperature`), and each front end words it its way (`UserError.option`:
-    the command line says --temperature, the server "temperature"): no message below cli/ and serve/ names a flag."""
+    """A library error names the option (`temperature`) and the task that fixes it (prepare the pair), and each front
+    end words them its way (`UserError.option`, `UserError.remedy`: the command line says --temperature and
+    `edge-spec prepare PAIR`, the server "temperature"): no message below cli/ and serve/ names a flag or a command."""
     found = [f"{path.relative_to(REPO)}:{line}: {text!r}" for package in LIBRARY for path in (REPO / package).rglob(
-        "*.py") for line, text in _raised_texts(path) if FLAG.search(COMMAND.sub("", text))]
+        "*.py") for line, text in _raised_texts(path) if FLAG.search(text) or COMMAND.search(text)]
     assert not found, "\n".join(found)
 
 
 def test_a_broken_twin_is_caught_and_options_are_worded_as_words() -> None:
     """The scan above finds a flag in a raised message (its broken twin), and the command line words an option
     where it stands as a word of its own, not inside a path or a longer name."""
-    from edge.cli.render import flag
+    from edge.cli.render import flag, worded
 
-    from edge.errors import UserError
+    from edge.errors import Remedy, UserError
 
-    twin = 'def f(x):\n    raise UserError(f"--temperature must be >= 0 (got {x})")\n'
-    hits = [text for _, text in _raised_texts_of(twin) if FLAG.search(COMMAND.sub("", text))]
-    assert hits == ["--temperature must be >= 0 (got X)"]
+    twin = ('def f(x):\n    raise UserError(f"--temperature must be >= 0 (got {x})")\n'
+            'def g(x):\n    raise UserError(f"no vocabulary; run `edge-spec prepare {x} --vocab 3`")\n')
+    hits = [text for _, text in _raised_texts_of(twin) if FLAG.search(text) or COMMAND.search(text)]
+    assert hits == ["--temperature must be >= 0 (got X)", "no vocabulary; run `edge-spec prepare X --vocab 3`"]
+    problem = UserError("no 3-token vocabulary yet; prepare it first", remedy=Remedy("prepare", "p", (("vocab", 3),)))
+    assert worded(problem) == "no 3-token vocabulary yet; prepare it first: `edge-spec prepare p --vocab 3`"
     problem = UserError("/tmp/models_file/x is a directory; give `models_file` a models.toml", "models_file")
     assert problem.worded(flag) == "/tmp/models_file/x is a directory; give --models a models.toml"
     problem = UserError("the openvino execution provider failed; set `provider` to cpu", "provider")

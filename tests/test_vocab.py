@@ -131,7 +131,7 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
 
 
 def test_load_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"not found; build it with `edge-spec prepare PAIR --vocab K`"):
+    with pytest.raises(UserError, match=r"not found; prepare the pair's vocabulary"):
         RankedVocab.load(tmp_path / "nope.npz")
 
 
@@ -150,7 +150,7 @@ def test_load_corrupt_file(tmp_path: Path, damage: str) -> None:
         RankedVocab(good.ids[::-1].copy(), good.counts, 12, "x").save(path)
     else:
         RankedVocab(good.ids, good.counts[:5], 12, "x").save(path)
-    with pytest.raises(UserError, match=r"is not a valid vocabulary file .*delete it and run"):
+    with pytest.raises(UserError, match=r"is not a valid vocabulary file .*delete it and prepare"):
         RankedVocab.load(path)
 
 

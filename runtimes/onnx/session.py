@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.errors import UserError
+from edge.errors import Remedy, UserError
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -58,7 +58,8 @@ class DecoderSession:
                                 f"({lines[-1] if lines else type(e).__name__}); set `provider` to cpu",
                                 "provider") from None
             raise UserError(f"onnxruntime could not load {path} ({lines[0] if lines else type(e).__name__}); "
-                            "delete it so `edge-spec prepare` builds it again") from None
+                            "delete it, and preparing the pair builds it again",
+                            remedy=Remedy("prepare", "PAIR")) from None
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
 
