@@ -53,10 +53,11 @@ BudgetOpt = Annotated[str | None, typer.Option(
     help="draft tree size in nodes, or auto: the fastest for this machine, chosen as the text goes (default: the "
          "pair's, auto unless models.toml says)", show_default=False)]
 AcceptOpt = Annotated[str, typer.Option(
-    help="how a sampled reply accepts draft tokens: auto (coupled), coupled (the target samples by noise fixed by "
+    help="how a sampled reply accepts draft tokens: auto (residual or coupled, whichever yields more tokens a pass "
+         "here, measured as the text goes), coupled (the target samples by noise fixed by "
          "each token's position, which the drafter ranks its drafts on: most tokens per pass with a smaller drafter), "
          "residual (drafts drawn from the drafter's distribution, accepted with probability min(1, p/q): most with a "
-         "drafter nearly its target) or match (sample-and-match); under all but residual a seed gives --no-spec's "
+         "drafter nearly its target) or match (sample-and-match); under match and coupled a seed gives --no-spec's "
          "exact text; greedy decoding is the same with all")]
 PlacementOpt = Annotated[str, typer.Option(
     help="where the target's weights live: ram, or ssd (mmap'd and read from the disk every pass, as for a model "

@@ -109,8 +109,8 @@ class Chat:
             return "off (--no-spec)"
         if self.sampling.greedy:
             return f"{rule} (greedy: sample-and-match)"
-        if rule == "auto":
-            return "auto (coupled sampling)"
+        if rule == "auto":  # what each candidate has yielded so far, by which auto chooses
+            return f"auto ({self.session.decoder.rounds.choice.described()})"
         return rule
 
 

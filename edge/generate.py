@@ -140,12 +140,15 @@ class Decoder:
     Each round does what its round policy (edge.policy.RoundPolicy) plans: a tree of some shape, or none (plain
     decoding), and its acceptance rule. `rounds` is that policy, or what it is made from: a GrowConfig (that tree
     every round), a budget policy (`--budget auto`'s, choosing round by round), or None (plain decoding every
-    round); `accept` is then the rule when sampling ("match", "residual", "coupled" or "auto": coupled).
+    round); `accept` is then the rule when sampling ("match", "residual", "coupled" or "auto": the one of the residual
+    rule and coupled sampling that has yielded more, round by round), and `choices` the pair's measured yields by
+    rule, shared by its decoders (edge.policy.RoundPolicy).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None,
                  rounds: RoundPolicy | BudgetPolicy | GrowConfig | None = None, sampling: SamplingConfig | None = None,
-                 accept: str = "match", *, lookup: Lookup | None = None, overlap: bool = False):
+                 accept: str = "match", *, lookup: Lookup | None = None, overlap: bool = False,
+                 choices: dict | None = None):
         self.target = target
         speculates = rounds is not None
         self.drafter = drafter if speculates else None  # not run at all when every round is plain
@@ -154,7 +157,8 @@ class Decoder:
             fixed = rounds is None or isinstance(rounds, GrowConfig)
             budget = FixedBudget(rounds) if fixed else rounds
             rounds = RoundPolicy(budget, accept, drafts=self.drafter is not None, lookup=self.lookup is not None,
-                                 max_lookup=rounds.budget if isinstance(rounds, GrowConfig) else None)
+                                 max_lookup=rounds.budget if isinstance(rounds, GrowConfig) else None,
+                                 choices=choices)
         self.rounds = rounds
         # drafting during the target's passes (edge/overlap.py)
         self.overlap = Overlap() if overlap and self.drafter is not None else None
@@ -256,7 +260,10 @@ class Decoder:
                 plan = self.rounds.plan(room, max_tokens - stats.new_tokens, proposed)
             if not (plan.drafting and plan.rule.overlaps):
                 self._forget_pregrown()  # a tree grown during the last pass is for a round like this one only
-            result = run_round(self.target, self.drafter, self.context, plan, reply, self.overlap)
+            drawn = reply
+            if plan.rule.coupled and self.rounds.chooses:  # noise no earlier round ranked a tree by (edge/rules.py)
+                drawn = dataclasses.replace(reply, noise=Noise(int(self.rng.integers(1 << 63))))
+            result = run_round(self.target, self.drafter, self.context, plan, drawn, self.overlap)
             if self.drafter is not None and not plan.drafting:  # it catches up on the tokens at its next tree
                 self.drafter.commit(result.tree, result.path)
             self.rounds.observe(plan, result)

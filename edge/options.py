@@ -11,7 +11,7 @@ from edge.errors import UserError
 from edge.grow import MAX_BUDGET
 
 # sample-and-match, multi-candidate speculative sampling, sample-and-match on noise the drafter shares
-# (edge/coupled.py), and auto: coupled when sampling
+# (edge/coupled.py), and auto: the one of residual and coupled that yields more, measured round by round
 ACCEPT_RULES = ("match", "residual", "coupled", "auto")
 
 PLACEMENTS = ("ram", "ssd")
@@ -35,7 +35,7 @@ class LoadOptions:
     models_file: Path | None = None  # models.toml to read pairs from (default: the packaged one)
     ctx: int | None = None  # context size in tokens (default: the pair's)
     budget: int | str | None = None  # draft nodes per tree, or "auto" (default: the pair's, auto unless it says)
-    accept: str = "auto"  # acceptance rule when sampling: "match", "residual", "coupled" or "auto" (coupled)
+    accept: str = "auto"  # acceptance rule when sampling: "match", "residual", "coupled" or "auto" (measured)
     threads: int | None = None  # CPU threads (default: all; the drafter one fewer while an SSD target reads ahead)
     gpu_layers: int | None = None  # target layers on a GPU (default: the plan's where a GPU is visible, else 0)
     provider: str | None = None  # onnxruntime execution provider for ONNX models (default: models.toml's)

@@ -2,11 +2,12 @@
 rule that accepts it.
 
 Two parts make the choice: a budget policy (a fixed tree every round, or edge.budget.AutoBudget for `--budget auto`)
-and the acceptance rule (edge/rules.py: "match", "residual", or "coupled", which `--accept auto` means when
-sampling). Greedy decoding is always sample-and-match (at temperature 0 the rules are the same), decided here and
-nowhere else. "coupled" is a reply's rule, not a round's: every round of the reply draws by its noise
-(edge/coupled.py). The policy also keeps the measured acceptance rates growth ranks nodes by (edge/acceptance.py),
-one table per rule: they depend on how the target samples, so they start over when that changes. A round's plan
+and the acceptance rule (edge/rules.py: "match", "residual", or "coupled"; `--accept auto` chooses between the
+residual rule and coupled sampling round by round, by what each has yielded: edge.rules.RuleChoice). Greedy decoding
+is always sample-and-match (at temperature 0 the rules are the same), decided here and nowhere else. `--accept
+coupled` is a reply's rule, not a round's: every round of the reply draws by its noise (edge/coupled.py). The
+policy also keeps the measured acceptance rates growth ranks nodes by (edge/acceptance.py), one table per rule: they
+depend on how the target samples, so they start over when that changes. A round's plan
 carries all of it: the tree's shape, the rule, lookup's branches and the rates to learn.
 """
 
@@ -21,7 +22,7 @@ from edge.errors import UserError
 from edge.grow import GrowConfig
 from edge.lookup import LookupTree
 from edge.options import ACCEPT_RULES
-from edge.rules import MATCH, RULES, Rule
+from edge.rules import MATCH, RULES, Rule, RuleChoice
 from edge.sampling import SamplingConfig
 from edge.speculative import RoundPlan, RoundResult
 
@@ -64,24 +65,29 @@ class FixedBudget:
 
 class RoundPolicy:
     """The Decoder's one source of each round's plan. `budget` chooses trees; `accept` is the rule when sampling:
-    "match", "residual", "coupled" or "auto" (coupled: the rule that yielded most on a real pair of two models,
-    docs/performance-log.md "Coupled sampling")."""
+    "match", "residual", "coupled" or "auto" (the residual rule or coupled sampling, whichever has yielded more
+    tokens a pass on this pair at this temperature: edge.rules.RuleChoice)."""
 
     def __init__(self, budget: BudgetPolicy, accept: str = "match", drafts: bool = True, lookup: bool = True,
-                 max_lookup: int | None = None) -> None:
+                 max_lookup: int | None = None, choices: dict | None = None) -> None:
         """`drafts`: a drafter grows the trees; `lookup`: lookup's branches join them, and make trees of their own
         where the budget policy decodes plainly, of at most `max_lookup` nodes (a fixed budget's; None: as many as
-        pay)."""
+        pay). `choices`: the pair's measured yields by rule (RuleChoice), by sampling and budget, which every
+        decoder of the pair adds to (Pair.rule_choices): what one decoder measured, the next chooses by."""
         if accept not in ACCEPT_RULES:
             raise UserError(f"accept must be one of {', '.join(ACCEPT_RULES)} (got {accept!r})", "accept")
         self.budget, self.accept, self.drafts, self.uses_lookup = budget, accept, drafts, lookup
         self.max_lookup = max_lookup
+        self.choices = {} if choices is None else choices
         self._price: float | None = None  # _node_price()
         self.sampling = SamplingConfig()
         self._reset_rates()
 
     def _reset_rates(self) -> None:
         self.acceptances = {rule: Acceptance(greedy=self.sampling.greedy) for rule in RULES}
+        # --accept auto's measured yields, for this sampling (its seed aside) and this budget policy
+        key = (dataclasses.replace(self.sampling, seed=None), getattr(self.budget, "config", "auto"))
+        self.choice = self.choices.setdefault(key, RuleChoice())
         self.lookup_acceptance = Acceptance(greedy=self.sampling.greedy)
         self.lookup_yield = 1.0  # lookup trees' tokens beyond the target's own, measured / expected: _lookup_size
 
@@ -94,15 +100,21 @@ class RoundPolicy:
             self._reset_rates()
 
     def rule(self) -> Rule:
-        """The rule a round runs: sample-and-match when greedy, else the flag's ("auto": coupled)."""
+        """The rule the next round runs: sample-and-match when greedy, else the flag's ("auto": RuleChoice's)."""
         if self.sampling.greedy or self.accept == "match":
             return MATCH
-        return RULES["coupled" if self.accept == "auto" else self.accept]
+        return self.choice.pick() if self.chooses else RULES[self.accept]
+
+    @property
+    def chooses(self) -> bool:
+        """The rule is chosen round by round (`--accept auto` when sampling): a coupled round draws by noise of its
+        own, and a plain round by the random numbers."""
+        return self.accept == "auto" and not self.sampling.greedy
 
     @property
     def coupled(self) -> bool:
         """Every round of a reply draws by the reply's noise (edge/coupled.py), plain rounds included."""
-        return self.rule().coupled
+        return not self.chooses and self.rule().coupled
 
     @property
     def acceptance(self) -> Acceptance:
@@ -188,6 +200,8 @@ class RoundPolicy:
     def observe(self, plan: RoundPlan, result: RoundResult) -> None:
         if plan.drafting or plan.grow is None:  # a tree of lookup branches alone says nothing of the drafter's
             self.budget.observe(plan.grow, result, plan.rule.name)
+        if plan.drafting and not self.sampling.greedy:  # every rule's rounds: what auto will choose by
+            self.choice.observe(plan.rule.name, len(result.tokens))
         if plan.unverified is not None and result.tokens:
             _observe_first_tokens(self.lookup_acceptance, plan.unverified, result.tokens[0])
             self.lookup_yield += (1.0 - self.lookup_yield) * YIELD_RECOVERY

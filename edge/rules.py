@@ -15,10 +15,18 @@ the accepted path, and whether its trees may be grown during the previous round'
   too, so a seed gives the same reply with and without a tree.
 
 A new rule is a new module with a Rule and its RoundRule, and one line in RULES.
+
+`--accept auto` is RuleChoice: round by round, the candidate rule whose tree rounds have yielded the most tokens a
+target pass, as measured on this pair at this temperature (each tried for a few rounds first, and again now and
+then). Choosing by what earlier rounds yielded keeps every round's token the target's draw: the rng's next numbers,
+or a coupled round's noise, are fresh for the round and so independent of the choice. A coupled round under auto
+takes a new noise key (a key's noise at the positions past a round's end has already ranked its tree, and so swayed
+the choice that follows).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -140,3 +148,44 @@ class Residual:
 
 RULES: dict[str, Rule] = {rule.name: rule for rule in (Match(), Residual(), Coupled())}
 MATCH = RULES["match"]
+
+
+AUTO_RULES = ("residual", "coupled")  # what `--accept auto` chooses between when sampling
+EXPLORE_ROUNDS = 2  # tree rounds each candidate runs before auto compares them
+# A candidate's score: its mean tokens a pass, plus UCB1's allowance for having run few rounds (a round's yield varies
+# as much as its mean): BONUS x the candidates' mean x sqrt(ln(rounds of all) / its rounds). A rule behind by a third
+# of the mean is tried a few rounds in each hundred.
+BONUS = 0.5
+YIELD_WEIGHT = 0.05  # the newest round's weight in a candidate's mean, once it has run 1 / YIELD_WEIGHT rounds
+
+
+class RuleChoice:
+    """`--accept auto`: each round the candidate rule that has yielded the most target tokens a pass, with room for
+    the one measured less (UCB1). Every candidate runs EXPLORE_ROUNDS tree rounds first, the one measured least in
+    turn."""
+
+    def __init__(self, candidates: Sequence[str] = AUTO_RULES) -> None:
+        self.candidates = tuple(candidates)
+        self.rounds = dict.fromkeys(self.candidates, 0)
+        self.mean = dict.fromkeys(self.candidates, 0.0)
+
+    def pick(self) -> Rule:
+        least = min(self.candidates, key=lambda name: self.rounds[name])
+        if self.rounds[least] < EXPLORE_ROUNDS:
+            return RULES[least]
+        total = sum(self.rounds.values())
+        scale = BONUS * sum(self.mean[name] * self.rounds[name] for name in self.candidates) / total
+        return RULES[max(self.candidates, key=lambda name: self.mean[name] +
+                         scale * math.sqrt(math.log(total) / self.rounds[name]))]
+
+    def observe(self, rule: str, tokens: int) -> None:
+        """A tree round of `rule` yielded `tokens` (its accepted drafts and the target's own token)."""
+        if rule not in self.rounds:
+            return
+        self.rounds[rule] += 1
+        self.mean[rule] += max(1.0 / self.rounds[rule], YIELD_WEIGHT) * (tokens - self.mean[rule])
+
+    def described(self) -> str:
+        """Each candidate's measured tokens a pass (and rounds), for the chat's /show."""
+        return ", ".join(f"{name} {self.mean[name]:.2f} a pass ({self.rounds[name]} rounds)"
+                         for name in self.candidates)

@@ -144,7 +144,9 @@ def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_t
                 grow = GrowConfig.chain(budget) if method == "chain" else GrowConfig.for_budget(budget)
             lookup = Lookup(Corpus()) if looks else None
             runs.append((method, budget, accept, Decoder(pair.target, drafter, policy or grow, sampling, accept,
-                                                         lookup=lookup, overlap=pair.overlaps)))
+                                                         lookup=lookup, overlap=pair.overlaps,
+                                                         choices=pair.rule_choices if drafter is pair.drafter else
+                                                         None)))
         report(f"{label}: {', '.join(_label(m, b, a, accepts) for m, b, a, _ in runs)}; "
                f"{len(prompts)} prompts, each through every row in turn")
         results = _decode_interleaved([decoder for *_, decoder in runs], prompt_tokens, max_tokens, sampling, tick)

@@ -67,6 +67,9 @@ class Pair:
     corpus: Corpus | None = None  # earlier replies lookup drafts from (None: lookup off); every decoder shares it
     max_tree: int | None = None  # auto's largest tree where the plan bounds it (a memory limit); None: as measured
     plan_note: str | None = None  # the use of the memory the plan chose and why (speculate auto), in one line
+    # each acceptance rule's measured tokens a pass, by sampling and budget: every decoder of the pair adds to it, and
+    # --accept auto chooses by it (edge.rules.RuleChoice)
+    rule_choices: dict = field(default_factory=dict, repr=False)
     closed: bool = False
     _decoder: Decoder | None = field(default=None, repr=False)
     _decoder_key: tuple | None = field(default=None, repr=False)
@@ -189,13 +192,14 @@ class Pair:
         proposer = None if self.corpus is None else Lookup(self.corpus)
         if not speculate or (self.drafter is None and proposer is None):
             # the rule still says how a sampled reply draws (coupled: as the pair's trees would)
-            return Decoder(self.target, None, None, sampling, accept=self.options.accept)
+            return Decoder(self.target, None, None, sampling, accept=self.options.accept, choices=self.rule_choices)
         if budget != "auto":
             self.fit_budget(int(budget))
             return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling,
-                           accept=self.options.accept, lookup=proposer, overlap=self.overlaps)
+                           accept=self.options.accept, lookup=proposer, overlap=self.overlaps,
+                           choices=self.rule_choices)
         return Decoder(self.target, self.drafter, self.auto_budget(), sampling, accept=self.options.accept,
-                       lookup=proposer, overlap=self.overlaps)
+                       lookup=proposer, overlap=self.overlaps, choices=self.rule_choices)
 
     @property
     def overlaps(self) -> bool:
@@ -288,6 +292,7 @@ class Pair:
             self.drafter = None
         self._decoder = self._decoder_key = None
         self.costs = None
+        self.rule_choices = {}  # what the rules yielded was the old drafter's
 
     def _costs_key(self) -> str | None:
         path = model_path(self.spec.target)

@@ -124,9 +124,9 @@ def test_bench_methods_auto_and_plot(smollm2: Pair, tmp_path: Path) -> None:
 
 
 def test_sampled_generation_by_rule(smollm2: Pair) -> None:
-    """match, and auto (coupled sampling): a seed gives --no-spec's exact text with the same --accept; residual: a seed
-    gives the same text run after run (its trees are the drafter's draws, so not plain sampling's), from trees that
-    yield more tokens per pass."""
+    """match and coupled: a seed gives --no-spec's exact text with the same --accept; residual and auto (which runs
+    both residual and coupled rounds as their yields say): a seed gives the same text run after run (their trees are
+    the drafter's draws, so not plain sampling's), from trees that yield more tokens per pass."""
     def text_and_stats(*flags: str) -> tuple[str, dict]:
         result = run("generate", "Write a short poem about the sea.", "-n", "48", "--temperature", "0.8", "--seed",
                      "3", "--budget", "16", "--json", *flags)
@@ -136,12 +136,14 @@ def test_sampled_generation_by_rule(smollm2: Pair) -> None:
 
     plain, _ = text_and_stats("--no-spec", "--accept", "match")
     assert text_and_stats("--accept", "match")[0] == plain
-    coupled, stats = text_and_stats()
-    assert coupled == text_and_stats("--no-spec")[0] != plain  # the default draws by the noise, not as match does
+    coupled, stats = text_and_stats("--accept", "coupled")
+    assert coupled == text_and_stats("--no-spec", "--accept", "coupled")[0] != plain  # by the noise, not as match
     assert stats["tokens_per_pass"] > 1.5
     residual, stats = text_and_stats("--accept", "residual")
     assert text_and_stats("--accept", "residual")[0] == residual
     assert stats["residual_rounds"] == stats["rounds"] > 0
+    auto, stats = text_and_stats()
+    assert text_and_stats()[0] == auto and stats["tokens_per_pass"] > 1.5
     assert_one_line_error(run("generate", "hi", "--budget", "fast"), "--budget", "auto")
     assert_one_line_error(run("generate", "hi", "--placement", "disk"), "--placement")
     assert_one_line_error(run("generate", "hi", "--target-dtype", "q3"), "--target-dtype")
@@ -518,4 +520,5 @@ def test_chat_set_keeps_greedy_plain_unless_a_penalty_is_chosen(smollm2: Pair) -
     chat.set("temperature", "0.8")
     for _ in chat.session.decoder.reply(smollm2.prompt_tokens("Tell me about the sea."), 64):
         pass
-    assert "accept     auto (coupled sampling)" in chat.show()
+    shown = r"accept     auto \(residual \d+\.\d\d a pass \(\d+ rounds\), coupled \d+\.\d\d a pass"
+    assert re.search(shown, chat.show())  # what each rule has yielded: auto chooses by it

@@ -161,13 +161,20 @@ def test_same_seed_same_sample(sampling: SamplingConfig) -> None:
 
 
 def sample_counts(target: TinyModel, drafter: TinyModel, length: int, runs: int,
-                  sampling: SamplingConfig) -> dict[tuple[int, ...], int]:
+                  sampling: SamplingConfig, accept: str = "match") -> dict[tuple[int, ...], int]:
     counts: dict[tuple[int, ...], int] = {}
-    decoder = Decoder(target, drafter, GrowConfig(budget=6, beams=2, width=2, max_depth=3, max_steps=3), sampling)
+    decoder = Decoder(target, drafter, GrowConfig(budget=6, beams=2, width=2, max_depth=3, max_steps=3), sampling,
+                      accept)
+    rules: dict[str, int] = {}
     for _ in range(runs):  # one RNG for all runs, as in one long session
         decoder.load([0, 1])
-        key = tuple(s.token for s in decoder.generate(length) if s.finish_reason is None)
+        steps = list(decoder.generate(length))
+        key = tuple(s.token for s in steps if s.finish_reason is None)
         counts[key] = counts.get(key, 0) + 1
+        for rule, rounds in steps[-1].stats.rule_rounds.items():
+            rules[rule] = rules.get(rule, 0) + rounds
+    assert set(rules) == ({"match"} if accept == "match" else {"residual", "coupled"} if accept == "auto" else
+                          {accept}), rules
     return counts
 
 
@@ -191,6 +198,16 @@ def test_sampled_speculation_has_the_targets_distribution() -> None:
     exact = first_tokens_distribution(4, target, 3, SAMPLING)
     runs = 12_000
     assert_matches(sample_counts(target, drafter, 3, runs, SAMPLING), exact, runs)
+
+
+def test_auto_speculation_has_the_targets_distribution() -> None:
+    """`--accept auto` switches between the residual rule and coupled sampling as their measured yields say, over one
+    long session: the mixture still draws every token from the target's distribution."""
+    target = TinyModel(n_vocab=4, seed=8, scale=1.5)
+    drafter = target.noisy(1.5, seed=4)
+    exact = first_tokens_distribution(4, target, 3, SAMPLING)
+    runs = 12_000
+    assert_matches(sample_counts(target, drafter, 3, runs, SAMPLING, "auto"), exact, runs)
 
 
 def test_the_distribution_test_catches_a_biased_acceptance(monkeypatch: pytest.MonkeyPatch) -> None:

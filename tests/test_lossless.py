@@ -122,15 +122,21 @@ def plain_outputs() -> dict:
     return {}
 
 
+def budgets_for(prompt: int) -> list[int]:
+    """The budgets a prompt's greedy reply is checked at: two of GROW's four in turn, so each budget meets half the
+    prompts and every prompt meets two budgets (test_tree_logits_equal_sequential_decoding checks full 256-node trees
+    node by node)."""
+    budgets = list(GROW)
+    return [budgets[prompt % len(budgets)], budgets[(prompt + 1) % len(budgets)]]
+
+
 def test_greedy_speculation_equals_plain_decoding(pair: Pair, plain_outputs: dict) -> None:
     prompts = prompts_for(pair)
     for i, text in enumerate(prompts):
         tokens = prompt_tokens(pair, text)
         plain, _ = generate(pair, tokens, None)
         plain_outputs[(pair.name, text)] = plain
-        # budget 255 (half of this test's time) on every other prompt; test_tree_logits_equal_sequential_decoding
-        # checks full 256-node trees node by node
-        for budget in [b for b in GROW if b < 255 or i % 2 == 0]:
+        for budget in budgets_for(i):
             spec, decoder = generate(pair, tokens, budget)
             assert spec == plain, f"budget {budget} differs on {text!r}"
             assert_caches_hold_exactly(pair, decoder)
@@ -208,6 +214,11 @@ def test_coupled_speculation_with_a_seed_is_plain_coupled_sampling(pair: Pair, b
     assert taken == 2  # the trees' children were taken: speculation ran, not two plain replies
 
 
+# The distribution tests draw two-token continuations: a chain of two drafted nodes is every node that can decide them
+# (deeper ones only cost drafter passes).
+TWO_DEEP = GrowConfig.for_budget(2)
+
+
 def test_coupled_sampling_follows_the_targets_distribution(smollm2: Pair) -> None:
     """Coupled sampling on the real pair: two-token continuations over 400 seeded generations against their exact
     probabilities from the target's logits, as for the residual rule below."""
@@ -215,7 +226,7 @@ def test_coupled_sampling_follows_the_targets_distribution(smollm2: Pair) -> Non
     tokens = prompt_tokens(smollm2, "Name a colour.")
     exact = two_token_probabilities(smollm2, tokens, sampling)
     runs, counts = 400, {}
-    decoder = Decoder(smollm2.target, smollm2.drafter, GrowConfig.for_budget(4), sampling, accept="coupled")
+    decoder = Decoder(smollm2.target, smollm2.drafter, TWO_DEEP, sampling, accept="coupled")
     for seed in range(runs):
         decoder.set_sampling(replace(sampling, seed=seed))
         decoder.load(tokens)
@@ -253,7 +264,7 @@ def test_sampled_first_tokens_follow_the_targets_distribution(smollm2: Pair) -> 
     sampling = SamplingConfig(temperature=1.0, top_k=5)
     tokens = prompt_tokens(smollm2, "Name a colour.")
     exact = two_token_probabilities(smollm2, tokens, sampling)
-    decoder = Decoder(smollm2.target, smollm2.drafter, GrowConfig.for_budget(4), SamplingConfig(1.0, 5, seed=21))
+    decoder = Decoder(smollm2.target, smollm2.drafter, TWO_DEEP, SamplingConfig(1.0, 5, seed=21))
     decoder.reset()
     runs, counts = 400, {}
     for _ in range(runs):
@@ -271,7 +282,7 @@ def test_residual_rule_follows_the_targets_distribution(smollm2: Pair) -> None:
     tokens = prompt_tokens(smollm2, "Name a colour.")
     exact = two_token_probabilities(smollm2, tokens, sampling)
     runs, counts, residual_rounds = 400, {}, 0
-    decoder = Decoder(smollm2.target, smollm2.drafter, GrowConfig.for_budget(4), sampling, accept="residual")
+    decoder = Decoder(smollm2.target, smollm2.drafter, TWO_DEEP, sampling, accept="residual")
     for seed in range(runs):  # a seed per generation, as separate requests would have
         decoder.set_sampling(replace(sampling, seed=seed))
         decoder.load(tokens)
@@ -338,7 +349,7 @@ def test_sampled_speculation_with_lookup_follows_the_targets_distribution(smollm
     exact = two_token_probabilities(smollm2, tokens, sampling)
     for drafter, accept in ((smollm2.drafter, "residual"), (None, "match")):
         runs, counts = 400, {}
-        decoder = Decoder(smollm2.target, drafter, GrowConfig.for_budget(4), sampling, accept=accept, lookup=Lookup())
+        decoder = Decoder(smollm2.target, drafter, TWO_DEEP, sampling, accept=accept, lookup=Lookup())
         decoder.reset()
         for seed in range(runs):
             decoder.set_sampling(replace(sampling, seed=seed))

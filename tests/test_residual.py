@@ -106,17 +106,31 @@ def test_residual_yields_more_than_match_with_a_close_drafter() -> None:
     assert figures["residual"] > 1.5 * figures["match"], figures
 
 
-def test_auto_samples_coupled_and_greedy_stays_match() -> None:
-    """`--accept auto` is coupled sampling when sampling (edge/coupled.py): a seeded reply is then plain coupled
-    sampling's, whether or not a drafter drafts it; greedy decoding is sample-and-match."""
+def test_auto_runs_the_rule_that_yields_more_and_greedy_stays_match() -> None:
+    """`--accept auto` chooses by the tokens a pass each rule has yielded on the pair at this temperature, measured by
+    every decoder that shares the pair's choices (each rule's own runs too): with a drafter close to its target the
+    residual rule yields more, and auto's rounds then go mostly to it. Alone, auto measures both rules itself.
+    Greedy decoding is sample-and-match."""
     target = TinyModel(n_vocab=40, seed=3, scale=2.0)
     sampling = SamplingConfig(temperature=1.0, seed=5)
-    replies = []
-    for drafter, grow in ((target.noisy(0.2, seed=4), GrowConfig.for_budget(16)), (None, None)):
-        decoder = Decoder(TinyModel(n_vocab=40, seed=3, scale=2.0), drafter, grow, sampling, accept="auto")
+    choices: dict = {}
+    figures, rounds = {}, {}
+    for rule in ("residual", "coupled", "auto"):
+        decoder = Decoder(target, target.noisy(0.2, seed=4), GrowConfig.for_budget(16), sampling, accept=rule,
+                          choices=choices)
         decoder.load([1, 2, 3])
-        replies.append([s.token for s in decoder.generate(60) if s.finish_reason is None])
-        assert decoder.rounds.rule().name == "coupled" and decoder.rounds.coupled
-    assert replies[0] == replies[1]
-    decoder.set_sampling(SamplingConfig())
-    assert decoder.rounds.rule().name == "match" and not decoder.rounds.coupled
+        *_, last = decoder.generate(400)
+        figures[rule], rounds[rule] = last.stats.tokens_per_pass, last.stats.rule_rounds
+    best = max(("residual", "coupled"), key=figures.__getitem__)
+    other = ({"residual", "coupled"} - {best}).pop()
+    assert figures[best] > 1.2 * figures[other], figures  # a choice that matters
+    assert rounds["auto"][best] > 5 * rounds["auto"].get(other, 0), rounds
+    assert figures["auto"] > 0.9 * figures[best], figures
+    alone = Decoder(target, target.noisy(0.2, seed=4), GrowConfig.for_budget(16), sampling, accept="auto")
+    alone.load([1, 2, 3])
+    *_, last = alone.generate(200)
+    assert set(last.stats.rule_rounds) == {"residual", "coupled"}, last.stats.rule_rounds
+    alone.set_sampling(SamplingConfig())
+    assert alone.rounds.rule().name == "match" and not alone.rounds.coupled
+
+
