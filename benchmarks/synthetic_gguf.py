@@ -385,7 +385,9 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (Refused, UserError) as error:
+    except Refused as error:
+        sys.exit(f"error: {error}")
+    except UserError as error:
         from edge.cli.render import worded
 
         sys.exit(f"error: {worded(error)}")
