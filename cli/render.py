@@ -31,7 +31,7 @@ def flag(option: str) -> str:
 
 def worded(problem: UserError, in_chat: bool = False) -> str:
     """A library error in the command line's words: its option as a flag (in a chat, as /set names it: the library's
-    own name), the step that fixes it as the command to run, and for a prompt that does not fit, what to do here."""
+    own name), its remedy as the command to run, and for a prompt that does not fit, what to do here."""
     if isinstance(problem, ContextFull):
         return f"{problem}: shorten it, {'/clear the chat, ' if in_chat else ''}or raise --ctx"
     text = str(problem) if in_chat else problem.worded(flag)

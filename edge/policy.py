@@ -86,7 +86,8 @@ class RoundPolicy:
     def _reset_rates(self) -> None:
         self.acceptances = {rule: Acceptance(greedy=self.sampling.greedy) for rule in RULES}
         # --accept auto's measured yields, for this sampling (its seed aside) and this budget policy
-        key = (dataclasses.replace(self.sampling, seed=None), getattr(self.budget, "config", "auto"))
+        key = (dataclasses.replace(self.sampling, seed=None),
+               self.budget.config if isinstance(self.budget, FixedBudget) else "auto")
         self.choice = self.choices.setdefault(key, RuleChoice())
         self.lookup_acceptance = Acceptance(greedy=self.sampling.greedy)
         self.lookup_yield = 1.0  # lookup trees' tokens beyond the target's own, measured / expected: _lookup_size

@@ -20,7 +20,7 @@ import numpy as np
 
 from edge.errors import Remedy, UserError
 
-VOCAB_STEP = Remedy("prepare", "PAIR", (("vocab", "K"),))  # builds a K-token vocabulary for a pair
+VOCAB_REMEDY = Remedy("prepare", "PAIR", (("vocab", "K"),))  # builds a K-token vocabulary for a pair
 
 _KEYS = {"ids", "counts", "n_vocab", "source"}
 
@@ -48,7 +48,7 @@ class RankedVocab:
     @classmethod
     def load(cls, path: Path) -> RankedVocab:
         if not path.is_file():
-            raise UserError(f"vocabulary file {path} not found; prepare the pair's vocabulary", remedy=VOCAB_STEP)
+            raise UserError(f"vocabulary file {path} not found; prepare the pair's vocabulary", remedy=VOCAB_REMEDY)
         try:
             with np.load(path, allow_pickle=False) as npz:
                 if set(npz.files) != _KEYS:
@@ -57,7 +57,7 @@ class RankedVocab:
             _check(vocab)
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
             raise UserError(f"{path} is not a valid vocabulary file ({error}); delete it and prepare the pair's "
-                            "vocabulary again", remedy=VOCAB_STEP) from None
+                            "vocabulary again", remedy=VOCAB_REMEDY) from None
         return vocab
 
 

@@ -48,6 +48,9 @@ class Served:
     api_key: str | None = None
     body_timeout_s: float = BODY_TIMEOUT_S
     created: int = field(default_factory=lambda: int(time.time()))
+    name: str = field(init=False)
+    n_ctx: int = field(init=False)
+    longest_token: int = field(init=False)  # bytes of the vocabulary's longest token (refuse_oversized)
 
     def __post_init__(self) -> None:
         self.name, self.n_ctx = self.pair.name, self.pair.target.n_ctx
@@ -147,8 +150,9 @@ api = APIRouter(dependencies=[Depends(authorize)])
 async def health(request: Request) -> dict[str, Any]:
     import psutil
 
-    worker = served(request).worker
-    return {"status": "ok", "model": served(request).name,
+    state = served(request)
+    worker = state.worker
+    return {"status": "ok", "model": state.name,
             "queue": {"running": int(worker.running is not None), "waiting": worker.waiting},
             "requests": {"completed": worker.completed, "cancelled": worker.cancelled, "failed": worker.failed},
             "rss_bytes": psutil.Process().memory_info().rss}
