@@ -16,6 +16,7 @@ from edge.cli.options import (
     ModelArg,
     NoSpecOpt,
     RawOpt,
+    argument_text,
     load_flags,
     load_pair,
     read_stdin,
@@ -51,7 +52,7 @@ def generate(
     from edge.options import check_max_tokens
 
     check_max_tokens(max_tokens)  # before anything loads: a bad value is its one line
-    text = read_stdin() if prompt == "-" else prompt
+    text = read_stdin() if prompt == "-" else argument_text(prompt)
     import edge
 
     if not raw:
@@ -113,6 +114,7 @@ def chat(
             given["repeat_penalty"] = greedy_penalty(temperature, defaults.repeat_penalty)
         chosen = replace(defaults, **{name: value for name, value in given.items() if value is not None})
         history = os.environ.get("EDGE_SPEC_CHAT_HISTORY") or cache_dir() / HISTORY_FILE
+        system = None if system is None else argument_text(system, "the system prompt")
         run_chat(loaded, chosen, system, max_tokens, no_spec, err, Path(history), repeat_penalty is not None)
 
 

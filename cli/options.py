@@ -83,6 +83,7 @@ TopPOpt = Annotated[float, typer.Option()]
 MinPOpt = Annotated[float, typer.Option()]
 RepeatOpt = Annotated[float, typer.Option(help="1 = off")]
 SeedOpt = Annotated[int | None, typer.Option(show_default=False)]
+MAX_INPUT_BYTES = 16 << 20  # a prompt read from standard input, or one line of a piped chat
 RECOMMENDED = "default: the model's recommended sampling (its GGUF's general.sampling.*), else llama.cpp's"
 ThreadsOpt = Annotated[int | None, typer.Option(
     help="CPU threads (default: all cores; the drafter one fewer while an SSD target is read ahead)",
@@ -185,13 +186,27 @@ def load_flags(*fields: str, **flags: Any) -> Callable[[F], F]:
     return decorate
 
 
+def argument_text(text: str, what: str = "the prompt") -> str:
+    """A command-line argument as text: under a locale that is not UTF-8, bytes that are not UTF-8 arrive as lone
+    surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as problem:
+        raise UserError(f"{what} is not UTF-8 text (character {problem.start + 1}); pass UTF-8 text (a UTF-8 locale "
+                        "such as LANG=C.UTF-8 passes it as typed)") from None
+    return text
+
+
 def read_stdin() -> str:
     """Standard input as UTF-8 text, decoded strictly (Python's own reading would let bytes that are not UTF-8
     through as surrogates under the C locale, to fail later in the tokenizer)."""
     if sys.stdin is None or sys.stdin.closed:
         raise UserError("standard input is closed: pipe the prompt in, or give it as an argument instead of -")
     try:
-        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        data = (sys.stdin.buffer.read(MAX_INPUT_BYTES + 1) if hasattr(sys.stdin, "buffer")
+                else sys.stdin.read(MAX_INPUT_BYTES + 1).encode())
+        if len(data) > MAX_INPUT_BYTES:  # /dev/zero never ends
+            raise UserError(f"standard input is longer than {MAX_INPUT_BYTES >> 20} MiB: not a prompt")
         return data.decode("utf-8")
     except UnicodeDecodeError as problem:
         raise UserError(f"standard input is not UTF-8 text (byte {problem.start}); convert it (iconv)") from None

@@ -4,6 +4,7 @@ piped input."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+from edge.cli.options import MAX_INPUT_BYTES
 from edge.cli.render import error as report_error
 from edge.cli.render import note, stats_line, warning, worded
 from rich.console import Console
@@ -198,7 +200,13 @@ def interruptible() -> Iterator:
 
 
 def _piped_inputs() -> Iterator[str]:
-    for number, raw in enumerate(sys.stdin.buffer, 1):  # bytes: one undecodable line costs only itself
+    number = 0
+    while raw := sys.stdin.buffer.readline(MAX_INPUT_BYTES + 1):  # bytes: one undecodable line costs only itself
+        number += 1
+        if len(raw) > MAX_INPUT_BYTES and not raw.endswith(b"\n"):  # /dev/zero has no end of line
+            report_error(f"line {number} of standard input is longer than {MAX_INPUT_BYTES >> 20} MiB; the chat "
+                         "stops here")
+            return
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -237,6 +245,8 @@ def _terminal_inputs(history: Path | None) -> Iterator[str]:
     if history is not None:
         with suppress(OSError):
             history.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(history, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))  # what was typed: this user's
+            history.chmod(0o600)
             store = QuietFileHistory(str(history))
     session = PromptSession(history=store, key_bindings=bindings, multiline=True,
                             prompt_continuation=lambda width, line, wrap: "... ".rjust(width))

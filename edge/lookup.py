@@ -278,24 +278,35 @@ def merge(first: LookupTree, second: LookupTree) -> LookupTree:
 
 
 class Corpus:
-    """Earlier replies, indexed for lookup, bounded by MAX_CORPUS tokens (the newest replies are kept). Each reply
-    ends with its own separator (a negative id no model emits), so no match spans two replies."""
+    """Earlier replies, indexed for lookup, bounded by MAX_CORPUS tokens (the newest replies are kept; a single reply
+    longer than that keeps its end). Each reply ends with its own separator (a negative id no model emits), so no match
+    spans two replies. Adding costs O(reply) amortized: past the bound the newest half is indexed again, which happens
+    once per max_tokens / 2 tokens added."""
 
     def __init__(self, max_tokens: int = MAX_CORPUS):
         self.max_tokens = max_tokens
         self.replies: list[list[int]] = []
+        self.tokens = 0  # held, separators included
         self.automaton = SuffixAutomaton()
 
     def add(self, reply: Sequence[int]) -> None:
-        if not reply:
+        if len(reply) == 0:
             return
-        self.replies.append([int(token) for token in reply])
-        if sum(len(r) + 1 for r in self.replies) > self.max_tokens:
-            while len(self.replies) > 1 and sum(len(r) + 1 for r in self.replies) > self.max_tokens // 2:
-                self.replies.pop(0)
+        self.replies.append([int(token) for token in reply[-(self.max_tokens - 1):]])
+        self.tokens += len(self.replies[-1]) + 1
+        if self.tokens > self.max_tokens:
+            self._keep_newest(self.max_tokens // 2)
             self._rebuild()
         else:
             self._index(self.replies[-1], len(self.replies))
+
+    def _keep_newest(self, tokens: int) -> None:
+        """Drop the oldest replies until at most `tokens` are held (the newest reply stays)."""
+        dropped = 0
+        while dropped < len(self.replies) - 1 and self.tokens > tokens:
+            self.tokens -= len(self.replies[dropped]) + 1
+            dropped += 1
+        del self.replies[:dropped]
 
     def _index(self, reply: list[int], number: int) -> None:
         self.automaton.extend(reply)
@@ -312,15 +323,18 @@ class Corpus:
 
     @classmethod
     def from_array(cls, tokens: np.ndarray, max_tokens: int = MAX_CORPUS) -> Corpus:
+        """The replies of `tokens` (each ended by a negative id; what follows the last one is not a reply): the newest
+        that fit in `max_tokens`, in time linear in the array."""
         corpus = cls(max_tokens)
-        reply: list[int] = []
-        for token in tokens.tolist():
-            if token < 0:
-                corpus.replies.append(reply)
-                reply = []
-            else:
-                reply.append(token)
-        while len(corpus.replies) > 1 and sum(len(r) + 1 for r in corpus.replies) > max_tokens:
-            corpus.replies.pop(0)
+        tokens = np.asarray(tokens)
+        ends = np.flatnonzero(tokens < 0)
+        starts = np.concatenate(([0], ends[:-1] + 1))
+        lengths = ends - starts + 1  # with the separator
+        held = np.cumsum(lengths[::-1])[::-1]  # from each reply to the newest
+        first = int(np.searchsorted(-held, -max_tokens)) if len(held) else 0  # the oldest that fits
+        first = min(first, len(ends) - 1) if len(ends) else 0
+        for start, end in zip(starts[first:].tolist(), ends[first:].tolist(), strict=True):
+            corpus.replies.append(tokens[max(start, end - (max_tokens - 1)):end].tolist())
+            corpus.tokens += len(corpus.replies[-1]) + 1
         corpus._rebuild()
         return corpus

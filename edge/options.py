@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
 from edge.errors import UserError
@@ -108,6 +109,8 @@ class LoadOptions:
 
 def check_max_tokens(value: int) -> int:
     """A reply's length limit: at least one token."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise UserError(f"max_tokens must be a whole number of tokens (got {value!r})", "max_tokens")
     if value < 1:
         raise UserError(f"max_tokens must be at least 1 (got {value})", "max_tokens")
     return value

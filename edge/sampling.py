@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import numpy as np
 
@@ -33,6 +34,14 @@ class SamplingConfig:
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the window
 
     def __post_init__(self) -> None:
+        for name in ("top_k", "repeat_last_n", "seed"):
+            value = getattr(self, name)
+            if not (value is None and name == "seed") and (isinstance(value, bool) or not isinstance(value, Integral)):
+                raise UserError(f"{name} must be a whole number (got {value!r})", name)
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise UserError(f"{name} must be a number (got {value!r})", name)
         checks = [
             (0 <= self.temperature < float("inf"), "temperature",
              f"temperature must be >= 0 and finite (got {self.temperature})"),

@@ -4,6 +4,7 @@ checked against plain decoding token for token; the result is one JSON-ready dic
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,6 +42,7 @@ def benchmark_file(name: str) -> Path:
 
 DEFAULT_PROMPTS = benchmark_file("chat-prompts.txt")
 METHODS = ("plain", "chain", "tree")
+MAX_PROMPTS_BYTES = 16 << 20  # a prompts file: what a benchmark reads and tokenizes before its first pass
 
 
 def read_prompts(path: Path | None) -> list[Prompt]:
@@ -48,7 +50,13 @@ def read_prompts(path: Path | None) -> list[Prompt]:
     chat messages ({"role": ..., "content": ...}, a multi-turn conversation)."""
     path = path or DEFAULT_PROMPTS
     try:
-        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO waits forever, /dev/zero never ends
+            raise UserError(f"prompts file {path} is not a regular file; give a text file of prompts, one per line")
+        with path.open("rb") as file:
+            data = file.read(MAX_PROMPTS_BYTES + 1)
+        if len(data) > MAX_PROMPTS_BYTES:
+            raise UserError(f"prompts file {path} is larger than {MAX_PROMPTS_BYTES >> 20} MiB; give fewer prompts")
+        lines = [line.strip() for line in data.decode("utf-8").splitlines() if line.strip()]
     except OSError as error:
         raise UserError(f"cannot read prompts file {path}: {error.strerror}") from None
     except UnicodeDecodeError as problem:
@@ -67,6 +75,10 @@ def _prompt(line: str, path: Path, number: int) -> Prompt:
     except json.JSONDecodeError as problem:
         raise UserError(f"{path}, prompt {number}: not valid JSON ({problem.msg} at column {problem.colno}); a "
                         "line starting with \" or [ is one JSON string or one list of chat messages") from None
+    except (ValueError, RecursionError) as problem:  # a number past Python's 4300 digits, nesting past its depth
+        raise UserError(f"{path}, prompt {number}: not a prompt ({problem.__class__.__name__}: nested too deep or a "
+                        "number too long); a line starting with \" or [ is one JSON string or one list of chat "
+                        "messages") from None
     if isinstance(value, str) and value:
         return value
     if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str)

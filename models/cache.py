@@ -19,11 +19,16 @@ _CHUNK = 1 << 20
 
 
 def cache_dir() -> Path:
-    """edge-spec's own cache: $EDGE_SPEC_CACHE, else $XDG_CACHE_HOME/edge-spec, else ~/.cache/edge-spec."""
+    """edge-spec's own cache: $EDGE_SPEC_CACHE, else $XDG_CACHE_HOME/edge-spec, else ~/.cache/edge-spec. A path that
+    is there but not a folder (a file, /dev/null) is refused in one line."""
     if os.environ.get("EDGE_SPEC_CACHE"):
-        return Path(os.environ["EDGE_SPEC_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(base).expanduser() / "edge-spec"
+        folder = Path(os.environ["EDGE_SPEC_CACHE"]).expanduser()
+    else:
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "edge-spec"
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise UserError(f"the cache {folder} is not a folder; set EDGE_SPEC_CACHE to a folder edge-spec may write "
+                        "to (or unset it)")
+    return folder
 
 
 def sha256_file(path: Path) -> str:
@@ -127,10 +132,11 @@ def _alive(pid: int) -> bool:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object cached on disk; {} when the file is missing or not an object."""
+    """A JSON object cached on disk; {} when the file is missing, damaged (nested past the parser's depth too) or not
+    an object: what it held is measured again."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 

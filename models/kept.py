@@ -7,19 +7,23 @@ started over: neither is more than a measurement or a convenience.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edge.models.cache import JsonFile, cache_dir
+import numpy as np
+from edge.models.cache import JsonFile, cache_dir, clean_stale
 
-from edge.lookup import Corpus
+from edge.lookup import MAX_CORPUS, Corpus
 
 Report = Callable[[str], None]
 
 PASS_TIMES = "pass-times.json"
 PASS_TIMES_KEPT = 64  # pass-times.json keeps the newest entries: one is made per machine, placement and file
+MAX_FILE_TOKENS = 2 * MAX_CORPUS  # a kept corpus holds MAX_CORPUS tokens at most, separators included: a larger file
+SEPARATOR = -1  # what ends each reply in the file (Corpus.to_array)
 COSTS_VERSION = "costs 6"  # bumped when what the cached pass times measure changes (tree shapes, eviction, sizes)
 
 
@@ -75,35 +79,61 @@ def corpus_path(target: Path) -> Path:
     return cache_dir() / "lookup" / f"{target.name}-{size}.npy"
 
 
-def open_corpus(target: Path, mode: str, report: Report = _quiet) -> Corpus | None:
-    """The replies lookup drafts from: None with lookup off; empty with on; with keep, those an earlier run saved (a
-    damaged file is said and started over)."""
+def open_corpus(target: Path, mode: str, vocab: int, report: Report = _quiet) -> Corpus | None:
+    """The replies lookup drafts from: None with lookup off; empty with on; with keep, those an earlier run saved. The
+    file is untrusted input (anyone who could write the cache made it): its header is read first, a file larger than
+    a kept corpus can be is not read, and ids outside the target's vocabulary of `vocab` tokens make it damaged. A
+    damaged file is said in one line and started over."""
     if mode == "off":
         return None
     path = corpus_path(target)
     if mode != "keep" or not path.is_file():
         return Corpus()
     try:
-        import numpy as np
-
-        tokens = np.load(path, allow_pickle=False)
-        if tokens.dtype != np.int32 or tokens.ndim != 1:
-            raise ValueError(f"{tokens.dtype} array of {tokens.ndim} dimensions, not int32 tokens")
-        return Corpus.from_array(tokens)
+        return Corpus.from_array(read_tokens(path, vocab))
     except (OSError, ValueError) as problem:
         report(f"lookup keep: {path} cannot be read ({problem}); starting a new one")
         return Corpus()
 
 
-def save_corpus(corpus: Corpus, target: Path, report: Report = _quiet) -> None:
-    """Save the replies for the next run's lookup (written whole, then renamed: a crash leaves the old file)."""
-    import numpy as np
+def read_tokens(path: Path, vocab: int) -> np.ndarray:
+    """A saved corpus's token ids, checked before and after reading (ValueError says what is wrong)."""
+    with path.open("rb") as file:
+        version = np.lib.format.read_magic(file)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f".npy format {version[0]}.{version[1]}, not one this version writes")
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        try:
+            shape, _fortran, dtype = read_header(file, max_header_size=1024)
+        except Exception as problem:  # numpy parses the header as Python source: SyntaxError, TokenError, ... too
+            raise ValueError(f"its header cannot be read: {type(problem).__name__}") from None
+        if dtype != np.dtype("<i4") or len(shape) != 1:
+            raise ValueError(f"{dtype} array of {len(shape)} dimensions, not int32 tokens")
+        if not 0 <= shape[0] <= MAX_FILE_TOKENS:
+            raise ValueError(f"{shape[0]} tokens, more than the {MAX_FILE_TOKENS} a kept corpus can hold")
+        tokens = np.fromfile(file, dtype=dtype, count=shape[0])
+    if len(tokens) != shape[0]:
+        raise ValueError(f"{len(tokens)} of its {shape[0]} tokens: the file is truncated")
+    if len(tokens) and (tokens.min() < SEPARATOR or tokens.max() >= vocab):
+        raise ValueError(f"token ids outside the target's vocabulary of {vocab}")
+    return tokens
 
+
+def save_corpus(corpus: Corpus, target: Path, report: Report = _quiet) -> None:
+    """Save the replies for the next run's lookup (written whole, then renamed: a crash leaves the old file). They are
+    what clients were told: readable by this user alone, in a folder only this user can list."""
     path = corpus_path(target)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial.npy")
-        np.save(partial, corpus.to_array(), allow_pickle=False)
-        partial.replace(path)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.chmod(0o700)
+        clean_stale(path.parent)
+        partial = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(descriptor, "wb") as file:
+                np.save(file, corpus.to_array(), allow_pickle=False)
+            partial.replace(path)
+        finally:
+            partial.unlink(missing_ok=True)
     except OSError as problem:
         report(f"lookup keep: cannot save {path} ({problem.strerror}); this run's replies are not kept")

@@ -273,7 +273,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
                 **dict(zip(("sampling", "recommended"), model_sampling(target_file, report), strict=True)),
                 load_seconds=times, report=report, streamed=streamed,
                 max_tree=planned.max_tree, plan_note=planned.note,
-                corpus=open_corpus(target_file, options.lookup, report))
+                corpus=open_corpus(target_file, options.lookup, target.n_vocab, report))
 
 
 def _dtype_fix(spec: PairSpec, models_file: Path | None) -> str:

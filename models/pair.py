@@ -169,8 +169,16 @@ class Pair:
         """Token ids for a prompt: chat messages rendered with the pair's template; text in the template too, unless
         `raw` (completed as it is; None: raw only for a base model, which has no template); token ids as they are."""
         tokenizer = self.target.tokenizer
+        if isinstance(prompt, bytes | bytearray | memoryview):  # its items are ints: it would pass for token ids
+            raise UserError("a prompt is text, chat messages or token ids, not bytes: decode the bytes to text first",
+                            "prompt")
         if not isinstance(prompt, str) and all(isinstance(token, Integral) for token in prompt):
-            return [int(token) for token in prompt]  # type: ignore[arg-type]
+            ids = [int(token) for token in prompt]  # type: ignore[arg-type]
+            if not all(0 <= token < self.target.n_vocab for token in ids):
+                wrong = next(token for token in ids if not 0 <= token < self.target.n_vocab)
+                raise UserError(f"token id {wrong} is not in {self.name}'s vocabulary (ids 0 to "
+                                f"{self.target.n_vocab - 1})", "prompt")
+            return ids
         if isinstance(prompt, str):
             if raw or (raw is None and self.template is None):
                 return tokenizer.tokenize(prompt, add_special=True, parse_special=True)

@@ -142,6 +142,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
                         "models_file") from None
     except PermissionError:
         raise UserError(f"cannot read {path}: permission denied") from None
+    except OSError as error:  # a loop of symbolic links, an I/O error
+        raise UserError(f"cannot read models file {path}: {error.strerror}") from None
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text; save it as UTF-8 (TOML files are)") from None
     except tomllib.TOMLDecodeError as e:

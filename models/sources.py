@@ -5,6 +5,7 @@ download never leaves a file that looks complete."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import glob
 import hashlib
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -131,9 +133,22 @@ def _fetch_path(source: Source) -> Path:
         raise UserError(f"{source.path} is a directory, not a model file; give the path of the .gguf file inside it")
     if not source.path.is_file():
         where = f"check the path in {source.origin}" if source.origin else "check the path"
-        raise UserError(f"model file {source.path} not found; {where} or pass an existing .gguf")
+        raise UserError(f"model file {source.path} {_not_a_file(source.path)}; {where} or pass an existing .gguf")
     _verify(source, source.path, _stamp_path(source.path))
     return source.path
+
+
+def _not_a_file(path: Path) -> str:
+    """Why `path`, which is no regular file, cannot be a model: missing, a link that leads nowhere, or a device, FIFO
+    or socket (read from, it would never end or never start)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "is a loop of symbolic links"
+        return "is a link to nothing" if path.is_symlink() else "not found"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"is {kind}, not a regular file"
 
 
 # --- PyPI wheels ---
@@ -405,7 +420,7 @@ def _digest(path: Path, stamp: Path, report: Report | None = None) -> str:
         saved = json.loads(stamp.read_text())
         if saved["stamp"] == list(file_stamp(path)):
             return str(saved["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # a damaged stamp: the file is hashed again
         pass
     if report is not None:
         report(f"checking {path.name} ({stat.st_size / 1e9:.2f} GB) against its sha256")

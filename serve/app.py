@@ -158,7 +158,7 @@ async def health(request: Request) -> dict[str, Any]:
             "rss_bytes": psutil.Process().memory_info().rss}
 
 
-@public.get("/")
+@api.get("/")
 async def root(request: Request) -> dict[str, Any]:
     return {"name": "edge-spec", "model": served(request).name, "api": "/v1", "endpoints": ENDPOINTS}
 

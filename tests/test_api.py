@@ -3,6 +3,7 @@ command line, and its load options."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -53,6 +54,23 @@ def test_chat_messages_are_rendered_with_the_template(default_pair: Pair) -> Non
         edge.generate(default_pair, "Name three colors.", max_tokens=4, raw=True).tokens
     with pytest.raises(UserError, match="chat message"):
         edge.generate(default_pair, [{"role": "user"}], max_tokens=4)
+
+
+@pytest.mark.parametrize("prompt, options, said, option", [
+    ([49152], {}, "token id 49152 is not in smollm2-135m's vocabulary (ids 0 to 49151)", "prompt"),
+    ([1, 2**31], {}, "token id 2147483648", "prompt"),
+    ([-1], {}, "token id -1", "prompt"),
+    (b"hi", {}, "not bytes", "prompt"),
+    ("hi", {"seed": 1.5}, "seed must be a whole number (got 1.5)", "seed"),
+    ("hi", {"max_tokens": "5"}, "max_tokens must be a whole number of tokens (got '5')", "max_tokens"),
+    ("hi", {"temperature": "hot"}, "temperature must be a number", "temperature"),
+    ("hi", {"top_k": True}, "top_k must be a whole number", "top_k"),
+])
+def test_wrong_values_from_python_are_one_user_error_naming_the_parameter(default_pair: Pair, prompt, options: dict,
+                                                                          said: str, option: str) -> None:
+    with pytest.raises(UserError, match=re.escape(said)) as raised:
+        edge.generate(default_pair, prompt, **options)
+    assert raised.value.option == option
 
 
 def test_a_chats_next_turn_runs_only_its_new_tokens(default_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,3 +324,20 @@ def test_pass_times_keep_the_newest_entries() -> None:
     entries["undated"] = {"target_ms": {}}
     kept = _newest(entries)
     assert len(kept) == PASS_TIMES_KEPT and "undated" not in kept and "file 5" not in kept and f"file {69}" in kept
+
+
+def test_cache_json_nested_past_the_parsers_depth_is_damaged_and_measured_again(fresh_cache: Path) -> None:
+    """pass-times.json, machine.json or a sha256 stamp of 100,000 `[`: read as nothing (measured or hashed again),
+    not a RecursionError on every run until the file is deleted."""
+    from edge.models.cache import read_json
+    from edge.models.kept import pass_times
+    from edge.models.sources import _digest
+
+    for name in ("pass-times.json", "machine.json"):
+        (fresh_cache / name).write_text("[" * 100_000)
+        assert read_json(fresh_cache / name) == {}
+    assert pass_times() == {}
+    model, stamp = fresh_cache / "model.bin", fresh_cache / "model.bin.sha256"
+    model.write_bytes(b"weights")
+    stamp.write_text("[" * 100_000)
+    assert _digest(model, stamp) == hashlib.sha256(b"weights").hexdigest()

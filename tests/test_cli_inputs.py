@@ -62,6 +62,11 @@ def test_broken_inputs_get_one_line(tmp_path: Path) -> None:
     escape = tmp_path / "escape.toml"
     escape.write_text('[pairs.x]\ntarget.hf = "a/b:../../x.gguf"\ndrafter.from = "target"\n')
     assert_one_line_error(run("--models", str(escape), "models"), "a path inside the repo")
+    not_a_folder = tmp_path / "cache-file"
+    not_a_folder.write_text("")
+    for cache in (not_a_folder, Path("/dev/null")):
+        result = runner.invoke(app, ["generate", "hi", "-n", "1"], env={"EDGE_SPEC_CACHE": str(cache)})
+        assert_one_line_error(result, f"the cache {cache} is not a folder", "EDGE_SPEC_CACHE")
     result = runner.invoke(app, ["generate", "-"], input=b"caf\xe9\n")
     assert_one_line_error(result, "standard input is not UTF-8 text")
     # user-supplied text is printed as it is, never read as rich markup
@@ -147,3 +152,38 @@ def test_a_prompt_from_standard_input_that_is_not_text_is_one_line(stdin: str) -
     lines = [line for line in err.splitlines() if line.strip()]
     assert run_.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err
     assert "standard input" in lines[0], lines[0]
+
+
+def test_a_prompts_file_that_is_not_prompts_is_one_line(tmp_path: Path) -> None:
+    """`bench --prompts` given a device, a FIFO, a file past the size bound, a line nested past the JSON parser's depth
+    or a number past its digits: one line each, before a model loads (it used to OOM, hang or print a traceback)."""
+    import os
+
+    from edge.models.bench import MAX_PROMPTS_BYTES, read_prompts
+
+    from edge.errors import UserError
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    large = tmp_path / "large.txt"
+    large.write_bytes(b"a" * (MAX_PROMPTS_BYTES + 1))
+    deep, digits = tmp_path / "deep.txt", tmp_path / "digits.txt"
+    deep.write_text("[" * 100_000 + "\n")
+    digits.write_text("[" + "7" * 5000 + "]\n")
+    for path, said in ((Path("/dev/zero"), "not a regular file"), (fifo, "not a regular file"),
+                       (large, "larger than 16 MiB"), (deep, "nested too deep"), (digits, "a number too long")):
+        with pytest.raises(UserError, match=said):
+            read_prompts(path)
+    assert_one_line_error(run("bench", "--prompts", str(fifo)), "not a regular file")
+
+
+def test_unbounded_or_undecodable_input_is_one_line(smollm2: Pair) -> None:
+    """A prompt argument that is not UTF-8 (a C locale passes its bytes as lone surrogates), and standard input past
+    16 MiB with no end of line (/dev/zero): one line each, where they used to end in a traceback or an OOM kill."""
+    from edge.cli.options import MAX_INPUT_BYTES
+
+    assert_one_line_error(run("generate", "caf\udce9"), "the prompt is not UTF-8 text (character 4)", "C.UTF-8")
+    endless = b"a" * (MAX_INPUT_BYTES + 1)
+    assert_one_line_error(runner.invoke(app, ["generate", "-"], input=endless), "standard input is longer than 16 MiB")
+    chat = runner.invoke(app, ["chat", "-n", "1", "--temperature", "0"], input=endless)
+    assert "line 1 of standard input is longer than 16 MiB" in chat.stderr and "Traceback" not in chat.output

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
 
+import numpy as np
 import pytest
 from edge.models.registry import Registry, load_registry
 from edge.runtimes.gguf_file import GGUFInfo, check_gguf, gguf_header, gguf_shape
@@ -231,6 +232,58 @@ def test_cached_machine_facts_are_read_or_measured_again(tmp_path: Path, data: s
     speed = probe.disk_read_gbps(model, store=JsonFile(cache), sample_bytes=1 << 20)
     assert speed is not None and 1e-4 <= speed <= 1e3
     OUTCOMES["machine facts read" if speed == entry["disk_read_gbps"] else "machine facts measured again"] += 1
+
+
+LOOKUP_VOCAB = 49152
+
+
+@FUZZ
+@given(data=st.data())
+def test_kept_lookup_files_are_read_or_started_over(tmp_path: Path, data: st.DataObject) -> None:
+    """lookup/<target>-<size>.npy as a hostile user or a crash may leave it: ids anywhere in int32 (past the vocabulary,
+    separators in runs), other dtypes and shapes, headers whose shape or dtype was edited, files cut short. A corpus
+    within its bound comes back (one line where the file was damaged), never an exception."""
+    from edge.models.kept import corpus_path
+
+    from edge.lookup import MAX_CORPUS
+
+    target = tmp_path / "target.gguf"
+    target.write_bytes(b"GGUF")
+    tokens = data.draw(st.lists(st.one_of(st.integers(0, LOOKUP_VOCAB - 1), st.just(-1),
+                                          st.integers(-(2**31), 2**31 - 1)), max_size=200))
+    dtype = data.draw(st.sampled_from(["<i4", "<i4", "<i8", ">i4", "<f4", "<u2"]))
+    array = np.array(tokens, dtype=dtype) if dtype != "<u2" else np.array(tokens, np.int64).astype(dtype)
+    if data.draw(st.booleans()):
+        array = array.reshape(-1, 1) if len(array) else array.reshape(0, 2)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("EDGE_SPEC_CACHE", str(tmp_path / "cache"))
+        path = corpus_path(target)
+        read = _corpus_read(path, array, target, data)
+    assert read is not None
+    corpus, lines = read
+    assert corpus is not None and corpus.tokens <= MAX_CORPUS and len(lines) <= 1, lines
+    assert all(0 <= token < LOOKUP_VOCAB for reply in corpus.replies for token in reply)
+    OUTCOMES["lookup file started over" if lines else "lookup file read"] += 1
+
+
+def _corpus_read(path: Path, array: np.ndarray, target: Path, data: st.DataObject) -> tuple:
+    """`array` saved at `path`, then edited as `data` draws, and read back: the corpus and the lines said."""
+    from edge.models.kept import open_corpus
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, array, allow_pickle=False)
+    raw = path.read_bytes()
+    edit = data.draw(st.sampled_from(["none", "shape", "cut", "bytes"]))
+    if edit == "shape":
+        raw = raw.replace(f"({len(array)},".encode(), f"({data.draw(st.integers(-5, 2**62))},".encode(), 1)
+    elif edit == "cut":
+        raw = raw[: data.draw(st.integers(0, len(raw)))]
+    elif edit == "bytes":
+        at = data.draw(st.integers(0, max(0, len(raw) - 1)))
+        raw = raw[:at] + data.draw(st.binary(min_size=1, max_size=8)) + raw[at + 1:]
+    path.write_bytes(raw)
+    lines: list[str] = []
+    return open_corpus(target, "keep", LOOKUP_VOCAB, lines.append), lines
 
 
 @FUZZ

@@ -4,8 +4,12 @@ sampled, and lookup alone where no drafter runs."""
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
+
 import numpy as np
 import pytest
+from edge.models.kept import MAX_FILE_TOKENS, corpus_path, open_corpus, save_corpus
 
 from edge.budget import AutoBudget, Costs
 from edge.generate import Decoder
@@ -332,3 +336,87 @@ def test_sampled_speculation_with_lookup_has_the_targets_distribution(accept: st
     exact = first_tokens_distribution(4, TinyModel(n_vocab=4, seed=8, scale=1.0), 3, sampling)
     statistic, critical = chi_square(lookup_counts(sampling, accept, drafts, runs), exact, runs)
     assert statistic < critical
+
+
+# A kept corpus is read from the cache, which anyone who could write there made: untrusted input (docs/security.md).
+VOCAB = 1000
+
+
+def saved(tmp_path: Path, array: np.ndarray) -> Path:
+    target = tmp_path / "target.gguf"
+    target.write_bytes(b"GGUF")
+    path = corpus_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, array, allow_pickle=False)
+    return target
+
+
+@pytest.mark.parametrize("array, said", [
+    (np.array([5, 6, 1000, -1], np.int32), "outside the target's vocabulary of 1000"),
+    (np.array([5, 2**31 - 1, -1], np.int32), "outside the target's vocabulary"),
+    (np.array([5, -7, -1], np.int32), "outside the target's vocabulary"),
+    (np.array([5, 6, -1], np.int64), "int64 array"),
+    (np.zeros((2, 3), np.int32), "2 dimensions"),
+    (np.zeros(MAX_FILE_TOKENS + 1, np.int32), "more than the"),
+])
+def test_a_damaged_corpus_file_is_one_line_and_a_fresh_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               array: np.ndarray, said: str) -> None:
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path / "cache"))
+    target, lines = saved(tmp_path, array), []
+    corpus = open_corpus(target, "keep", VOCAB, lines.append)
+    assert corpus is not None and corpus.replies == [] and len(lines) == 1 and said in lines[0], lines
+    assert "starting a new one" in lines[0]
+
+
+def test_a_header_claiming_a_huge_shape_is_refused_before_reading(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 100-byte file whose header says 2^40 tokens, and one cut short of what its header says."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path / "cache"))
+    target = saved(tmp_path, np.array([1, 2, -1], np.int32))
+    path = corpus_path(target)
+    path.write_bytes(path.read_bytes().replace(b"(3,)", b"(1099511627776,)"))
+    lines = []
+    assert open_corpus(target, "keep", VOCAB, lines.append).replies == [] and "1099511627776 tokens" in lines[0]
+    path.write_bytes(path.read_bytes().replace(b"(1099511627776,)", b"(30,)"))
+    lines = []
+    assert open_corpus(target, "keep", VOCAB, lines.append).replies == [] and "truncated" in lines[0]
+
+
+def test_reading_and_trimming_a_corpus_is_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """200,000 separators, then a reply of 4M tokens: read in one pass over the array (tokens indexed, counted), the
+    newest reply cut to the bound; adding 65,536 one-token replies past the bound indexes each token a bounded number
+    of times (it was quadratic: 88 s of stalled generation)."""
+    indexed = []
+    append = SuffixAutomaton.append
+    monkeypatch.setattr(SuffixAutomaton, "append", lambda self, token: (indexed.append(1), append(self, token)))
+    tokens = np.concatenate([np.full(200_000, -1, np.int32), np.arange(4_000_000, dtype=np.int32) % 900, [-1]])
+    corpus = Corpus.from_array(tokens.astype(np.int32), max_tokens=4096)
+    assert len(corpus.replies) == 1 and len(corpus.replies[0]) == 4095 and corpus.replies[0][-1] == 3_999_999 % 900
+    assert len(indexed) == 4096
+    indexed.clear()
+    corpus = Corpus(max_tokens=4096)
+    for token in range(65_536):
+        corpus.add([token % 900])
+    assert corpus.tokens <= 4096 and corpus.replies[-1] == [65_535 % 900]
+    assert len(indexed) <= 3 * 2 * 65_536, len(indexed)  # each reply and separator: added, then in a rebuild or two
+    corpus.add(list(range(10_000)))  # one reply past the bound: its end is kept
+    assert corpus.replies == [list(range(10_000 - 4095, 10_000))]
+
+
+def test_kept_replies_are_the_users_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What clients were told is saved 0600 in a 0700 folder, through a temporary named by the process (one a killed
+    run left is swept)."""
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "target.gguf"
+    target.write_bytes(b"GGUF")
+    folder = corpus_path(target).parent
+    folder.mkdir(parents=True, mode=0o755)
+    left = folder / f"{corpus_path(target).name}.tmp-999999999"
+    left.write_bytes(b"half")
+    corpus = Corpus()
+    corpus.add([1, 2, 3])
+    save_corpus(corpus, target)
+    assert stat.S_IMODE(corpus_path(target).stat().st_mode) == 0o600
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert sorted(p.name for p in folder.iterdir()) == [corpus_path(target).name]  # the stale temporary swept
+    assert open_corpus(target, "keep", VOCAB).replies == [[1, 2, 3]]

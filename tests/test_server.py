@@ -216,6 +216,8 @@ def test_bad_requests_through_the_openai_client(client: openai.OpenAI, server: S
     with pytest.raises(openai.AuthenticationError, match="API key"):
         wrong.models.list()
     assert request(server, "GET", "/v1/models", headers={"Authorization": ""})[0] == 401
+    assert request(server, "GET", "/", headers={"Authorization": ""})[0] == 401  # the key guards all but /health
+    assert request(server, "GET", "/")[0] == 200
     assert [model.id for model in client.models.list()] == [MODEL]
     assert health(server)["status"] == "ok"
 

@@ -111,6 +111,7 @@ def test_chat_in_a_terminal(terminal: Callable[[], Terminal]) -> None:
 
     term.keys("C-d")  # leaves; a new chat finds the history
     term.wait(lambda s: "CHAT-ENDED" in s, "Ctrl-D to leave")
+    assert history.stat().st_mode & 0o777 == 0o600  # what was typed is this user's alone
     again = terminal()
     again.keys("Up")
     again.wait(lambda s: s.rstrip().endswith(">>> Name three colors."), "history from the last session")
