@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -126,10 +127,16 @@ def serve(
     host: Annotated[str, typer.Option(help="address to listen on; 0.0.0.0: every interface (other machines too)")
                     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on (0: any free port)")] = 8080,
-    api_key: Annotated[str | None, typer.Option(
+    api_key: Annotated[list[str] | None, typer.Option(
         "--api-key", envvar="EDGE_SPEC_API_KEY",
-        help="require `Authorization: Bearer KEY` on every /v1 request (or set EDGE_SPEC_API_KEY)",
+        help="require `Authorization: Bearer KEY` on every request but /health (or set EDGE_SPEC_API_KEY); repeat "
+             "for several clients, each key then a principal of its own (docs/server.md)", show_default=False)] = None,
+    api_keys_file: Annotated[Path | None, typer.Option(
+        "--api-keys-file", help="a file of API keys, one a line (# starts a comment): each key a principal",
         show_default=False)] = None,
+    share_replies: Annotated[bool, typer.Option(
+        "--share-replies", help="with several keys, let lookup draft from every principal's earlier replies (faster "
+                                "trees; a client can then learn what others were told)")] = False,
     cors_origin: Annotated[list[str] | None, typer.Option(
         "--cors-origin", help="let web pages from this origin call the API (repeat; * for any)",
         show_default=False)] = None,
@@ -150,8 +157,10 @@ def serve(
 
     if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         raise UserError(f"--log-level must be debug, info, warning or error (got {log_level!r})")
-    if api_key is not None and not api_key.strip():
+    keys = [*(api_key or ()), *(read_keys(api_keys_file) if api_keys_file is not None else ())]
+    if any(not key.strip() for key in keys):
         raise UserError("--api-key is empty: give a key, or leave the option out")
+    keys = list(dict.fromkeys(keys))
     for name, seconds in (("--head-timeout", head_timeout), ("--body-timeout", body_timeout)):
         if not 0 < seconds <= 3600:
             raise UserError(f"{name} must be more than 0 and at most 3600 seconds (got {seconds:g})")
@@ -159,8 +168,9 @@ def serve(
     try:
         if not is_loopback(host):
             warning(f"listening on {host}: other machines can reach this server"
-                    + ("" if api_key else "; anyone who can is able to use it (add --api-key KEY)"))
+                    + ("" if keys else "; anyone who can is able to use it (add --api-key KEY)"))
         with load_pair(alone(load, no_spec)) as loaded:
+            loaded.shared_replies = share_replies
             if loaded.lossless_warning and not no_spec:
                 warning(loaded.lossless_warning)
             if not no_spec and loaded.drafter is not None and loaded.budget == "auto":
@@ -169,10 +179,11 @@ def serve(
             chat_note = "" if loaded.template is not None else " (a base model: /v1/completions only)"
 
             def ready() -> None:
-                err.print(f"serving {escape(loaded.name)} at {base}/v1{chat_note} · one generation at a time, others "
-                          "queue · Ctrl-C stops", soft_wrap=True, highlight=False)
+                who = principals(keys, share_replies)
+                err.print(f"serving {escape(loaded.name)} at {base}/v1{chat_note} · {who} · one generation at a time, "
+                          "others queue · Ctrl-C stops", soft_wrap=True, highlight=False)
 
-            serve(loaded, sock, api_key=api_key, cors_origins=cors_origin or (), speculate=not no_spec,
+            serve(loaded, sock, api_keys=keys, cors_origins=cors_origin or (), speculate=not no_spec,
                   budget=None, log_level=log_level.lower(), ready=ready, head_timeout_s=head_timeout,
                   body_timeout_s=body_timeout)
     finally:
@@ -182,3 +193,34 @@ def serve(
 def alone(load: LoadOptions, no_spec: bool) -> LoadOptions:
     """--no-spec: the target alone, no drafter model loaded (nor its ONNX graph built), no lookup."""
     return replace(load, drafter="none", lookup="off") if no_spec else load
+
+
+def read_keys(path: Path) -> list[str]:
+    """--api-keys-file: one key a line; blank lines and # comments skipped."""
+    from edge.models.bench import MAX_PROMPTS_BYTES
+
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise UserError(f"--api-keys-file {path} is not a regular file")
+        with path.open("rb") as file:
+            data = file.read(MAX_PROMPTS_BYTES + 1)
+        if len(data) > MAX_PROMPTS_BYTES:
+            raise UserError(f"--api-keys-file {path} is larger than {MAX_PROMPTS_BYTES >> 20} MiB: not a keys file")
+        lines = data.decode("utf-8").splitlines()
+    except OSError as error:
+        raise UserError(f"cannot read --api-keys-file {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--api-keys-file {path} is not UTF-8 text") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise UserError(f"--api-keys-file {path} holds no key (one a line)")
+    return keys
+
+
+def principals(keys: list[str], shared_replies: bool) -> str:
+    """Who the server tells apart, for its start line."""
+    if len(keys) <= 1:
+        return ("one key: every client is one principal (prompt cache and earlier replies shared)" if keys
+                else "no key: every client is one principal (prompt cache and earlier replies shared)")
+    shared = "; earlier replies shared (--share-replies)" if shared_replies else ""
+    return f"{len(keys)} keys, each a principal with its own prompt cache and earlier replies{shared}"

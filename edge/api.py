@@ -69,7 +69,9 @@ class GenerateOptions:
     holds the presence and frequency penalties). Output is the target's own whatever `speculate` and `budget`: they
     change only how many tokens each target pass yields. `raw`: complete the text as-is, no chat template. `stop`:
     stop strings; the reply ends before the first one its text contains (finish reason "stop"). `should_stop` is
-    asked after each token: True ends the reply ("interrupted")."""
+    asked after each token: True ends the reply ("interrupted"). `principal`: who asks (a server's API key), where
+    several share a pair: each has its own prompt cache, tree statistics and earlier replies for lookup (None: one
+    principal, everyone)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -84,6 +86,7 @@ class GenerateOptions:
     raw: bool | None = None
     stop: str | Sequence[str] | None = None
     should_stop: Callable[[], bool] | None = None
+    principal: str | None = None
 
     def sampled(self) -> SamplingConfig:
         return self.sampling or SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -96,7 +99,7 @@ def stream_generate(pair: Pair, prompt: Prompt, **options: Any) -> Iterator[Step
 
     `prompt`: text (rendered with the pair's chat template unless `raw`; a base model completes it as-is), chat
     messages, or token ids. `options`: GenerateOptions' fields (max_tokens, temperature, top_k, top_p, min_p,
-    repeat_penalty, seed, sampling, speculate, budget, raw, stop, should_stop).
+    repeat_penalty, seed, sampling, speculate, budget, raw, stop, should_stop, principal).
 
     A pair runs one generation at a time: a call from another thread waits for its turn, a second generator on the
     same thread while one is unfinished raises UserError, and a generator dropped or closed ends its turn. After
@@ -110,7 +113,7 @@ def stream_generate(pair: Pair, prompt: Prompt, **options: Any) -> Iterator[Step
         with pair.stepping():
             tokens = pair.prompt_tokens(prompt, asked.raw)
             check_fits(tokens, pair.target.n_ctx)  # before a first --budget auto times the passes (seconds, once)
-            decoder = pair.reused_decoder(sampling, asked.speculate, parse_budget(asked.budget))
+            decoder = pair.reused_decoder(sampling, asked.speculate, parse_budget(asked.budget), asked.principal)
         if stops.stops:
             steps = cut_at_stop_strings(decoder.reply(tokens, max_tokens, stopping(stops, should_stop)), stops)
         else:

@@ -37,6 +37,7 @@ Report = Callable[[str], None]
 
 NESTED = "· "  # load_seconds keys of phases that ran inside the one before (their times overlap)
 # Timing passes for --budget auto needs some context; what it says does not matter.
+MAX_PRINCIPALS = 64  # decoders kept for as many principals (a server's API keys); the longest idle goes first
 CALIBRATION_TEXT = "The committee met on Tuesday to review the budget, and after a long discussion it agreed to"
 
 
@@ -70,9 +71,13 @@ class Pair:
     # each acceptance rule's measured tokens a pass, by sampling and budget: every decoder of the pair adds to it, and
     # --accept auto chooses by it (edge.rules.RuleChoice)
     rule_choices: dict = field(default_factory=dict, repr=False)
+    # Principals (a server's API keys): each has its own decoder (so its own acceptance tables and rule measurements,
+    # and no prompt cache reuse across principals) and its own earlier replies for lookup, unless shared_replies.
+    shared_replies: bool = False
     closed: bool = False
-    _decoder: Decoder | None = field(default=None, repr=False)
-    _decoder_key: tuple | None = field(default=None, repr=False)
+    _decoders: dict[str | None, tuple[tuple, Decoder]] = field(default_factory=dict, repr=False)  # by principal
+    _corpora: dict[str, Corpus] = field(default_factory=dict, repr=False)  # named principals' earlier replies
+    _choices: dict[str, dict] = field(default_factory=dict, repr=False)  # named principals' rule measurements
     # One generation at a time (generating) and no model closed under a running step (stepping, close).
     _turn: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _turn_thread: int | None = field(default=None, repr=False)
@@ -116,7 +121,7 @@ class Pair:
         for path in self._stamps:
             mapped.forget(path)
         self.drafter = None
-        self._decoder = self._decoder_key = None
+        self._decoders.clear()
 
     def check_open(self) -> None:
         """Refuse a closed pair, and one whose model files changed on disk since they loaded (their weights are
@@ -192,22 +197,34 @@ class Pair:
                             "(raw)", "raw")
         return prompt_tokens(tokenizer, self.template.render(_messages(messages)), self.template.bos_token)
 
-    def decoder(self, sampling: SamplingConfig, speculate: bool = True, budget: int | str | None = None) -> Decoder:
+    def decoder(self, sampling: SamplingConfig, speculate: bool = True, budget: int | str | None = None,
+                principal: str | None = None) -> Decoder:
         """A new Decoder for this pair: plain without `speculate`, a fixed budget, or --budget auto's policy; its trees
-        take lookup's branches too (over the pair's earlier replies), unless lookup is off."""
+        take lookup's branches too (over the earlier replies of `principal`, or of everyone with shared_replies),
+        unless lookup is off."""
         self.check_open()
         budget = self.budget if budget is None else budget
-        proposer = None if self.corpus is None else Lookup(self.corpus)
+        corpus = self.corpus_of(principal)
+        proposer = None if corpus is None else Lookup(corpus)
+        choices = self.rule_choices if principal is None else self._choices.setdefault(principal, {})
         if not speculate or (self.drafter is None and proposer is None):
             # the rule still says how a sampled reply draws (coupled: as the pair's trees would)
-            return Decoder(self.target, None, None, sampling, accept=self.options.accept, choices=self.rule_choices)
-        if budget != "auto":
+            return Decoder(self.target, None, None, sampling, accept=self.options.accept, choices=choices)
+        policy = self.auto_budget() if budget == "auto" else None
+        if policy is None:
             self.fit_budget(int(budget))
-            return Decoder(self.target, self.drafter, GrowConfig.for_budget(int(budget)), sampling,
-                           accept=self.options.accept, lookup=proposer, overlap=self.overlaps,
-                           choices=self.rule_choices)
-        return Decoder(self.target, self.drafter, self.auto_budget(), sampling, accept=self.options.accept,
-                       lookup=proposer, overlap=self.overlaps, choices=self.rule_choices)
+            policy = GrowConfig.for_budget(int(budget))
+        return Decoder(self.target, self.drafter, policy, sampling, accept=self.options.accept, lookup=proposer,
+                       overlap=self.overlaps, choices=choices)
+
+    def corpus_of(self, principal: str | None) -> Corpus | None:
+        """The earlier replies `principal`'s trees draft from: the pair's own for None (one principal: everyone) or
+        with shared_replies, else the principal's own (None with lookup off)."""
+        if self.corpus is None or principal is None or self.shared_replies:
+            return self.corpus
+        if principal not in self._corpora:
+            self._corpora[principal] = Corpus(self.corpus.max_tokens)
+        return self._corpora[principal]
 
     @property
     def overlaps(self) -> bool:
@@ -220,22 +237,29 @@ class Pair:
             return mode == "on"
         return bool(self.options.gpu_layers)
 
-    def reused_decoder(self, sampling: SamplingConfig, speculate: bool = True,
-                       budget: int | str | None = None) -> Decoder:
-        """The pair's decoder, kept from call to call while the tree policy stays the same: the KV caches still hold
-        the last prompt and reply, so a prompt that extends them (a chat's next turn) runs only its new tokens."""
+    def reused_decoder(self, sampling: SamplingConfig, speculate: bool = True, budget: int | str | None = None,
+                       principal: str | None = None) -> Decoder:
+        """`principal`'s decoder, kept from call to call while the tree policy stays the same: while no other
+        principal's ran since, the KV caches still hold its last prompt and reply, so a prompt that extends them (a
+        chat's next turn) runs only its new tokens. Another principal's decoder starts its caches over (Decoder.load):
+        a prompt cache shared across principals would tell one what another asked."""
         key = (speculate, self.budget if budget is None else budget, self.drafter is not None)
-        if self._decoder is None or key != self._decoder_key:
-            self._decoder, self._decoder_key = self.decoder(sampling, speculate, budget), key
+        kept = self._decoders.pop(principal, None)
+        if kept is None or kept[0] != key:
+            kept = key, self.decoder(sampling, speculate, budget, principal)
         else:
-            self._decoder.set_sampling(sampling)
-        return self._decoder
+            kept[1].set_sampling(sampling)
+        self._decoders[principal] = kept  # the newest last: past MAX_PRINCIPALS the longest idle is dropped
+        while len(self._decoders) > MAX_PRINCIPALS:
+            del self._decoders[next(iter(self._decoders))]
+        return kept[1]
 
     def forget_replies(self) -> None:
         """Lookup drafts from no earlier reply, as a load with lookup on starts (lookup stays on)."""
-        if self.corpus is not None and self.corpus.replies:
+        if self.corpus is not None and (self.corpus.replies or self._corpora):
             self.corpus = Corpus(self.corpus.max_tokens)
-            self._decoder = self._decoder_key = None  # its lookup holds the old corpus
+            self._corpora.clear()
+            self._decoders.clear()  # their lookups hold the old corpora
 
     def fit_budget(self, budget: int) -> None:
         """Room for trees of `budget` draft nodes: a llama.cpp target and drafter get a larger batch and KV room over
@@ -248,7 +272,7 @@ class Pair:
             return
         if not fit_trees(self.target, self.drafter, budget + 1):
             raise budget_refused(self.name, budget, before)
-        self._decoder = self._decoder_key = None  # the caches were emptied
+        self._decoders.clear()  # the caches were emptied
 
     def auto_budget(self) -> AutoBudget:
         """--budget auto's policy; its pass times are measured once per machine, placement and pair (cached)."""
@@ -298,9 +322,10 @@ class Pair:
         if self.drafter is not None:
             self.drafter.close()
             self.drafter = None
-        self._decoder = self._decoder_key = None
+        self._decoders.clear()
         self.costs = None
         self.rule_choices = {}  # what the rules yielded was the old drafter's
+        self._choices.clear()
 
     def _costs_key(self) -> str | None:
         path = model_path(self.spec.target)

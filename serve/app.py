@@ -9,6 +9,7 @@ as OpenAI's. A client that leaves stops its generation after the current token.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ class Served:
 
     pair: Pair
     worker: Worker
-    api_key: str | None = None
+    api_keys: Sequence[str] = ()  # none: anyone may ask; one: every client is one principal; more: each a principal
     body_timeout_s: float = BODY_TIMEOUT_S
     created: int = field(default_factory=lambda: int(time.time()))
     name: str = field(init=False)
@@ -57,14 +58,18 @@ class Served:
         tokenizer = self.pair.target.tokenizer
         self.longest_token = max(len(tokenizer.token_bytes(token)) for token in range(self.pair.target.n_vocab))
 
-    def authorize(self, authorization: str) -> None:
-        if self.api_key is None:
-            return
+    def authorize(self, authorization: str) -> str | None:
+        """The principal the request's key names (None: the server's one principal), or a 401. Every key is compared,
+        in constant time, whichever matches."""
+        if not self.api_keys:
+            return None
         scheme, _, token = authorization.partition(" ")
         given = token.strip().encode("latin-1", "replace")  # the header's own bytes (HTTP decodes it as latin-1)
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given, self.api_key.encode("utf-8")):
-            raise Refused(401, "a missing or wrong API key: send the header `Authorization: Bearer KEY` with the key "
+        matched = [secrets.compare_digest(given, key.encode("utf-8")) for key in self.api_keys]
+        if scheme.lower() != "bearer" or not any(matched):
+            raise Refused(401, "a missing or wrong API key: send the header `Authorization: Bearer KEY` with a key "
                                "the server was started with (--api-key)", code="invalid_api_key")
+        return principal(self.api_keys[matched.index(True)]) if len(self.api_keys) > 1 else None
 
     def check_model(self, asked: str | None) -> None:
         if asked is not None and asked != self.name:
@@ -94,7 +99,8 @@ class Served:
                                f"{self.n_ctx} tokens can hold: shorten it, or restart the server with a larger --ctx",
                           "prompt" if raw else "messages", "context_length_exceeded")
 
-    async def prepare(self, body: GenerationRequest, prompt: Any, raw: bool, max_tokens: int | None) -> Work:
+    async def prepare(self, body: GenerationRequest, prompt: Any, raw: bool, max_tokens: int | None,
+                      principal: str | None = None) -> Work:
         """The request as work for the generation thread: checked, its prompt rendered and tokenized (off the event
         loop), and refused here if it cannot fit the context. Sampling a request leaves out is the pair's (the model's
         recommended, else llama.cpp's), with no repetition penalty unless the model recommends one, as OpenAI's API
@@ -120,7 +126,7 @@ class Served:
                                "shorten it, or restart the server with a larger --ctx",
                           "prompt" if raw else "messages", "context_length_exceeded") from None
         room = self.n_ctx - len(tokens)
-        return Work(tokens, sampling, room if max_tokens is None else min(max_tokens, room), stop)
+        return Work(tokens, sampling, room if max_tokens is None else min(max_tokens, room), stop, principal)
 
     async def respond(self, reply: Reply, body: GenerationRequest, work: Work, request: Request) -> Any:
         try:
@@ -138,8 +144,13 @@ def served(request: Request) -> Served:
     return request.app.state.served
 
 
+def principal(key: str) -> str:
+    """A key's principal, as the pair keeps its state apart: a digest, so the key itself is kept nowhere else."""
+    return "key " + hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
+
+
 async def authorize(request: Request) -> None:
-    served(request).authorize(request.headers.get("authorization", ""))
+    request.state.principal = served(request).authorize(request.headers.get("authorization", ""))
 
 
 public = APIRouter()  # no API key asked
@@ -187,7 +198,7 @@ async def chat_completions(request: Request) -> Any:
         state.check_model(body.model)
         raise Refused(400, f"{state.name} has no chat template (a base model): use /v1/completions to complete "
                            "text", "messages", "no_chat_template")
-    work = await state.prepare(body, body.template_messages(), False, body.reply_tokens())
+    work = await state.prepare(body, body.template_messages(), False, body.reply_tokens(), request.state.principal)
     return await state.respond(Reply("chat", state.name), body, work, request)
 
 
@@ -195,7 +206,7 @@ async def chat_completions(request: Request) -> Any:
 async def completions(request: Request) -> Any:
     state = served(request)
     body = await read_body(request, CompletionRequest, state.body_timeout_s)
-    work = await state.prepare(body, body.one_prompt(), True, body.reply_tokens())
+    work = await state.prepare(body, body.one_prompt(), True, body.reply_tokens(), request.state.principal)
     return await state.respond(Reply("text", state.name), body, work, request)
 
 
@@ -214,12 +225,13 @@ async def http_error(request: Request, problem: HTTPException) -> JSONResponse:
     return JSONResponse(error_body(str(problem.detail)), problem.status_code, headers=problem.headers)
 
 
-def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
+def create_app(pair: Pair, worker: Worker, api_keys: Sequence[str] = (),
                cors_origins: Sequence[str] = (), loopback_only: bool = False,
                body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The app over `pair`. A request from a web page (its Origin header) is served only from `cors_origins` ("*":
     any); `loopback_only` (a server bound to a loopback address) also refuses a Host header that names another
-    machine (DNS rebinding). With `api_key`, every endpoint but /health and / asks for it, the OpenAPI document too."""
+    machine (DNS rebinding). With `api_keys`, every endpoint but /health asks for one, the OpenAPI document too; with
+    several, each key is a principal whose prompt cache, tree statistics and earlier replies are its own."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -227,7 +239,7 @@ def create_app(pair: Pair, worker: Worker, api_key: str | None = None,
     except PackageNotFoundError:
         release = "0"
     app = FastAPI(title="edge-spec", version=release, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.served = Served(pair, worker, api_key, body_timeout_s)
+    app.state.served = Served(pair, worker, tuple(api_keys), body_timeout_s)
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

@@ -60,7 +60,7 @@ def url(sock: socket.socket, host: str) -> str:
     return f"http://{shown}:{port}"
 
 
-def serve(pair: Pair, sock: socket.socket, *, api_key: str | None = None, cors_origins: Sequence[str] = (),
+def serve(pair: Pair, sock: socket.socket, *, api_keys: Sequence[str] = (), cors_origins: Sequence[str] = (),
           speculate: bool = True, budget: int | str | None = None, log_level: str = "info",
           ready: Callable[[], None] | None = None, head_timeout_s: float = HEAD_TIMEOUT_S,
           body_timeout_s: float = BODY_TIMEOUT_S) -> None:
@@ -83,7 +83,7 @@ def serve(pair: Pair, sock: socket.socket, *, api_key: str | None = None, cors_o
                 ready()
 
     bound = sock.getsockname()[0]
-    app = create_app(pair, worker, api_key, cors_origins, loopback_only=is_loopback(str(bound)),
+    app = create_app(pair, worker, api_keys, cors_origins, loopback_only=is_loopback(str(bound)),
                      body_timeout_s=body_timeout_s)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
                             log_config=_log_config(log_level), http=_guarded_protocol(head_timeout_s),

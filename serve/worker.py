@@ -35,6 +35,7 @@ class Work:
     sampling: SamplingConfig
     max_tokens: int
     stop: Sequence[str] = ()
+    principal: str | None = None  # whose request (a server's API key): its state is kept apart (Pair.reused_decoder)
 
 
 class GenerationFailed(Exception):
@@ -143,7 +144,8 @@ class Worker:
         try:
             for step in edge.stream_generate(self.pair, list(work.tokens), max_tokens=work.max_tokens,
                                              sampling=work.sampling, speculate=self.speculate, budget=self.budget,
-                                             stop=list(work.stop) or None, should_stop=job.cancelled.is_set):
+                                             stop=list(work.stop) or None, should_stop=job.cancelled.is_set,
+                                             principal=work.principal):
                 job._send(step)
         except ModelFault as problem:  # the model file changed under the server: not the client's fault, no trace
             self.failed += 1

@@ -311,7 +311,7 @@ def test_the_readme_python_example_runs() -> None:
 
 def test_a_prompt_that_cannot_fit_is_refused_before_passes_are_timed(default_pair: Pair,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(default_pair, "_decoder", None)
+    monkeypatch.setattr(default_pair, "_decoders", {})
     monkeypatch.setattr(Pair, "auto_budget", lambda self: pytest.fail("timed the passes for a prompt that cannot fit"))
     with pytest.raises(UserError, match="context holds"):
         edge.generate(default_pair, "word " * 5000, max_tokens=4)

@@ -119,5 +119,5 @@ def test_the_shared_pairs_start_each_test_with_no_earlier_reply(smollm2: Pair) -
     reply = edge.generate(smollm2, "Name three colors.", max_tokens=8).tokens
     assert smollm2.corpus.replies and smollm2.corpus.replies[-1][:len(reply)] == reply
     forget_shared_replies()
-    assert smollm2.corpus.replies == [] and smollm2._decoder is None
+    assert smollm2.corpus.replies == [] and not smollm2._decoders
     assert edge.generate(smollm2, "Name three colors.", max_tokens=8).tokens == reply

@@ -80,7 +80,7 @@ def terminal(tmp_path: Path) -> Iterator[Callable[[], Terminal]]:
         term.close()
 
 
-def test_chat_in_a_terminal(terminal: Callable[[], Terminal]) -> None:
+def test_chat_in_a_terminal(terminal: Callable[[], Terminal], tmp_path: Path) -> None:
     term = terminal()
     term.keys("Say hi.", "Enter")
     term.wait(lambda s: s.count(STATS) == 1 and s.rstrip().endswith(">>>"), "the first reply")
@@ -111,6 +111,7 @@ def test_chat_in_a_terminal(terminal: Callable[[], Terminal]) -> None:
 
     term.keys("C-d")  # leaves; a new chat finds the history
     term.wait(lambda s: "CHAT-ENDED" in s, "Ctrl-D to leave")
+    history = tmp_path / "history"  # the terminal fixture's
     assert history.stat().st_mode & 0o777 == 0o600  # what was typed is this user's alone
     again = terminal()
     again.keys("Up")
