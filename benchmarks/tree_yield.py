@@ -59,6 +59,9 @@ class Row:
         assert result.tree is not None
         self.depths.append(int(result.tree.depth.max()))
 
+    def hold_timing(self, held: bool) -> None:
+        pass  # a fixed tree, as FixedBudget
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

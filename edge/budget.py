@@ -208,6 +208,7 @@ class AutoBudget:
     plain_for: int = 0  # plain rounds left before the next full comparison
     probe_every: int = FIRST_PROBE
     chosen: list[int] = field(default_factory=list)  # budget per round, 0 = plain (for reports and tests)
+    timing_held: bool = False  # hold_timing(): predictions from `costs` alone, no measured scale
 
     def __post_init__(self) -> None:
         self.max_budget = self.max_budget or budget_limit(self.costs)
@@ -257,19 +258,32 @@ class AutoBudget:
     def _optimistic_rate(self, budget: int, rule: str = "match") -> float:
         return min(budget + 1.0, 2 * self.expected_tokens(budget, rule)) / self.round_s(budget, rule)
 
+    def hold_timing(self, held: bool) -> None:
+        """Held: rounds are predicted from the pass times the pair loaded with (cached per machine) and what rounds
+        yielded, never from how long they took, so a seeded reply's trees, and so its draws, repeat run to run."""
+        self.timing_held = held
+
     def observe(self, config: GrowConfig | None, result: RoundResult, rule: str = "match") -> None:
-        """What a round verified by `rule` took and yielded (config None: it decoded plainly)."""
+        """What a round verified by `rule` took and yielded (config None: it decoded plainly); with timing held, only
+        what it yielded."""
+        if self.timing_held:
+            if config is not None:
+                self._observe_yield(config, result, rule)
+            return
         if config is None:
             predicted = self.costs.target_s(len(result.tokens))
             self.plain_ratios.append(result.verify_s / predicted)
             self._plain_scale = statistics.median(self.plain_ratios)
             return
-        self.plain_streak = 0
-        budget = config.budget
-        self.passes[budget] = _blend(self.passes.get(budget), result.drafter_passes)
         self.grow_scale = _blend(self.grow_scale, result.grow_s / self._grow_s(config, result.drafter_passes))
         verified = result.tree_size + len(result.tokens) - 1  # about: the previous round's accepted tokens ran too
         self.verify_scale = _blend(self.verify_scale, result.verify_s / self._verify_s(verified, result.grow_s))
+        self._observe_yield(config, result, rule)
+
+    def _observe_yield(self, config: GrowConfig, result: RoundResult, rule: str) -> None:
+        self.plain_streak = 0
+        budget = config.budget
+        self.passes[budget] = _blend(self.passes.get(budget), result.drafter_passes)
         if result.tree is not None and result.path is not None:
             table = self.tokens.setdefault(rule, {})
             for b, tokens in tokens_by_budget(result.tree, result.path, CANDIDATES).items():
@@ -295,7 +309,7 @@ class AutoBudget:
         measured = self._pass_ms.get(tokens)
         if measured is None:
             measured = self._pass_ms[tokens] = self.costs.target_s(self.costs.pass_size(tokens))
-        return self._plain_scale * measured
+        return (1.0 if self.timing_held else self._plain_scale) * measured
 
     def round_s(self, budget: int, rule: str = "match") -> float:
         """Predicted seconds of one round: growth plus the target pass (plain: the pass alone)."""
@@ -304,13 +318,14 @@ class AutoBudget:
         config = _config(budget)
         steps = self.passes.get(budget, config.max_steps)
         rerun = self.expected_tokens(budget, rule) - 1  # the previous round's accepted tokens run again
-        grow = self.grow_scale * self._grow_s(config, steps)
-        return grow + self.verify_scale * self._verify_s(budget + 1 + rerun, grow)
+        grow_scale, verify_scale = (1.0, 1.0) if self.timing_held else (self.grow_scale, self.verify_scale)
+        grow = grow_scale * self._grow_s(config, steps)
+        return grow + verify_scale * self._verify_s(budget + 1 + rerun, grow)
 
     def plain_scale(self) -> float:
         """Measured / predicted plain pass time: the median of the last PLAIN_WINDOW plain rounds (one stalled
-        pass on a shared machine must not make trees look good); kept up to date by observe()."""
-        return self._plain_scale
+        pass on a shared machine must not make trees look good); kept up to date by observe(). 1 with timing held."""
+        return 1.0 if self.timing_held else self._plain_scale
 
     def _verify_s(self, tokens: float, grow_s: float) -> float:
         return self.costs.verify_s(tokens, grow_s)

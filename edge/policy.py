@@ -45,6 +45,8 @@ class BudgetPolicy(Protocol):
     def choose(self, max_nodes: int, rule: str = "match") -> GrowConfig | None: ...
     def observe(self, config: GrowConfig | None, result: RoundResult, rule: str = "match") -> None: ...
     def pass_s(self, tokens: int) -> float | None: ...  # a target pass over so many tokens, where measured
+    # held: choose by the pass times the pair loaded with alone, not by how long rounds took (a seeded reply repeats)
+    def hold_timing(self, held: bool) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class FixedBudget:
 
     def pass_s(self, tokens: int) -> float | None:
         return None  # not measured: a fixed tree takes every lookup branch it has room for
+
+    def hold_timing(self, held: bool) -> None:
+        pass  # no time chooses a fixed tree
 
 
 class RoundPolicy:
@@ -99,6 +104,9 @@ class RoundPolicy:
         self.sampling = sampling
         if not unchanged:
             self._reset_rates()
+        # a seeded sampled reply's trees shape its draws (the residual rule draws the drafter's children): trees chosen
+        # by how long rounds took on a busy machine would make the same seed give another text
+        self.budget.hold_timing(sampling.seed is not None and not sampling.greedy)
 
     def rule(self) -> Rule:
         """The rule the next round runs: sample-and-match when greedy, else the flag's ("auto": RuleChoice's)."""

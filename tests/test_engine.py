@@ -104,6 +104,9 @@ def test_no_tree_reaches_past_the_replys_last_token() -> None:
         def observe(self, config: GrowConfig | None, result, rule: str = "match") -> None:
             depths.append(int(result.tree.depth.max()))
 
+        def hold_timing(self, held: bool) -> None:
+            pass
+
     decoder = Decoder(target, target, Recorder(GrowConfig.chain(16)))  # the target drafts itself: all taken
     decoder.load([0, 1])
     steps = list(decoder.generate(5, stop_tokens=frozenset()))

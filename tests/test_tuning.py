@@ -230,3 +230,47 @@ def test_damaged_pass_times_are_refused(damage: dict) -> None:
     with pytest.raises((ValueError, KeyError, TypeError)):
         Costs.from_json({**good, **damage})
     assert Costs.from_json({**good, "drafter_ms": {}}).drafter_ms == {}  # lookup drafting alone: no drafter times
+
+
+def test_a_seeded_reply_under_auto_repeats_whatever_the_rounds_took(monkeypatch) -> None:
+    """--budget auto scales its predictions by how long rounds took; a seeded sampled reply's trees shape its draws
+    (the residual rule draws the drafter's children), so with a seed the choice holds to the pass times the pair
+    loaded with: the same text on a clock that runs fast, slow or erratically. Without the seed's hold, the same
+    clocks choose other trees (the twin below)."""
+    import time as clock_module
+
+    import numpy as np
+
+    from edge.budget import AutoBudget, Costs
+    from edge.generate import Decoder
+    from edge.sampling import SamplingConfig
+    from tests.tiny import TinyModel
+
+    target = TinyModel(n_vocab=6, seed=8, scale=1.0)
+    costs = Costs({1: 30.0, 2: 33.0, 4: 36.0, 8: 40.0, 16: 48.0, 32: 60.0, 64: 90.0},
+                  {1: 3.0, 2: 3.2, 4: 3.5, 8: 4.0, 16: 5.0})
+    sampling = SamplingConfig(temperature=0.9, seed=7)
+
+    def run(rate: float, seed_noise: int, held: bool) -> tuple[list[int], list[int]]:
+        noise = np.random.default_rng(seed_noise)
+        now = [0.0]
+
+        def fake_clock() -> float:  # each reading a random step: rounds "took" arbitrary times
+            now[0] += rate * float(noise.exponential())
+            return now[0]
+
+        monkeypatch.setattr(clock_module, "perf_counter", fake_clock)
+        budget = AutoBudget(costs)
+        decoder = Decoder(target, target.noisy(0.3, seed=4), budget, sampling, accept="residual")
+        if not held:
+            decoder.rounds.set_sampling(sampling)
+            budget.hold_timing(False)
+        decoder.load([0, 1])
+        text = [step.token for step in decoder.generate(40) if step.finish_reason is None]
+        monkeypatch.undo()
+        return text, budget.chosen
+
+    texts = {tuple(run(rate, noise, True)[0]) for rate, noise in ((1e-4, 1), (1.0, 2), (30.0, 3))}
+    assert len(texts) == 1
+    chosen = {tuple(run(rate, noise, False)[1]) for rate, noise in ((1e-4, 1), (1.0, 2), (30.0, 3))}
+    assert len(chosen) > 1  # the twin: timing that is not held chooses other trees
