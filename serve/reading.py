@@ -16,6 +16,9 @@ from starlette.requests import ClientDisconnect, Request
 RequestT = TypeVar("RequestT", bound=GenerationRequest)
 MAX_BODY_BYTES = 32 << 20  # a request body larger than this is refused before it is read (413)
 MAX_MESSAGES = 16_384  # messages in one request, counted before they are validated (and the context counts too)
+# JSON objects in one body, counted (as `{` bytes, text included) before it is parsed: parsing and validating a
+# million content parts held the event loop for seconds (/health waited), in C that another thread would not free
+MAX_OBJECTS = 8 * MAX_MESSAGES
 
 
 async def read_body(request: Request, schema: type[RequestT], timeout_s: float = BODY_TIMEOUT_S) -> RequestT:
@@ -38,6 +41,9 @@ async def read_body(request: Request, schema: type[RequestT], timeout_s: float =
     except TimeoutError:
         raise Refused(408, f"the request body did not arrive within {timeout_s:g} s: send it whole") from None
     raw = b"".join(chunks)
+    if (objects := raw.count(b"{")) > MAX_OBJECTS:
+        raise Refused(400, f"the request body holds {objects} JSON objects (or braces), more than this server reads "
+                           f"({MAX_OBJECTS}): send fewer messages or content parts")
     try:
         data = json.loads(raw)
     except UnicodeDecodeError:

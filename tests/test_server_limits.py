@@ -119,6 +119,8 @@ def test_shutdown_answers_every_request_then_exits_130() -> None:
     (b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": ' + b"9" * 5000 + b"}", 400,
      "cannot be read"),
     (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "lone UTF-16 surrogate"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 1_000_000}]}).encode(),
+     400, "1000002 JSON objects"),  # refused before parsing: validating them held the event loop for seconds
     (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.8,
                  "repeat_penalty": 1e-300}).encode(), 400, "repeat_penalty"),
 ])
