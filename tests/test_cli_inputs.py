@@ -128,6 +128,13 @@ def test_careless_names_and_files_are_one_line(tmp_path: Path) -> None:
     assert_one_line_error(run("--models", str(fifo), "models"), "is not a regular file")
     assert_one_line_error(run("--models", "/dev/zero", "models"), "is not a regular file")
     assert_one_line_error(run("plan", "--acceptance", str(fifo)), "is not a regular file")
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "loop-back")
+    (tmp_path / "loop-back").symlink_to(loop)
+    assert_one_line_error(run("--models", str(loop), "models"), "Too many levels of symbolic links")
+    for target, said in ((loop, "is a loop of symbolic links"), (fifo, "is a FIFO, not a regular file"),
+                         (Path("/dev/zero"), "is a device, not a regular file")):
+        assert_one_line_error(run("generate", "hi", "--target", str(target)), f"model file {target} {said}")
 
 
 @pytest.mark.parametrize("stdin", ["random bytes", "closed"])
