@@ -58,6 +58,9 @@ class _Recorder:
             "round": 1000 * (end - self._start), "tokens": len(result.tokens),
         })
 
+    def hold_timing(self, held: bool) -> None:
+        pass  # a fixed tree, as FixedBudget
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

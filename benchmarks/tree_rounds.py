@@ -58,6 +58,9 @@ class ChainBeside:
         accepted = min(len(result.path) - 1, self._wanted)  # nothing past the reply's end counts
         self.rounds.append((accepted, self._chain_accepted, top_depth(result.tree)))
 
+    def hold_timing(self, held: bool) -> None:
+        pass  # a fixed tree, as FixedBudget
+
 
 def top_depth(tree: TokenTree) -> int:
     """How deep the drafter's top-token path runs inside the tree."""
