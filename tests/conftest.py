@@ -111,6 +111,34 @@ def pair(request: pytest.FixtureRequest) -> Pair:
     return request.getfixturevalue("smollm2" if request.param == "smollm2-135m" else "gemma3")
 
 
+class GreedyReplies:
+    """The target's plain greedy replies, each decoded once a run and shared by every test that compares with one: a
+    reply of n tokens is the start of the same prompt's longer reply (one token a pass, whatever the length asked)."""
+
+    def __init__(self) -> None:
+        self.replies: dict[tuple[int, tuple[int, ...]], tuple[list[int], bool]] = {}  # -> (reply, ended by a stop)
+
+    def __call__(self, pair: Pair, tokens: list[int], max_tokens: int) -> list[int]:
+        from edge.generate import Decoder
+
+        key = (id(pair.target), tuple(tokens))
+        reply, stopped = self.replies.get(key, ([], False))
+        if len(reply) < max_tokens and not stopped:
+            decoder = Decoder(pair.target)
+            decoder.reset()
+            decoder.load(tokens)
+            steps = list(decoder.generate(max_tokens))
+            reply = [s.token for s in steps if s.finish_reason is None]
+            stopped = steps[-1].finish_reason == "stop"
+            self.replies[key] = reply, stopped
+        return reply[:max_tokens]
+
+
+@pytest.fixture(scope="session")
+def greedy() -> GreedyReplies:
+    return GreedyReplies()
+
+
 def prompts_for(pair: Pair) -> list[str]:
     return CHAT_PROMPTS if pair.template is not None else TEXT_PROMPTS
 

@@ -15,9 +15,11 @@ from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.invariance import check_batch_invariance, compare, large_tree_shapes, sequential_logits
 from edge.sampling import SamplingConfig, distribution
-from tests.conftest import CHAT_PROMPTS, REPO, _load, prompt_tokens, prompts_for
+from tests.conftest import CHAT_PROMPTS, REPO, GreedyReplies, _load, prompt_tokens, prompts_for
 
-MAX_TOKENS = 128
+# Greedy replies are checked 64 tokens long: 10-30 rounds a prompt and budget, each budget on four prompts (128 took
+# twice the suite's time for rounds of the kinds the first 64 tokens already hold).
+MAX_TOKENS = 64
 # Budget 255 with fewer, narrower drafter passes than the CLI default: still a full 256-node tree for the
 # target to verify (what losslessness depends on), at a third of the drafting time. 16 and 64 without the
 # one-node passes that extend a tree's best path past max_steps (up to `budget` passes a round): acceptance
@@ -116,12 +118,6 @@ def generate(pair: Pair, tokens: list[int], budget: int | None, sampling: Sampli
     return [s.token for s in steps if s.finish_reason is None], decoder
 
 
-@pytest.fixture(scope="module")
-def plain_outputs() -> dict:
-    """Plain greedy outputs shared between the tests that compare against them."""
-    return {}
-
-
 def budgets_for(prompt: int) -> list[int]:
     """The budgets a prompt's greedy reply is checked at: two of GROW's four in turn, so each budget meets half the
     prompts and every prompt meets two budgets (test_tree_logits_equal_sequential_decoding checks full 256-node trees
@@ -130,17 +126,16 @@ def budgets_for(prompt: int) -> list[int]:
     return [budgets[prompt % len(budgets)], budgets[(prompt + 1) % len(budgets)]]
 
 
-def test_greedy_speculation_equals_plain_decoding(pair: Pair, plain_outputs: dict) -> None:
+def test_greedy_speculation_equals_plain_decoding(pair: Pair, greedy: GreedyReplies) -> None:
     prompts = prompts_for(pair)
     for i, text in enumerate(prompts):
         tokens = prompt_tokens(pair, text)
-        plain, _ = generate(pair, tokens, None)
-        plain_outputs[(pair.name, text)] = plain
+        plain = greedy(pair, tokens, MAX_TOKENS)
         for budget in budgets_for(i):
             spec, decoder = generate(pair, tokens, budget)
             assert spec == plain, f"budget {budget} differs on {text!r}"
             assert_caches_hold_exactly(pair, decoder)
-    assert_replies_differ([plain_outputs[(pair.name, text)] for text in prompts])
+    assert_replies_differ([greedy(pair, prompt_tokens(pair, text), MAX_TOKENS) for text in prompts])
 
 
 def assert_replies_differ(replies: list[list[int]]) -> None:
@@ -158,7 +153,7 @@ def assert_caches_hold_exactly(pair: Pair, decoder: Decoder) -> None:
         assert all(runner.ctx.seq_pos_max(seq) == -1 for seq in range(1, MAX_SEQ))
 
 
-def test_plain_decoding_equals_llama_cpp_python(pair: Pair, plain_outputs: dict,
+def test_plain_decoding_equals_llama_cpp_python(pair: Pair, greedy: GreedyReplies,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """An independent greedy decoder: llama-cpp-python's own Llama class, same file and KV settings."""
     import llama_cpp.llama_cpp as native
@@ -177,7 +172,7 @@ def test_plain_decoding_equals_llama_cpp_python(pair: Pair, plain_outputs: dict,
                 verbose=False)
     for text in prompts_for(pair):
         tokens = prompt_tokens(pair, text)
-        expected = plain_outputs.get((pair.name, text)) or generate(pair, tokens, None)[0]
+        expected = greedy(pair, tokens, MAX_TOKENS)
         llm.reset()
         llm.eval(tokens)
         out = []
@@ -294,7 +289,7 @@ def test_residual_rule_follows_the_targets_distribution(smollm2: Pair) -> None:
     assert_within_five_sigma(counts, exact, runs)
 
 
-def test_greedy_speculation_with_lookup_equals_plain_decoding(pair: Pair, plain_outputs: dict) -> None:
+def test_greedy_speculation_with_lookup_equals_plain_decoding(pair: Pair, greedy: GreedyReplies) -> None:
     """Lookup's branches beside the drafter's in one tree, and lookup alone: the target's greedy text, token for
     token. The prompt asks the same thing twice (the prompt, its plain reply, the prompt again), so lookup proposes
     long continuations, and they are accepted."""
@@ -302,9 +297,9 @@ def test_greedy_speculation_with_lookup_equals_plain_decoding(pair: Pair, plain_
 
     for text in prompts_for(pair)[:3]:
         first = prompt_tokens(pair, text)
-        reply = plain_outputs.get((pair.name, text)) or generate(pair, first, None)[0]
+        reply = greedy(pair, first, MAX_TOKENS)
         tokens = [*first, *reply, *first[1:]]  # asked again (the BOS once)
-        plain, _ = generate(pair, tokens, None, max_tokens=64)
+        plain = greedy(pair, tokens, 64)
         for drafter in (pair.drafter, None):
             decoder = Decoder(pair.target, drafter, GROW[16], lookup=Lookup())
             decoder.reset()
@@ -316,13 +311,13 @@ def test_greedy_speculation_with_lookup_equals_plain_decoding(pair: Pair, plain_
             assert_caches_hold_exactly(pair, decoder)
 
 
-def test_greedy_speculation_with_overlap_equals_plain_decoding(pair: Pair, plain_outputs: dict) -> None:
+def test_greedy_speculation_with_overlap_equals_plain_decoding(pair: Pair, greedy: GreedyReplies) -> None:
     """The drafter grows during the target's pass (llama.cpp's decode in a worker thread, the drafter on the main
     one; edge/overlap.py), and rounds verify the trees grown so: the target's greedy text, token for token, and
     each cache holds exactly the committed text."""
     for text in prompts_for(pair)[:2]:
         tokens = prompt_tokens(pair, text)
-        plain = (plain_outputs.get((pair.name, text)) or generate(pair, tokens, None)[0])[:64]
+        plain = greedy(pair, tokens, 64)
         decoder = Decoder(pair.target, pair.drafter, GROW[16], overlap=True)
         decoder.reset()
         decoder.load(tokens)
@@ -372,12 +367,12 @@ def test_the_real_pairs_k_quant_target_is_guaranteed_lossless(qwen: Pair) -> Non
     assert qwen.lossless_warning is None
 
 
-def test_greedy_speculation_on_the_real_pair_equals_plain_decoding(qwen: Pair) -> None:
+def test_greedy_speculation_on_the_real_pair_equals_plain_decoding(qwen: Pair, greedy: GreedyReplies) -> None:
     """Two different models, both files as shipped (K-quant target and drafter): the same tokens at budgets 16 and 64,
     and caches holding exactly the committed text."""
     for text in CODE_PROMPTS:
         tokens = prompt_tokens(qwen, text)
-        plain, _ = generate(qwen, tokens, None, max_tokens=48)
+        plain = greedy(qwen, tokens, 48)
         for budget in (16, 64):
             spec, decoder = generate(qwen, tokens, budget, max_tokens=48)
             assert spec == plain, f"budget {budget} differs on {text!r}"

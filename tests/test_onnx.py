@@ -22,7 +22,7 @@ from edge.generate import Decoder
 from edge.grow import GrowConfig
 from edge.invariance import compare
 from edge.tree import TokenTree
-from tests.conftest import REPO, prompt_tokens, prompts_for
+from tests.conftest import REPO, GreedyReplies, prompt_tokens, prompts_for
 
 TEXT = (REPO / "docs" / "lossless.md").read_text()
 
@@ -74,52 +74,42 @@ def test_reference_graph_matches_llama_cpp(name: str, weights: str, tmp_path: Pa
     np.testing.assert_allclose(second["logits"], out["logits"][half:], atol=1e-3, rtol=1e-3)
 
 
-def _trimmed_head(pair: Pair, size: int) -> np.ndarray:
+def _trimmed_head(pair: Pair, size: int, greedy: GreedyReplies) -> np.ndarray:
     """A frequency-ranked head from the target's own greedy completions of the text prompts."""
-    decoder = Decoder(pair.target)
-    sequences = []
-    for text in prompts_for(pair)[:4]:
-        decoder.load(prompt_tokens(pair, text))
-        sequences.append([s.token for s in decoder.generate(32) if s.token is not None])
-    decoder.reset()
+    sequences = [greedy(pair, prompt_tokens(pair, text), 32) for text in prompts_for(pair)[:4]]
     counts = count_tokens(sequences, pair.target.n_vocab)
     return select(counts, size, pair.target.model.special().ids)
 
 
-def _onnx_drafter(pair: Pair, vocab: int | None, head: np.ndarray | None = None):
+def _onnx_drafter(pair: Pair, head: np.ndarray | None = None):
     model = replace(_spec(pair.name).drafter, runtime="onnx", vocab=None)  # models.toml's, not the fixture's
     drafter_file = materialize(model, print)
-    if vocab is not None:
-        head = _trimmed_head(pair, vocab)
     return load_drafter(drafter_file, OnnxOptions(threads=2, n_ctx=pair.spec.ctx + 256), head)
 
 
 @pytest.mark.parametrize("vocab", [None, 16384])
-def test_onnx_drafter_is_lossless(pair: Pair, vocab: int | None) -> None:
+def test_onnx_drafter_is_lossless(pair: Pair, vocab: int | None, greedy: GreedyReplies) -> None:
     """int4 weights, 4-bit KV, full or trimmed head: greedy speculation == the target's plain greedy output."""
-    drafter = _onnx_drafter(pair, vocab)
+    drafter = _onnx_drafter(pair, None if vocab is None else _trimmed_head(pair, vocab, greedy))
     # without the extension passes past max_steps, as in test_lossless.py: they only add drafting time here
     grow = replace(GrowConfig.for_budget(64), extend_prob=None)
-    plain, tree = Decoder(pair.target), Decoder(pair.target, drafter, grow)
+    tree = Decoder(pair.target, drafter, grow)
+    tree.reset()
     passes = 0
     for text in prompts_for(pair)[:3]:
         tokens = prompt_tokens(pair, text)
-        outputs = []
-        for decoder in (plain, tree):
-            decoder.load(tokens)
-            steps = list(decoder.generate(48))
-            outputs.append([s.token for s in steps if s.token is not None])
+        tree.load(tokens)
+        steps = list(tree.generate(48))
         passes += steps[-1].stats.target_passes
-        assert outputs[0] == outputs[1], text
+        assert [s.token for s in steps if s.token is not None] == greedy(pair, tokens, 48), text
         # the drafter's cache holds exactly the committed text but the root
         assert drafter.history + drafter.pending == tree.context[: len(drafter.history) + len(drafter.pending)]
     assert passes < 3 * 48 / 2, "the drafter should accept well over one token per pass"
-    plain.reset()
     tree.reset()
 
 
 def test_onnx_drafter_commit_keeps_the_accepted_path(smollm2: Pair) -> None:
-    drafter = _onnx_drafter(smollm2, None)
+    drafter = _onnx_drafter(smollm2)
     tokens = prompt_tokens(smollm2, prompts_for(smollm2)[0])
     drafter.prefill(tokens[:-1])
     held = drafter.kv.n_tokens
@@ -141,7 +131,7 @@ def test_a_node_drafts_what_a_chain_drafts_there_whatever_its_siblings(smollm2: 
     """A node's pass reads its ancestors' keys alone: with a sibling already run (its slot masked for the node), the
     node's children and log-probs are bit-identical to the same node's in a chain, so a tree's top path is the
     chain's token for token."""
-    drafter = _onnx_drafter(smollm2, None)
+    drafter = _onnx_drafter(smollm2)
     tokens = prompt_tokens(smollm2, prompts_for(smollm2)[0])
 
     def tree_of(children: list[int]) -> TokenTree:
@@ -167,13 +157,13 @@ def test_trimmed_head_drafts_the_contexts_tokens_it_lacks(smollm2: Pair,
     """A word the trimmed head does not keep is still drafted once the context holds it (extra_ids)."""
     model = smollm2.target.model
     tokens = model.tokenize("The cat sat on the mat. The dog sat on the rug. The cat sat on the", True, False)
-    full = _onnx_drafter(smollm2, None)
+    full = _onnx_drafter(smollm2)
     full.prefill(tokens[:-1])
     ids, _ = full.expand(TokenTree.root(tokens[-1]), np.array([0]), 4)
     top = int(ids[0, 0])
     assert model.token_bytes(top) == b" cat"
     head = np.array(sorted((set(range(4096)) | model.special().ids) - {top}), np.int32)
-    drafter = _onnx_drafter(smollm2, None, head)
+    drafter = _onnx_drafter(smollm2, head)
     drafter.prefill(tokens[:-1])
     outside = [t for t in tokens[:-1] if t not in set(head.tolist())]
     assert list(drafter.extra) == list(dict.fromkeys(reversed(outside)))[::-1]  # each once, by its last time
