@@ -15,6 +15,13 @@ JSON, numbers of 5,000 digits, lone surrogates, 100,000 messages, a web page's O
 mid-reply, a head never finished, a flood of special tokens, ...): each must get its 4xx answer (or be dropped, for
 a client that left). The valid requests then use 8 (prompt, seed) pairs, each first sent alone: every valid reply
 under load must equal its single-client text. The report adds the server log's tracebacks and 500s (none allowed).
+
+    python benchmarks/serve_soak.py --clients 4 --requests 48 --hostile 0.34 --keys 2 --max-tokens 32 \
+        --server-args "--budget 16 --accept match"
+
+With --keys K the server has K API keys (principals) and the clients take them in turn; afterwards the first key sends
+a prompt holding a PIN and the last sends guesses sharing its first digits: `isolation.b_cached_tokens_after_a` must
+be all 0 with two keys (with one key, one principal, it counts the matching digits: 13 / 12 / 11 / 10 / 9).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import openai
@@ -69,12 +76,15 @@ def one_request(client: openai.OpenAI, model: str, prompt: str, max_tokens: int,
             "tokens": usage.completion_tokens if usage else 0, "text": "".join(text)}
 
 
+KEY_HEADER: dict[str, str] = {}  # --keys: the first principal's key, which hostile requests carry
+
+
 def _raw(url: str, body: bytes, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions") -> int:
     """POST `body` as it is; the status (the body must be an OpenAI error when it is not 200)."""
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
     try:
-        connection.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
+        connection.request("POST", path, body, {"Content-Type": "application/json", **KEY_HEADER, **(headers or {})})
         response = connection.getresponse()
         data = response.read()
         if response.status != 200:
@@ -129,8 +139,9 @@ HOSTILE: dict[str, Callable[[str], int]] = {
 
 
 def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: int, time_limit: float,
-         prompts: list[str], hostile: float = 0.0) -> dict:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="soak", max_retries=0, timeout=600)
+         prompts: list[str], hostile: float = 0.0, keys: Sequence[str] = ("soak",)) -> dict:
+    """`keys`: the principals' API keys; client thread i uses keys[i % len(keys)]."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=keys[0], max_retries=0, timeout=600)
     model = model or client.models.list().data[0].id
     rss_loaded = rss(url)
     one_request(client, model, prompts[0], max_tokens, seed=0)  # warm-up: lazily made buffers, pass-time caches
@@ -150,8 +161,8 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
     trace_every = max(1, requests // 8)
     deadline = time.monotonic() + time_limit
 
-    def worker() -> None:
-        own = openai.OpenAI(base_url=url + "/v1", api_key="soak", max_retries=0, timeout=600)
+    def worker(key: str) -> None:
+        own = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=600)
         while time.monotonic() < deadline:
             with lock:
                 index = next(next_index, None)
@@ -183,7 +194,7 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
                     trace.append(round(rss(url) / 1e6, 1))
 
     started = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    threads = [threading.Thread(target=worker, args=(keys[i % len(keys)],)) for i in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -216,6 +227,23 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
     }
 
 
+def isolation_probe(url: str, keys: Sequence[str]) -> dict:
+    """After the soak, two principals: A's prompt holds a PIN, then B sends guesses sharing its first digits. B's
+    cached_tokens (and prefill) must not count A's matching tokens: with one principal they did (13 / 12 / 11)."""
+    def cached(key: str, prompt: str) -> int:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=600)
+        reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=1,
+                                          temperature=0)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    secret = "Customer 1182 PIN: 4821\nAnswer OK:"
+    guesses = {}
+    for guess in ("4821", "4829", "4871", "4021", "9821"):
+        cached(keys[0], secret)
+        guesses[guess] = cached(keys[-1], f"Customer 1182 PIN: {guess}Z")
+    return {"principals": len(keys), "b_cached_tokens_after_a": guesses}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="serve_soak.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a server already running (default: start one for --pair)")
@@ -228,22 +256,34 @@ def main() -> None:
                                                                        "skipped")
     parser.add_argument("--prompts", type=Path, default=REPO / "benchmarks" / "chat-prompts.txt")
     parser.add_argument("--hostile", type=float, default=0.0, help="the share of hostile requests, 0 to 0.5")
+    parser.add_argument("--keys", type=int, default=0,
+                        help="start the server with this many API keys, each a principal; clients take them in turn, "
+                             "and an isolation probe runs after the soak: the first key's PIN prompt, then the last "
+                             "key's guesses (0: no key)")
     args = parser.parse_args()
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
         parser.error("--clients, --requests and --max-tokens must be at least 1")
     if not 0 <= args.hostile <= 0.5:
         parser.error("--hostile must be 0 to 0.5")
     prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+    keys = [f"soak-key-{i}" for i in range(args.keys)] or ["soak"]
+    if args.keys:
+        KEY_HEADER["Authorization"] = f"Bearer {keys[0]}"
     if args.url:
         result = soak(args.url.rstrip("/"), None, args.clients, args.requests, args.max_tokens, args.time_limit,
-                      prompts, args.hostile)
+                      prompts, args.hostile, keys)
+        if args.keys:
+            result["isolation"] = isolation_probe(args.url.rstrip("/"), keys)
     else:
         from serve_process import ServerProcess  # benchmarks/, the script's folder
 
         server_args = ([args.pair] if args.pair else []) + args.server_args.split()
+        server_args += [flag for key in keys[: args.keys] for flag in ("--api-key", key)]
         with ServerProcess(server_args) as server:
             result = soak(server.url, None, args.clients, args.requests, args.max_tokens, args.time_limit, prompts,
-                          args.hostile)
+                          args.hostile, keys)
+            if args.keys:
+                result["isolation"] = isolation_probe(server.url, keys)
         result["server_args"] = server_args
         result["server_exit"] = server.process.returncode
         result["log_tracebacks"] = server.log.count("Traceback")
