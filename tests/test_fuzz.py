@@ -234,6 +234,30 @@ def test_cached_machine_facts_are_read_or_measured_again(tmp_path: Path, data: s
     OUTCOMES["machine facts read" if speed == entry["disk_read_gbps"] else "machine facts measured again"] += 1
 
 
+@FUZZ
+@given(lines=st.lists(st.text(max_size=40) | st.sampled_from(["[", "[" * 3000, "[1, 2]", '"', '""', '"x"', "[{}]",
+                                                              '[{"role": "user", "content": "hi"}]',
+                                                              '[{"role": 1, "content": []}]', "[" + "9" * 5000 + "]",
+                                                              '"\\ud800"', "\x00", "\ufeff"]),
+                      max_size=6),
+       raw=st.binary(max_size=64))
+def test_prompts_files_are_read_or_refused(tmp_path: Path, lines: list[str], raw: bytes) -> None:
+    """`bench --prompts` files: lines of any text, JSON that is barely JSON (unclosed, nested past the parser's depth,
+    5,000-digit numbers, messages of the wrong types), and random bytes: prompts, or one UserError."""
+    from edge.models.bench import read_prompts
+
+    path = tmp_path / "prompts.txt"
+    for content in ("\n".join(lines).encode("utf-8", "surrogatepass"), raw):
+        path.write_bytes(content)
+        try:
+            prompts = read_prompts(path)
+        except UserError:
+            OUTCOMES["prompts file refused"] += 1
+            continue
+        assert prompts and all(isinstance(p, str | list) and len(p) > 0 for p in prompts)
+        OUTCOMES["prompts file read"] += 1
+
+
 LOOKUP_VOCAB = 49152
 
 
