@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -197,20 +196,9 @@ def alone(load: LoadOptions, no_spec: bool) -> LoadOptions:
 
 def read_keys(path: Path) -> list[str]:
     """--api-keys-file: one key a line; blank lines and # comments skipped."""
-    from edge.models.bench import MAX_PROMPTS_BYTES
+    from edge.models.bench import read_text_file
 
-    try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            raise UserError(f"--api-keys-file {path} is not a regular file")
-        with path.open("rb") as file:
-            data = file.read(MAX_PROMPTS_BYTES + 1)
-        if len(data) > MAX_PROMPTS_BYTES:
-            raise UserError(f"--api-keys-file {path} is larger than {MAX_PROMPTS_BYTES >> 20} MiB: not a keys file")
-        lines = data.decode("utf-8").splitlines()
-    except OSError as error:
-        raise UserError(f"cannot read --api-keys-file {path}: {error.strerror}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"--api-keys-file {path} is not UTF-8 text") from None
+    lines = read_text_file(path, "--api-keys-file").splitlines()
     keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not keys:
         raise UserError(f"--api-keys-file {path} holds no key (one a line)")

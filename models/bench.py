@@ -45,22 +45,28 @@ METHODS = ("plain", "chain", "tree")
 MAX_PROMPTS_BYTES = 16 << 20  # a prompts file: what a benchmark reads and tokenizes before its first pass
 
 
+def read_text_file(path: Path, what: str) -> str:
+    """A small UTF-8 file the user names (prompts, API keys): a regular file (a FIFO waits forever, /dev/zero never
+    ends) of at most MAX_PROMPTS_BYTES; each problem one UserError naming `what`."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise UserError(f"{what} {path} is not a regular file; give a text file")
+        with path.open("rb") as file:
+            data = file.read(MAX_PROMPTS_BYTES + 1)
+        if len(data) > MAX_PROMPTS_BYTES:
+            raise UserError(f"{what} {path} is larger than {MAX_PROMPTS_BYTES >> 20} MiB")
+        return data.decode("utf-8")
+    except OSError as error:
+        raise UserError(f"cannot read {what} {path}: {error.strerror}") from None
+    except UnicodeDecodeError as problem:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {problem.start})") from None
+
+
 def read_prompts(path: Path | None) -> list[Prompt]:
     """One prompt per line: plain text, or a JSON line (a prompt spanning lines): one JSON string, or one list of
     chat messages ({"role": ..., "content": ...}, a multi-turn conversation)."""
     path = path or DEFAULT_PROMPTS
-    try:
-        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO waits forever, /dev/zero never ends
-            raise UserError(f"prompts file {path} is not a regular file; give a text file of prompts, one per line")
-        with path.open("rb") as file:
-            data = file.read(MAX_PROMPTS_BYTES + 1)
-        if len(data) > MAX_PROMPTS_BYTES:
-            raise UserError(f"prompts file {path} is larger than {MAX_PROMPTS_BYTES >> 20} MiB; give fewer prompts")
-        lines = [line.strip() for line in data.decode("utf-8").splitlines() if line.strip()]
-    except OSError as error:
-        raise UserError(f"cannot read prompts file {path}: {error.strerror}") from None
-    except UnicodeDecodeError as problem:
-        raise UserError(f"prompts file {path} is not UTF-8 text (byte {problem.start})") from None
+    lines = [line.strip() for line in read_text_file(path, "prompts file").splitlines() if line.strip()]
     if not lines:
         raise UserError(f"prompts file {path} has no prompts (one per line)")
     return [_prompt(line, path, number) for number, line in enumerate(lines, 1)]

@@ -179,8 +179,7 @@ class Pair:
                             "prompt")
         if not isinstance(prompt, str) and all(isinstance(token, Integral) for token in prompt):
             ids = [int(token) for token in prompt]  # type: ignore[arg-type]
-            if not all(0 <= token < self.target.n_vocab for token in ids):
-                wrong = next(token for token in ids if not 0 <= token < self.target.n_vocab)
+            if (wrong := next((token for token in ids if not 0 <= token < self.target.n_vocab), None)) is not None:
                 raise UserError(f"token id {wrong} is not in {self.name}'s vocabulary (ids 0 to "
                                 f"{self.target.n_vocab - 1})", "prompt")
             return ids
