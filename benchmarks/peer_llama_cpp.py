@@ -217,7 +217,7 @@ def edge_job(job: dict) -> dict:
                 stats = steps[-1].stats
                 out["rows"][label].append({
                     "tokens": [s.token for s in steps[:-1] if s.token is not None], "decode_s": stats.decode_s,
-                    "passes": stats.target_passes, "hidden_s": stats.hidden_s,
+                    "passes": stats.target_passes, "prefill_passes": stats.prefill_passes, "hidden_s": stats.hidden_s,
                     "pregrown_rounds": stats.pregrown_rounds, "rounds": stats.rounds, "draft_s": stats.draft_s,
                     "verify_s": stats.verify_s, "plain_rounds": stats.plain_rounds,
                     "residual_rounds": stats.residual_rounds, "budget_sum": stats.budget_sum,
@@ -253,7 +253,9 @@ def summary(label: str, rows: list[dict], reference: list[list[int]] | None) -> 
                 "residual_rounds": sum(r["residual_rounds"] for r in rows),
                 "mean_budget": round(sum(r["budget_sum"] for r in rows) / rounds, 2)}
     if rows[0].get("bytes_read") is not None:
-        row["bytes_read_per_pass"] = round(sum(r["bytes_read"] for r in rows) / max(sum(r["passes"] for r in rows), 1))
+        # the bytes read over every pass, the prompt's too (llama.cpp's rows: its first pass runs the prompt)
+        passes = sum(r["passes"] + r.get("prefill_passes", 0) for r in rows)
+        row["bytes_read_per_pass"] = round(sum(r["bytes_read"] for r in rows) / max(passes, 1))
     if "draft_n" in rows[0]:
         drafted, accepted = sum(r["draft_n"] for r in rows), sum(r["draft_accepted"] for r in rows)
         row |= {"drafted": drafted, "accepted": accepted,

@@ -32,7 +32,8 @@ class Stats:
     cached_tokens: int = 0  # prompt tokens the KV caches already held (a chat's earlier turns): not run again
     new_tokens: int = 0
     rounds: int = 0
-    target_passes: int = 0  # counted by the runtime: forward passes actually run
+    target_passes: int = 0  # counted by the runtime: forward passes actually run (the prompt's not included)
+    prefill_passes: int = 0  # the target's passes over the prompt (chunks of it) before the first round
     drafter_passes: int = 0
     tree_nodes: int = 0
     prefill_s: float = 0.0
@@ -43,6 +44,7 @@ class Stats:
     plain_rounds: int = 0  # rounds a budget policy ran without a tree (speculation did not pay)
     lookup_rounds: int = 0  # rounds whose tree was lookup branches alone (no drafter pass)
     rule_rounds: dict[str, int] = dataclasses.field(default_factory=dict)  # tree rounds by acceptance rule
+    rule_tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # ... and the tokens they yielded
     budget_sum: int = 0  # draft nodes asked for, summed over rounds (mean budget = budget_sum / rounds)
     hidden_s: float = 0.0  # drafting done while target passes ran (edge/overlap.py): in verify_s, not in draft_s
     pregrown_rounds: int = 0  # rounds whose tree was grown during the previous round's pass
@@ -51,6 +53,11 @@ class Stats:
     def residual_rounds(self) -> int:
         """Tree rounds the residual rule verified."""
         return self.rule_rounds.get("residual", 0)
+
+    def rule_tokens_per_pass(self) -> dict[str, float]:
+        """Each rule's tree rounds' tokens a pass (a round's tokens before a stop cut the reply short): what --accept
+        auto chose between, as it turned out."""
+        return {rule: round(self.rule_tokens[rule] / rounds, 3) for rule, rounds in sorted(self.rule_rounds.items())}
 
     @property
     def tokens_per_pass(self) -> float:
@@ -68,7 +75,9 @@ class Stats:
         self.plain_rounds += plan.grow is None
         self.lookup_rounds += plan.grow is not None and not plan.drafting
         if plan.grow is not None:  # a new dict: the steps' copies of the figures keep theirs
-            self.rule_rounds = {**self.rule_rounds, plan.rule.name: self.rule_rounds.get(plan.rule.name, 0) + 1}
+            rule = plan.rule.name
+            self.rule_rounds = {**self.rule_rounds, rule: self.rule_rounds.get(rule, 0) + 1}
+            self.rule_tokens = {**self.rule_tokens, rule: self.rule_tokens.get(rule, 0) + len(result.tokens)}
         self.budget_sum += 0 if plan.grow is None else plan.grow.budget
         self.target_passes += passes
         self.drafter_passes += result.drafter_passes
@@ -95,6 +104,7 @@ class Stats:
             "new_tokens": self.new_tokens,
             "rounds": self.rounds,
             "target_passes": self.target_passes,
+            "prefill_passes": self.prefill_passes,
             "tokens_per_pass": round(self.tokens_per_pass, 3),
             "drafter_passes_per_round": round(self.drafter_passes / rounds, 3),
             "tree_nodes_per_round": round(self.tree_nodes / rounds, 1),
@@ -110,6 +120,7 @@ class Stats:
             "lookup_rounds": self.lookup_rounds,
             "residual_rounds": self.residual_rounds,
             "rule_rounds": dict(sorted(self.rule_rounds.items())),
+            "rule_tokens_per_pass": self.rule_tokens_per_pass(),
             "mean_budget": round(self.budget_sum / rounds, 1),
             "hidden_s_per_round": round(self.hidden_s / rounds, 5),
             "pregrown_rounds": self.pregrown_rounds,
@@ -221,14 +232,17 @@ class Decoder:
         """load(tokens), then generate: one Step per new token and a final one whose stats include the prefill. A
         stop asked for while the prompt is read ends it at once, with the finish reason "interrupted" and no tokens
         (the caches keep what was read)."""
+        passes = self.target.passes
         try:
             prefill_s = self.load(tokens, should_stop)
         except Interrupted:
             yield Step(None, "", "interrupted", Stats(prompt_tokens=len(tokens)))
             return
+        prefill_passes = self.target.passes - passes
         for step in self.generate(max_tokens, should_stop=should_stop):
             if step.finish_reason is not None:
                 step.stats.prefill_s, step.stats.cached_tokens = prefill_s + step.stats.prefill_s, self.cached_tokens
+                step.stats.prefill_passes += prefill_passes
                 if self.lookup is not None:
                     self.lookup.remember(self.context[len(tokens):])  # later replies may repeat this one
             yield step

@@ -183,11 +183,22 @@ def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_t
     target_file = model_path(pair.spec.target)
     return {"pair": pair.name, "machine": probe_machine(), "placement": pair.placement, "overlap": pair.overlaps,
             "evicted_by": "kernel" if pair.streamed else "edge-spec" if pair.placement == "ssd" else None,
+            "plan": pair.plan_note, **_residency(pair),
             "target": target_file.name if target_file is not None else None, "prompts": len(prompts),
             "max_tokens": max_tokens, "temperature": sampling.temperature, "sampling": sampling.described(),
             "lossless_warning": pair.lossless_warning,
             "target_pass_ms": pass_ms, "auto_costs": None if costs is None else costs.to_json(),
             "drafters": drafter_info, "rows": rows}
+
+
+def _residency(pair: Pair) -> dict[str, int | None]:
+    """A target the plan streams in a window (offload/window.py): the bytes of it that stay in RAM, and those a pass
+    reads from the drive (what a row's bytes_read_per_pass is to be compared with); None for the rest."""
+    from edge.offload.window import WindowedTarget
+
+    streamer = pair.target.streamer if isinstance(pair.target, WindowedTarget) else None
+    return {"resident_bytes": None if streamer is None else streamer.resident_bytes,
+            "streamed_bytes": None if streamer is None else streamer.streamed_bytes}
 
 
 def _decode_interleaved(decoders: list[Decoder], prompt_tokens: list[list[int]], max_tokens: int,
@@ -270,12 +281,14 @@ def _label(method: str, budget: int | str | None, accept: str, accepts: tuple[st
 def _row(method: str, budget: int | str | None, stats: Stats, matches_plain: bool | None,
          read: int | None) -> dict[str, Any]:
     figures = stats.as_dict()
+    passes = max(stats.target_passes + stats.prefill_passes, 1)  # the bytes read: over every pass, the prompts' too
     return {
         "method": method,
         "budget": budget or 0,
         **{key: figures[key] for key in ROW_FIGURES},
-        "bytes_read_per_pass": None if read is None else round(read / max(stats.target_passes, 1)),
+        "bytes_read_per_pass": None if read is None else round(read / passes),
         "target_passes": stats.target_passes,
+        "prefill_passes": stats.prefill_passes,
         "rounds": stats.rounds,
         "new_tokens": stats.new_tokens,
         "drafter_passes_per_round": figures["drafter_passes_per_round"],
@@ -285,6 +298,7 @@ def _row(method: str, budget: int | str | None, stats: Stats, matches_plain: boo
         "lookup_rounds": stats.lookup_rounds,
         "residual_rounds": stats.residual_rounds,
         "rule_rounds": dict(sorted(stats.rule_rounds.items())),
+        "rule_tokens_per_pass": stats.rule_tokens_per_pass(),
         "hidden_s_per_round": figures["hidden_s_per_round"],  # drafting during the target's passes (--overlap)
         "pregrown_rounds": stats.pregrown_rounds,
         "matches_plain": matches_plain,

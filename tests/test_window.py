@@ -164,6 +164,31 @@ def test_the_resident_set_stays_and_a_pass_reads_only_the_streamed_part(f16_file
             assert read >= streamer.streamed_bytes
 
 
+def test_a_replys_bytes_read_per_pass_count_the_prompts_pass(f16_file) -> None:
+    """bench's bytes_read_per_pass over a reply: the bytes read while it ran over every pass it ran, the prompt's
+    included (it reads the streamed part like any other). Counted over the decoding passes alone, a reply of n passes
+    after its prompt's came out (n + 1) / n times the streamed bytes."""
+    from edge.models.bench import _row
+    from edge.offload.ssd import read_bytes
+
+    from edge.generate import Decoder
+
+    size = f16_file.stat().st_size
+    with windowed(f16_file, size // 8, resident=size // 2) as (target, _):
+        streamer = target.streamer
+        passes = target.passes
+        before = read_bytes()
+        steps = list(Decoder(target).reply([1, 2, 3, 4, 5, 6], 4))
+        streamer.wait_evicted()
+        streamer._cancel_readahead()  # the next pass's window, read ahead as the last one ended
+        read = read_bytes() - before
+        stats = steps[-1].stats
+        assert stats.prefill_passes == 1 and stats.prefill_passes + stats.target_passes == target.passes - passes
+        per_pass = _row("plain", None, stats, None, read)["bytes_read_per_pass"]
+        all_passes = stats.prefill_passes + stats.target_passes
+        assert streamer.streamed_bytes <= per_pass <= streamer.streamed_bytes * 1.1 + streamer.window / all_passes
+
+
 def test_the_resident_set_fits_what_the_memory_leaves_now() -> None:
     from edge.offload.plan import MIN_STREAM_ROOM
     from edge.offload.window import PASS_MARGIN, PLAIN_PASS_MARGIN, resident_room
