@@ -297,6 +297,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
     parser.add_argument("--cap-mb", type=int, default=None, help="the limit in MiB (default: none; the cgroup counts)")
+    parser.add_argument("--drop", action="append", type=Path, default=[],
+                        help="a file to evict from the page cache first, e.g. the model (repeatable): a page stays "
+                             "charged to the cgroup that read it, so a file an earlier run left cached is free memory")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -304,7 +307,7 @@ def main() -> None:
         parser.error("give the command to run after --")
     if (why := unavailable()) is not None:
         raise SystemExit(why)
-    run = run_capped(command, None if args.cap_mb is None else args.cap_mb << 20, capture=False)
+    run = run_capped(command, None if args.cap_mb is None else args.cap_mb << 20, drop_cache=args.drop, capture=False)
     print(json.dumps({"returncode": run.returncode, "cap_mib": args.cap_mb, "peak_mib": run.peak_bytes >> 20,
                       "peak_anon_mib": run.peak_anon_bytes >> 20, "oom_kills": run.oom_kills,
                       "seconds": round(run.seconds, 1)}), file=sys.stderr)

@@ -227,13 +227,20 @@ def edge_job(job: dict) -> dict:
 
 def drafter_file(pair: str) -> str | None:
     """The drafter file the pair names, where it is here (None otherwise)."""
+    files = pair_files(pair)
+    return str(files["drafter"]) if "drafter" in files else None
+
+
+def pair_files(pair: str) -> dict[str, Path]:
+    """The target and drafter files the pair names, those that are here."""
     from edge.models.loading import resolve_spec
     from edge.models.sources import model_path
 
     from edge.options import LoadOptions
 
-    path = model_path(resolve_spec(LoadOptions(pair=pair))[0].drafter)
-    return str(path) if path is not None and path.is_file() else None
+    spec = resolve_spec(LoadOptions(pair=pair))[0]
+    paths = {"target": model_path(spec.target), "drafter": None if spec.drafter is None else model_path(spec.drafter)}
+    return {role: path for role, path in paths.items() if path is not None and path.is_file()}
 
 
 def summary(label: str, rows: list[dict], reference: list[list[int]] | None) -> dict:
@@ -300,7 +307,10 @@ def main() -> None:
     for speculate in ("on", "auto"):  # the pair as named (its plain decoding), then as a person gets it by default
         say(f"edge-spec, speculate {speculate}{'' if cap is None else f', under a {args.cap_mb} MB cap'}")
         try:
-            done = call_capped(edge_job, {**job, "speculate": speculate}, limit_bytes=cap, drop_cache=[])
+            # the pair's files leave the page cache first, as before each of llama.cpp's runs: a page stays charged to
+            # the cgroup that read it, so a file an earlier run left cached would be free memory to this one
+            done = call_capped(edge_job, {**job, "speculate": speculate}, limit_bytes=cap,
+                               drop_cache=list(pair_files(args.pair).values()))
         except (RuntimeError, MemoryError) as problem:  # the pair as named may not fit where auto's choice does
             failed[speculate] = str(problem).strip().splitlines()[-1]
             say(f"  it cannot run: {failed[speculate]}")
