@@ -260,8 +260,7 @@ def summary(label: str, rows: list[dict], reference: list[list[int]] | None) -> 
                 "residual_rounds": sum(r["residual_rounds"] for r in rows),
                 "mean_budget": round(sum(r["budget_sum"] for r in rows) / rounds, 2)}
     if rows[0].get("bytes_read") is not None:
-        # the bytes read over every pass, the prompt's too (llama.cpp's rows: its first pass runs the prompt)
-        passes = sum(r["passes"] + r.get("prefill_passes", 0) for r in rows)
+        passes = sum(r["passes"] + r["prefill_passes"] for r in rows)  # every pass, the prompts' too
         row["bytes_read_per_pass"] = round(sum(r["bytes_read"] for r in rows) / max(passes, 1))
     if "draft_n" in rows[0]:
         drafted, accepted = sum(r["draft_n"] for r in rows), sum(r["draft_accepted"] for r in rows)

@@ -32,8 +32,9 @@ class Stats:
     cached_tokens: int = 0  # prompt tokens the KV caches already held (a chat's earlier turns): not run again
     new_tokens: int = 0
     rounds: int = 0
-    target_passes: int = 0  # counted by the runtime: forward passes actually run (the prompt's not included)
-    prefill_passes: int = 0  # the target's passes over the prompt (chunks of it) before the first round
+    target_passes: int = 0  # counted by the runtime: forward passes the rounds ran
+    prefill_passes: int = 0  # the target's passes over the prompt before the first round (a plain target has none:
+    # its first round's pass runs the prompt too)
     drafter_passes: int = 0
     tree_nodes: int = 0
     prefill_s: float = 0.0
