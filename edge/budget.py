@@ -20,7 +20,11 @@ says what any smaller budget would have yielded, for free: best-first growth kee
 so the tree of budget b' < b is (nearly) the b' best nodes of this one, and the accepted path's prefix
 that lies among them is what it would have accepted. Budgets above the largest tree seen are extrapolated
 (tokens grow about linearly in log budget), which is optimistic, so a larger budget gets tried when it
-could pay and is dropped when the measurement says it does not. While plain decoding wins, a tree round
+could pay and is dropped when the measurement says it does not. A budget's running yield starts from the prior, not
+from its first round (a first tree rejected at its root would otherwise say every budget yields 1 token), a larger
+tree is taken to yield at least what a smaller one does (it holds it), and while trees of one budget win, the next
+larger one is tried now and then (less and less often) when twice its yield would beat them: a larger tree is
+measured only when it runs, and one unlucky round must not keep it off for good. While plain decoding wins, a tree round
 is tried now and then (less and less often, and never for more than 1/PROBE_SHARE of the time spent
 decoding plainly) when twice the tokens per pass measured so far would make it pay.
 
@@ -207,6 +211,8 @@ class AutoBudget:
     plain_streak: int = 0
     plain_for: int = 0  # plain rounds left before the next full comparison
     probe_every: int = FIRST_PROBE
+    tree_streak: int = 0  # tree rounds since a larger budget was last tried
+    explore_every: int = FIRST_PROBE  # tree rounds between tries of a larger budget; doubles after each
     chosen: list[int] = field(default_factory=list)  # budget per round, 0 = plain (for reports and tests)
     timing_held: bool = False  # hold_timing(): predictions from `costs` alone, no measured scale
 
@@ -235,7 +241,18 @@ class AutoBudget:
             self.plain_for, self._plain_rule = REVIEW_PLAIN, rule
             return self._probe(budgets, plain_rate, rule)
         self.probe_every = FIRST_PROBE  # trees pay (again)
-        return best
+        return self._explore(best, budgets, rates[best], rule)
+
+    def _explore(self, best: int, budgets: list[int], best_rate: float, rule: str) -> int:
+        """Trees of `best` nodes pay: every explore_every tree rounds (doubling), the next larger budget instead, if
+        twice the tokens a pass expected of it would beat `best`."""
+        larger = [b for b in budgets if b > best]
+        self.tree_streak += 1
+        if not larger or self.tree_streak < self.explore_every:
+            return best
+        self.tree_streak = 0
+        self.explore_every = min(2 * self.explore_every, MAX_PROBE)
+        return larger[0] if self._optimistic_rate(larger[0], rule) > best_rate else best
 
     def _probe(self, budgets: list[int], plain_rate: float | None, rule: str) -> int | None:
         """Plain decoding pays: try a tree now and then (backing off), if it could pay with twice the tokens per
@@ -287,18 +304,20 @@ class AutoBudget:
         if result.tree is not None and result.path is not None:
             table = self.tokens.setdefault(rule, {})
             for b, tokens in tokens_by_budget(result.tree, result.path, CANDIDATES).items():
-                table[b] = _blend(table.get(b), tokens)
+                table[b] = _blend(table.get(b, prior_tokens(b)), tokens)
 
     def expected_tokens(self, budget: int, rule: str = "match") -> float:
         table = self.tokens.get(rule, {})
+        held = max((table[b] for b in table if b < budget), default=1.0)  # a larger tree holds the smaller ones
         if budget in table:
-            return table[budget]
+            return max(table[budget], held)
         seen = [b for b in table if b < budget]
         if not seen:
             return prior_tokens(budget)
         base = max(seen)  # extrapolate from the largest budget seen, at the slope the acceptance so far gives
-        slope = PRIOR_SLOPE * max(table[base] - 1, 0.1) / (prior_tokens(base) - 1)
-        return min(budget + 1.0, table[base] + slope * math.log2((1 + budget) / (1 + base)))
+        yielded = max(table[base], held)
+        slope = PRIOR_SLOPE * max(yielded - 1, 0.1) / (prior_tokens(base) - 1)
+        return min(budget + 1.0, yielded + slope * math.log2((1 + budget) / (1 + base)))
 
     def pass_s(self, tokens: int) -> float:
         """A target pass over `tokens` tokens, as plain passes have lately run against the measured costs: the time of

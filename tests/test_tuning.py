@@ -134,6 +134,26 @@ def test_each_rule_keeps_its_own_yield() -> None:
     assert policy.choose(256, "residual").budget >= 8
 
 
+def test_one_unlucky_first_round_does_not_keep_larger_trees_off() -> None:
+    """The first tree (16 nodes) is rejected at its root: taken whole, that round would say every budget yields one
+    token, and only the small trees chosen after it would ever be measured again. A streamed target where every
+    later tree is accepted to its leaf: auto climbs back to large trees."""
+    policy = AutoBudget(flat_costs(target_ms=200, drafter_ms=2))
+    config = policy.choose(256)
+    assert config is not None
+    chain = scored_tree(list(range(-1, config.budget)), [-0.01 * i for i in range(config.budget + 1)])
+    policy.observe(config, round_result(config, 1, chain, [0], 0.002, 0.2))  # nothing accepted
+    for _ in range(200):
+        config = policy.choose(256)
+        if config is None:
+            policy.observe(None, round_result(None, 1, None, [0], 0.0, 0.2))
+            continue
+        chain = scored_tree(list(range(-1, config.budget)), [-0.01 * i for i in range(config.budget + 1)])
+        policy.observe(config, round_result(config, config.budget + 1, chain, list(range(config.budget + 1)), 0.002,
+                                            0.2))
+    assert min(policy.chosen[-20:]) >= 64, policy.chosen[-20:]
+
+
 def test_no_probing_where_trees_cannot_pay() -> None:
     """A small target in RAM: even twice the prior's tokens per pass loses, so auto never tries a tree."""
     policy = AutoBudget(Costs({1: 7, 16: 68, 64: 264, 256: 1156}, {1: 7, 8: 19, 32: 68}))
