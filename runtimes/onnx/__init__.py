@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -93,12 +94,15 @@ def prepare_graph(gguf: Path, role: str, head_ids: np.ndarray | None = None, rep
         report(f"building {dest.name} (ONNX graph from {gguf.name})")
     tmp_dir = dest.with_name(dest.name + f".tmp-{os.getpid()}")  # a killed build's is cleaned: models.cache.clean_stale
     tmp_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     try:
         built = build_graph(gguf, _options(role, weights.arch, head_ids, int4_block), tmp_dir / dest.name)
         os.replace(str(built) + ".data", str(dest) + ".data")  # the weights first: a graph is never half there
         os.replace(built, dest)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+    if report:
+        report(f"built {dest.name} in {time.perf_counter() - started:.1f} s (once: kept in the cache)")
     return dest
 
 
