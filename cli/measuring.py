@@ -156,8 +156,8 @@ def plan(
         warning(unused)
     measured = read_acceptance(acceptance) if acceptance is not None else None
     # the uses of the memory the plan weighs where the pair is left to choose (chat, generate and serve's default)
-    choice = make_choice(spec, machine, models_file, load.lookup_drafts) \
-        if load.drafter_model and load.placement == "ram" else None
+    choice = make_choice(spec, machine, models_file, load.lookup_drafts, stream=load.placement == "ssd") \
+        if load.drafter_model else None
     try:
         result = make_plan(spec, machine, models_file, stream=load.placement == "ssd")
     except UserError as refusal:

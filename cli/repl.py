@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 from edge.cli.options import MAX_INPUT_BYTES
 from edge.cli.render import error as report_error
-from edge.cli.render import note, stats_line, warning, worded
+from edge.cli.render import note, rounds_line, stats_line, warning, worded
 from rich.console import Console
 
 from edge.chat import ChatSession
@@ -32,7 +32,7 @@ HELP = """commands:
                     frequency_penalty, seed (a number, or none), budget (draft nodes, or auto), max_tokens
   /clear            forget the conversation (keeps the system prompt)
   /system TEXT      set the system prompt (and clear the conversation)
-  /stats            totals for this session
+  /stats            the last reply's rounds, tokens a pass and time (drafting, verifying), and the session's totals
   /exit             leave (or Ctrl-D)
 Up and Down recall earlier messages (kept across sessions). Ctrl-C clears the line, or stops a reply and keeps the
 chat. Pasted text is one message, however many lines. Multi-line input: start and end it with \"\"\", or end lines
@@ -54,6 +54,7 @@ class Chat:
     speculate: bool
     max_tokens: int
     penalty_chosen: bool = False  # the user set the repetition penalty (else greedy means generate's plain argmax)
+    last: Stats | None = None  # the last reply's figures (/stats)
 
     def set(self, name: str, value: str) -> str:
         """Apply `/set name value`; returns what changed, in words. Raises UserError for a bad name or value."""
@@ -116,6 +117,48 @@ class Chat:
         return rule
 
 
+def opening_line(loaded, speculate: bool) -> str:
+    """The chat's first line: where the target runs, and whether trees pay there and why (the plan's predictions)."""
+    return f"{loaded.name} {_where(loaded)}: {_trees(loaded, speculate)}"
+
+
+def _where(loaded) -> str:
+    gpu_layers = loaded.options.gpu_layers or 0
+    cores = loaded.options.threads or os.cpu_count() or 1
+    if loaded.options.placement == "ssd":
+        where = "read from the drive every pass (--placement ssd)"
+    elif loaded.streamed:
+        resident, streamed = loaded.residency() or (0, loaded.target.path.stat().st_size)
+        where = (f"larger than free RAM: {resident / 2**30:.2f} GiB of it kept in RAM, {streamed / 2**30:.2f} GiB read "
+                 "from the drive every pass")
+    else:
+        where = "in RAM"
+    return where + (f", {gpu_layers} target layers on the GPU" if gpu_layers else f", on {cores} cores")
+
+
+def _trees(loaded, speculate: bool) -> str:
+    rates = loaded.plan_rates
+    if not speculate:
+        return "speculation off (--no-spec), the target decodes alone"
+    if loaded.plan_use == "plain" and "drafter" in rates:
+        hint = "; a model larger than memory, or --placement ssd, shows what they do" \
+            if loaded.placement == "ram" and not loaded.options.gpu_layers else ""
+        return (f"trees do not pay here (plain decoding {rates['plain']:.3g} tokens/s predicted, the drafter's trees "
+                f"{rates['drafter']:.3g}): decoding plainly{hint}")
+    if loaded.plan_use == "lookup" and "drafter" in rates:
+        return (f"the drafter's memory goes to the target (lookup drafting {rates['lookup']:.3g} tokens/s predicted, "
+                f"the drafter's trees {rates['drafter']:.3g}): drafting from earlier text alone")
+    if loaded.plan_use == "drafter" and "plain" in rates:
+        return (f"trees pay here (the drafter's trees {rates['drafter']:.3g} tokens/s predicted, plain decoding "
+                f"{rates['plain']:.3g}): each pass checks a tree of guesses")
+    if loaded.drafter is None:
+        return "no drafter model: " + ("drafting from earlier text (lookup)" if loaded.corpus is not None
+                                       else "the target decodes alone")
+    if loaded.budget == "auto":
+        return "trees sized round by round from measured pass times (--budget auto), none where they do not pay"
+    return f"trees of {loaded.budget} draft nodes every round (--budget {loaded.budget})"
+
+
 def greedy_penalty(temperature: float | None, default: float) -> float:
     """The repetition penalty that goes with a temperature the user chose without choosing a penalty: none when
     greedy (temperature 0 gives `generate`'s text), else the chat default that keeps small models from looping."""
@@ -136,7 +179,8 @@ def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: i
                 not no_spec, max_tokens, penalty_chosen)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     if interactive:
-        note(f"{loaded.name} · {sampling.described()} · /help for commands, Ctrl-D to leave")
+        note(opening_line(loaded, not no_spec))
+        note(f"{sampling.described()} · /help for commands, Ctrl-D to leave")
         if loaded.lossless_warning:
             warning(loaded.lossless_warning)
     totals, asked, failed = Stats(), 0, 0
@@ -153,6 +197,7 @@ def run_chat(loaded, sampling: SamplingConfig, system: str | None, max_tokens: i
             failed += 1
             continue
         totals.add(stats)
+        chat.last = stats
     if not interactive and asked and failed == asked:  # a script must see that nothing was answered
         raise typer.Exit(1)
 
@@ -299,7 +344,9 @@ def _command(text: str, chat: Chat, totals: Stats, err: Console) -> bool:
         said = "system prompt set, conversation cleared" if session.system else "system prompt removed"
         err.print(f"[dim]{said}[/]")
     elif name == "/stats":
-        err.print(f"[dim]session: {stats_line(totals)}[/]")
+        if chat.last is not None:
+            err.print(f"[dim]last reply: {rounds_line(chat.last)}[/]", soft_wrap=True)
+        err.print(f"[dim]session: {stats_line(totals)}[/]", soft_wrap=True)
     else:
         report_error(f"unknown command {name}; /help lists them")
     return True

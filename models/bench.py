@@ -192,13 +192,10 @@ def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_t
 
 
 def _residency(pair: Pair) -> dict[str, int | None]:
-    """A target the plan streams in a window (offload/window.py): the bytes of it that stay in RAM, and those a pass
-    reads from the drive (what a row's bytes_read_per_pass is to be compared with); None for the rest."""
-    from edge.offload.window import WindowedTarget
-
-    streamer = pair.target.streamer if isinstance(pair.target, WindowedTarget) else None
-    return {"resident_bytes": None if streamer is None else streamer.resident_bytes,
-            "streamed_bytes": None if streamer is None else streamer.streamed_bytes}
+    """A target streamed in a window: the bytes of it that stay in RAM, and those a pass reads from the drive (what a
+    row's bytes_read_per_pass is to be compared with); None for the rest."""
+    resident, streamed = pair.residency() or (None, None)
+    return {"resident_bytes": resident, "streamed_bytes": streamed}
 
 
 def _decode_interleaved(decoders: list[Decoder], prompt_tokens: list[list[int]], max_tokens: int,

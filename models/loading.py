@@ -42,7 +42,7 @@ def open_pair(options: LoadOptions, report: Report = _quiet) -> Pair:
     with phase(times, "models.toml and plan"):
         spec, models_file = resolve_spec(options)
         planned = planned_target(spec, models_file, report, options.drafter_model, _chooses(spec, options),
-                                 options.lookup_drafts)  # None until the files are here
+                                 options.lookup_drafts, options.placement == "ssd")  # None until the files are here
     return load_pair(spec, options, report, models_file, times, planned)
 
 
@@ -162,16 +162,19 @@ class PlannedTarget:
     resident: int = 0  # streamed: bytes of its weights that stay in RAM (partial residency), the rest read every pass
     use: str = "drafter"  # offload/choice.py's: "drafter" (the pair as named), "plain" or "lookup" (the target alone)
     note: str | None = None  # the plan's choice and why, in one line (where it chose)
+    rates: tuple[tuple[str, float], ...] = ()  # where it chose: each use weighed and its predicted tokens/s
 
 
 def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _quiet,
-                   drafts: bool = True, choose: bool = False, lookup: bool = True) -> PlannedTarget | None:
+                   drafts: bool = True, choose: bool = False, lookup: bool = True,
+                   stream: bool = False) -> PlannedTarget | None:
     """Apply `edge-spec plan`: refuse a pair that cannot run here (with the numbers), give the target's GPU layers
     when a GPU is visible, and say whether the target streams from the drive and how much of it stays resident. The
     rest of the plan is what loading does anyway. None while a model file is not here yet (load_pair plans once it
     is fetched). `drafts`: a drafter model loads too (not with lookup drafting alone); `choose`: the plan may
     instead give the drafter's memory to the target (offload/choice.py), and says why in one line; `lookup`: lookup
-    drafting is allowed among its choices."""
+    drafting is allowed among its choices; `stream`: the target is read from the drive every pass, whatever fits
+    (--placement ssd: what the plan weighs, though loading, not the plan, streams it)."""
     models = (spec.target, spec.drafter) if drafts else (spec.target,)
     if any(path is None or not path.is_file() for path in map(model_path, models)):
         return None
@@ -179,15 +182,16 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
     from edge.offload.choice import reason
     from edge.offload.probe import probe_gpus
 
-    use, note = "drafter", None
+    use, note, rates = "drafter", None, ()
     if drafts and choose:
-        chosen, uses = make_choice(spec, None, models_file, lookup)
+        chosen, uses = make_choice(spec, None, models_file, lookup, stream)
         plan, use, note = chosen.plan, chosen.name, f"plan: {reason(chosen, uses)}"
+        rates = tuple((weighed.name, weighed.tokens_per_s) for weighed in uses)
         if plan.machine.capped or plan.target.placement == "ssd":  # in RAM it is what auto does anyway: said in chat
             report(note)
     else:
-        plan = make_plan(spec, None, models_file, drafts=drafts)
-    streamed = plan.target.placement == "ssd"
+        plan = make_plan(spec, None, models_file, stream, drafts=drafts)
+    streamed = plan.target.placement == "ssd" and not stream  # larger than RAM (--placement ssd loads its own way)
     max_tree = plan.tree.n_tokens if spec.budget == "auto" and plan.tree.n_tokens < AUTO_MAX_BUDGET + 1 else None
     if max_tree is not None and use == "drafter":
         report(f"plan: auto's trees are at most {max_tree} nodes (the logits of larger ones would not fit under the "
@@ -201,7 +205,7 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
     if probe_gpus():
         gpu_layers = plan.target.n_gpu_layers
         report(f"plan: {gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
-    return PlannedTarget(gpu_layers, streamed, max_tree if use != "plain" else None, resident, use, note)
+    return PlannedTarget(gpu_layers, streamed, max_tree if use != "plain" else None, resident, use, note, rates)
 
 
 def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, models_file: Path | None = None,
@@ -223,7 +227,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     if planned is None:
         with phase(times, "plan"):
             planned = planned_target(spec, models_file, report, drafts, _chooses(spec, options),
-                                     options.lookup_drafts) or PlannedTarget(0, False)
+                                     options.lookup_drafts, options.placement == "ssd") or PlannedTarget(0, False)
     stock = False
     if planned.use != "drafter":  # the plan gave the drafter's memory to the target
         drafts, drafter_file = False, None
@@ -272,7 +276,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     return Pair(spec.name, target, drafter, template, budget, warning, spec, options, models_file, draft_threads,
                 **dict(zip(("sampling", "recommended"), model_sampling(target_file, report), strict=True)),
                 load_seconds=times, report=report, streamed=streamed,
-                max_tree=planned.max_tree, plan_note=planned.note,
+                max_tree=planned.max_tree, plan_note=planned.note, plan_use=planned.use, plan_rates=dict(planned.rates),
                 corpus=open_corpus(target_file, options.lookup, target.n_vocab, report))
 
 

@@ -6,6 +6,7 @@ and its drafter swapped for another (benchmarks).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -68,6 +69,8 @@ class Pair:
     corpus: Corpus | None = None  # earlier replies lookup drafts from (None: lookup off); every decoder shares it
     max_tree: int | None = None  # auto's largest tree where the plan bounds it (a memory limit); None: as measured
     plan_note: str | None = None  # the use of the memory the plan chose and why (speculate auto), in one line
+    plan_use: str = "drafter"  # that use: "drafter" (the pair as named), "plain" or "lookup" (the target alone)
+    plan_rates: dict[str, float] = field(default_factory=dict)  # where the plan chose: tokens/s it predicted, by use
     # each acceptance rule's measured tokens a pass, by sampling and budget: every decoder of the pair adds to it, and
     # --accept auto chooses by it (edge.rules.RuleChoice)
     rule_choices: dict = field(default_factory=dict, repr=False)
@@ -96,6 +99,15 @@ class Pair:
         """"ssd" where the target is read from its file every pass: larger than RAM (the kernel evicts it), or
         --placement ssd (edge-spec evicts it after each pass); else "ram"."""
         return "ssd" if self.streamed else self.options.placement
+
+    def residency(self) -> tuple[int, int] | None:
+        """A target the plan streams in a window (offload/window.py): the bytes of it that stay in RAM, and those a
+        pass reads from the drive; None for the rest."""
+        from edge.offload.window import WindowedTarget
+
+        if not isinstance(self.target, WindowedTarget):
+            return None
+        return self.target.streamer.resident_bytes, self.target.streamer.streamed_bytes
 
     def __enter__(self) -> Pair:
         return self
@@ -292,7 +304,9 @@ class Pair:
                     self.report("timing the target's and the drafter's passes for --budget auto (once for this "
                                 "machine and pair; kept in the cache)")
                     prefix = self.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
+                    started = time.perf_counter()
                     self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree)
+                    self.report(f"timed the passes in {time.perf_counter() - started:.1f} s")
                     if key is not None:
                         keep_pass_times(key, self.costs.to_json())
         limit = budget_limit(self.costs)  # the larger trees its measured flat passes allow, within the plan's bound

@@ -28,14 +28,14 @@ def make_plan(pair: PairSpec, machine: str | None, models_file: Path, stream: bo
 
 
 def make_choice(pair: PairSpec, machine: str | None, models_file: Path | None,
-                lookup: bool = True) -> tuple[Use, list[Use]]:
+                lookup: bool = True, stream: bool = False) -> tuple[Use, list[Use]]:
     """The use of the memory the pair is best at on this machine (or a described one): offload/choice.py's, and
-    every use weighed."""
+    every use weighed; `stream`: with the target read from the drive every pass (--placement ssd)."""
     from edge.offload.choice import choose, weigh_uses
 
     target = model_shape(pair, "target", pair.target, models_file)
     drafter = model_shape(pair, "drafter", pair.drafter, models_file)
-    uses = weigh_uses(pair, target, drafter, _machine(pair, machine), lookup)
+    uses = weigh_uses(pair, target, drafter, _machine(pair, machine), lookup, stream)
     return choose(uses), uses
 
 

@@ -76,18 +76,18 @@ class Use(ExpectedRate):
 
 
 def weigh_uses(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Machine,
-               lookup: bool = True) -> list[Use]:
-    """Every use of the memory that fits here, priced; `lookup`: lookup drafting is allowed. Raises the plan's
-    UserError where none fits."""
+               lookup: bool = True, stream: bool = False) -> list[Use]:
+    """Every use of the memory that fits here, priced; `lookup`: lookup drafting is allowed; `stream`: the target is
+    read from the drive every pass whatever fits (--placement ssd). Raises the plan's UserError where none fits."""
     uses: list[Use] = []
     refusal: UserError | None = None
     if drafter is not None:
         try:
-            uses.append(_drafting(pair, target, drafter, machine))
+            uses.append(_drafting(pair, target, drafter, machine, stream))
         except UserError as problem:
             refusal = problem
     try:
-        alone = plan_pair(pair, target, None, machine, plain=True)
+        alone = plan_pair(pair, target, None, machine, stream, plain=True)
     except UserError:
         if not uses and refusal is not None:
             raise refusal from None
@@ -95,14 +95,14 @@ def weigh_uses(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Ma
     uses.append(Use(0, 1.0, 0.0, alone.one_token.seconds, "plain", alone))
     if lookup:
         with suppress(UserError):
-            looked = plan_pair(replace(pair, budget=LOOKUP_BUDGET), target, None, machine)
+            looked = plan_pair(replace(pair, budget=LOOKUP_BUDGET), target, None, machine, stream)
             verify = pass_cost(looked.target, machine, LOOKUP_BUDGET + 1).seconds
             uses.append(Use(LOOKUP_BUDGET, LOOKUP_TOKENS_PER_PASS, 0.0, verify, "lookup", looked))
     return uses
 
 
-def _drafting(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine) -> Use:
-    plan = plan_pair(pair, target, drafter, machine)
+def _drafting(pair: PairSpec, target: Shape, drafter: Shape, machine: Machine, stream: bool = False) -> Use:
+    plan = plan_pair(pair, target, drafter, machine, stream)
     drafter_pass = pass_cost(plan.drafter, machine, 1).seconds
     best: Use | None = None
     for budget in (b for b in BUDGETS if b + 1 <= plan.tree.n_tokens):
