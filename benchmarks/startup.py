@@ -1,6 +1,8 @@
 """Start-up: how long `edge-spec generate hi -n 1` takes to its first token, by phase, against llama-cpp-python
-loading the same target file and decoding one token. Every run is a fresh process, as a user starts one.
+loading the same target file and decoding one token of a reply to the same prompt (in the model's chat template, as
+`generate` sends it; also without it, which prefills less). Every run is a fresh process, as a user starts one.
 
+    python benchmarks/startup.py --repeat 3        # the default pair
     python benchmarks/startup.py --pair smollm2-135m --repeat 3
     python benchmarks/startup.py --pair gemma3-270m --repeat 3 --json
 
@@ -22,8 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-# llama-cpp-python as a user calls it: its Llama class with its defaults, one token of "hi". The weight buffers are
-# edge-spec's (runtimes/llama_cpp/_native.py: no AMX buffers on CPUs where they crash), so both load the same way.
+# llama-cpp-python as a user calls it: its Llama class with its defaults, one token of a reply to "hi", in the model's
+# chat template as `edge-spec generate` sends it (create_chat_completion renders the GGUF's template; a base model's
+# prompt is sent raw on both sides). The weight buffers are edge-spec's (runtimes/llama_cpp/_native.py: no AMX
+# buffers on CPUs where they crash), so both load the same way.
 BASELINE = """
 import sys
 import llama_cpp.llama_cpp as native
@@ -36,10 +40,16 @@ def model_params():
     return params
 native.llama_model_default_params = model_params
 llm = Llama(sys.argv[1], verbose=False)
-for chunk in llm("hi", max_tokens=1, stream=True):
-    sys.stdout.write(chunk["choices"][0]["text"] or ".")
-    sys.stdout.flush()
-    break
+if sys.argv[2] == "chat":
+    chunks = llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=1, stream=True)
+    texts = (chunk["choices"][0]["delta"].get("content") for chunk in chunks)
+else:
+    texts = (chunk["choices"][0]["text"] for chunk in llm("hi", max_tokens=1, stream=True))
+for text in texts:
+    if text is not None:  # the first chunk of a chat completion names the role alone
+        sys.stdout.write(text or ".")
+        sys.stdout.flush()
+        break
 """
 
 
@@ -70,7 +80,7 @@ def phases(pair: str, spawned: float) -> dict[str, float]:
     import edge
 
     imported = time.time()
-    with edge.load(pair) as loaded:
+    with edge.load(pair, speculate="auto") as loaded:  # as the command line loads it
         loaded_at = time.time()
         steps = edge.stream_generate(loaded, "hi", max_tokens=1)
         next(steps)
@@ -87,11 +97,15 @@ def phases(pair: str, spawned: float) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pair", default="smollm2-135m")
+    parser.add_argument("--pair", default=None, help="a pair of models.toml (default: the default pair)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs of each (the best counts)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--phases-child", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pair is None:
+        from edge.models.registry import load_registry
+
+        args.pair = load_registry().default
     if args.phases_child is not None:
         print(json.dumps(phases(args.pair, args.phases_child)))
         return
@@ -106,11 +120,15 @@ def main() -> None:
     print(f"preparing: {' '.join(command)}", file=sys.stderr)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)  # downloads, graphs, pass times: the warm cache
     target = model_path(resolve_spec(options)[0].target)
-    baseline = [sys.executable, "-c", BASELINE, str(target)]
-    edge_runs, llama_runs = [], []
+    chat = base_model(options) is None
+    baseline = [sys.executable, "-c", BASELINE, str(target), "chat" if chat else "raw"]
+    bare = [sys.executable, "-c", BASELINE, str(target), "raw"]  # "hi" alone: a prompt of one or two tokens
+    edge_runs, llama_runs, bare_runs = [], [], []
     for _ in range(args.repeat):  # alternated, so a slow spell of a shared machine falls on both alike
         edge_runs.append(first_byte_seconds(command))
         llama_runs.append(first_byte_seconds(baseline))
+        if chat:
+            bare_runs.append(first_byte_seconds(bare))
     child = [sys.executable, __file__, "--pair", args.pair, "--phases-child", repr(time.time())]
     by_phase = json.loads(subprocess.run(child, check=True, capture_output=True, text=True,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"}).stdout)
@@ -122,6 +140,9 @@ def main() -> None:
         "llama_cpp_python_first_token_s": [round(r[0], 3) for r in llama_runs],
         "edge_spec_best_s": round(edge_best, 3), "llama_cpp_python_best_s": round(llama_best, 3),
         "ratio": round(edge_best / llama_best, 2),
+        # llama-cpp-python on "hi" without the chat template: less prefill than edge-spec's templated prompt
+        "llama_cpp_python_raw_prompt_best_s": round(min(r[0] for r in bare_runs), 3) if bare_runs else None,
+        "ratio_to_raw_prompt": round(edge_best / min(r[0] for r in bare_runs), 2) if bare_runs else None,
         "phases_s": {name: round(seconds, 3) for name, seconds in by_phase.items()},
     }
     if args.json:
@@ -131,6 +152,10 @@ def main() -> None:
     print(f"  edge-spec generate hi -n 1: {edge_best:.3f} s  (runs: {result['edge_spec_first_token_s']})")
     print(f"  llama-cpp-python, same file: {llama_best:.3f} s  (runs: {result['llama_cpp_python_first_token_s']})")
     print(f"  ratio: {result['ratio']:.2f}x")
+    if bare_runs:
+        bare_best = result["llama_cpp_python_raw_prompt_best_s"]
+        print(f"  llama-cpp-python, \"hi\" without the chat template: {bare_best:.3f} s (edge-spec's "
+              f"{result['ratio_to_raw_prompt']:.2f}x that)")
     print("where edge-spec's start-up goes (one more fresh process, through edge.load):")
     for name, seconds in result["phases_s"].items():
         print(f"  {name:<36s} {seconds:8.3f} s")

@@ -14,7 +14,7 @@ from benchmarks.serve_process import ServerProcess
 KEY = "test-key-1234"
 MODEL = "smollm2-135m"
 PROMPT = "Name three colors."
-# The default pair with a fixed tree budget (so every request runs trees) and an API key; sample-and-match, so that a
+# The small pair with a fixed tree budget (so every request runs trees) and an API key; sample-and-match, so that a
 # seed gives plain sampling's exact text (greedy replies are the same under every rule).
 SERVER_ARGS = [MODEL, "--budget", "16", "--ctx", "1024", "--api-key", KEY, "--accept", "match"]
 

@@ -1,5 +1,5 @@
-"""The library's face (edge.load / edge.generate / edge.stream_generate) on the real default pair, against the
-command line, and its load options."""
+"""The library's face (edge.load / edge.generate / edge.stream_generate) on the real small pair (smollm2-135m),
+against the command line, and its load options."""
 
 from __future__ import annotations
 
@@ -23,37 +23,38 @@ from tests.isolation import share
 
 
 @pytest.fixture(scope="module")
-def default_pair() -> Pair:
-    """The default pair as a user loads it: models.toml's drafter (the ONNX one), --budget auto."""
+def small_pair() -> Pair:
+    """smollm2-135m as a user loads it: models.toml's drafter (the ONNX one), --budget auto."""
     with edge.load("smollm2-135m") as pair:
         yield share(pair)
 
 
-def test_generate_equals_the_command_line(default_pair: Pair) -> None:
-    text = edge.generate(default_pair, "Name three colors.", max_tokens=16, temperature=0).text
-    result = CliRunner().invoke(app, ["generate", "Name three colors.", "-n", "16", "--temperature", "0", "--json"])
+def test_generate_equals_the_command_line(small_pair: Pair) -> None:
+    text = edge.generate(small_pair, "Name three colors.", max_tokens=16, temperature=0).text
+    result = CliRunner().invoke(app, ["generate", "Name three colors.", "--pair", "smollm2-135m", "-n", "16",
+                                      "--temperature", "0", "--json"])
     assert result.exit_code == 0, result.output
     assert text and text == json.loads(result.stdout)["text"]
 
 
-def test_stream_generate_yields_steps_then_a_finish(default_pair: Pair) -> None:
-    steps = list(edge.stream_generate(default_pair, "Name three colors.", max_tokens=5))
+def test_stream_generate_yields_steps_then_a_finish(small_pair: Pair) -> None:
+    steps = list(edge.stream_generate(small_pair, "Name three colors.", max_tokens=5))
     assert [s.finish_reason for s in steps] == [None] * 5 + ["length"]
     assert all(s.token is not None for s in steps[:-1]) and steps[-1].token is None
-    reply = edge.generate(default_pair, "Name three colors.", max_tokens=5)
+    reply = edge.generate(small_pair, "Name three colors.", max_tokens=5)
     assert reply.tokens == [s.token for s in steps[:-1]] and reply.text == "".join(s.text for s in steps)
     assert reply.finish_reason == "length" and reply.stats.new_tokens == 5 and reply.stats.prefill_s > 0
 
 
-def test_chat_messages_are_rendered_with_the_template(default_pair: Pair) -> None:
+def test_chat_messages_are_rendered_with_the_template(small_pair: Pair) -> None:
     messages = [{"role": "user", "content": "Name three colors."}]
-    assert edge.generate(default_pair, messages, max_tokens=8).tokens == \
-        edge.generate(default_pair, "Name three colors.", max_tokens=8).tokens
-    raw = default_pair.prompt_tokens("Name three colors.", raw=True)
-    assert edge.generate(default_pair, raw, max_tokens=4).tokens == \
-        edge.generate(default_pair, "Name three colors.", max_tokens=4, raw=True).tokens
+    assert edge.generate(small_pair, messages, max_tokens=8).tokens == \
+        edge.generate(small_pair, "Name three colors.", max_tokens=8).tokens
+    raw = small_pair.prompt_tokens("Name three colors.", raw=True)
+    assert edge.generate(small_pair, raw, max_tokens=4).tokens == \
+        edge.generate(small_pair, "Name three colors.", max_tokens=4, raw=True).tokens
     with pytest.raises(UserError, match="chat message"):
-        edge.generate(default_pair, [{"role": "user"}], max_tokens=4)
+        edge.generate(small_pair, [{"role": "user"}], max_tokens=4)
 
 
 @pytest.mark.parametrize("prompt, options, said, option", [
@@ -66,27 +67,27 @@ def test_chat_messages_are_rendered_with_the_template(default_pair: Pair) -> Non
     ("hi", {"temperature": "hot"}, "temperature must be a number", "temperature"),
     ("hi", {"top_k": True}, "top_k must be a whole number", "top_k"),
 ])
-def test_wrong_values_from_python_are_one_user_error_naming_the_parameter(default_pair: Pair, prompt, options: dict,
-                                                                          said: str, option: str) -> None:
+def test_wrong_values_from_python_are_one_user_error_naming_the_parameter(small_pair: Pair, prompt, options: dict,
+                                                                        said: str, option: str) -> None:
     with pytest.raises(UserError, match=re.escape(said)) as raised:
-        edge.generate(default_pair, prompt, **options)
+        edge.generate(small_pair, prompt, **options)
     assert raised.value.option == option
 
 
-def test_a_chats_next_turn_runs_only_its_new_tokens(default_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_chats_next_turn_runs_only_its_new_tokens(small_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     first = [{"role": "user", "content": "Name three colors."}]
-    reply = edge.generate(default_pair, first, max_tokens=12).text
+    reply = edge.generate(small_pair, first, max_tokens=12).text
     second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "And two more?"}]
     prefilled: list[int] = []
-    target = default_pair.target
+    target = small_pair.target
     real_prefill = type(target).prefill
     monkeypatch.setattr(target, "prefill", lambda tokens: prefilled.append(len(tokens)) or real_prefill(target, tokens))
-    again = edge.generate(default_pair, second, max_tokens=12)
-    kept = len(default_pair.prompt_tokens(second)) - 1 - prefilled[0]
-    assert kept >= len(default_pair.prompt_tokens(first))  # the first turn stayed in the caches
-    fresh = default_pair.decoder(edge.SamplingConfig())  # a decoder of its own starts from empty caches
-    fresh.load(default_pair.prompt_tokens(second))
-    assert prefilled[-1] == len(default_pair.prompt_tokens(second)) - 1
+    again = edge.generate(small_pair, second, max_tokens=12)
+    kept = len(small_pair.prompt_tokens(second)) - 1 - prefilled[0]
+    assert kept >= len(small_pair.prompt_tokens(first))  # the first turn stayed in the caches
+    fresh = small_pair.decoder(edge.SamplingConfig())  # a decoder of its own starts from empty caches
+    fresh.load(small_pair.prompt_tokens(second))
+    assert prefilled[-1] == len(small_pair.prompt_tokens(second)) - 1
     assert [s.token for s in fresh.generate(12) if s.token is not None and s.finish_reason is None] == again.tokens
 
 
@@ -309,12 +310,12 @@ def test_the_readme_python_example_runs() -> None:
     assert "tokens per target pass" in run.stdout
 
 
-def test_a_prompt_that_cannot_fit_is_refused_before_passes_are_timed(default_pair: Pair,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(default_pair, "_decoders", {})
+def test_a_prompt_that_cannot_fit_is_refused_before_passes_are_timed(small_pair: Pair,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(small_pair, "_decoders", {})
     monkeypatch.setattr(Pair, "auto_budget", lambda self: pytest.fail("timed the passes for a prompt that cannot fit"))
     with pytest.raises(UserError, match="context holds"):
-        edge.generate(default_pair, "word " * 5000, max_tokens=4)
+        edge.generate(small_pair, "word " * 5000, max_tokens=4)
 
 
 def test_pass_times_keep_the_newest_entries() -> None:

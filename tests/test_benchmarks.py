@@ -303,8 +303,8 @@ def test_replay_checks_its_decoder() -> None:
 def test_serve_soak_runs() -> None:
     """The soak benchmark starts a real server with two API keys, streams from two clients (one a key), reports the
     server's memory, and probes whether one key's prompt shows in the other's cached tokens."""
-    result = json.loads(run_script("serve_soak.py", "--clients", "2", "--requests", "4", "--max-tokens", "8",
-                                   "--keys", "2"))
+    result = json.loads(run_script("serve_soak.py", "--pair", PAIR, "--clients", "2", "--requests", "4",
+                                   "--max-tokens", "8", "--keys", "2"))
     assert result["completed"] == 4 and result["failed"] == 0 and not result["stopped_by_time_limit"]
     assert result["ttft_p50_s"] > 0 and result["rss_end_mb"] > 100 and result["requests_per_s"] > 0
     # two principals: the second key's guesses are not counted against the first key's prompt

@@ -1,4 +1,5 @@
-"""The `edge-spec` command as users type it (typer's CliRunner), on the real default pair."""
+"""The `edge-spec` command as users type it (typer's CliRunner), on the real small pair, smollm2-135m, which each
+command names (the default pair is 1.6 GB)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from edge.generate import Decoder
 from edge.grow import GrowConfig
 from tests.cli_helpers import assert_one_line_error, missing_flags, run
 
+SMALL = "smollm2-135m"  # the pair each command names
+
 
 def test_generate_json(smollm2: Pair) -> None:
-    result = run("generate", "What is 2 + 2?", "--max-tokens", "24", "--json")
+    result = run("generate", "What is 2 + 2?", "--pair", SMALL, "--max-tokens", "24", "--json")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert set(out) >= {"text", "tokens", "finish_reason", "stats"}
@@ -29,30 +32,32 @@ def test_generate_json(smollm2: Pair) -> None:
     assert out["finish_reason"] in ("stop", "length") and out["lossless_warning"] is None
     assert len(out["tokens"]) == out["stats"]["new_tokens"] - (out["finish_reason"] == "stop")
     assert {"plain_rounds", "mean_budget"} <= set(out["stats"])  # --budget auto, the default
-    plain = json.loads(run("generate", "What is 2 + 2?", "--max-tokens", "24", "--json", "--no-spec").stdout)
+    plain = json.loads(run("generate", "What is 2 + 2?", "--pair", SMALL, "--max-tokens", "24", "--json",
+                           "--no-spec").stdout)
     assert plain["tokens"] == out["tokens"] and plain["text"] == out["text"]
-    tree = json.loads(run("generate", "What is 2 + 2?", "--max-tokens", "24", "--json", "--budget", "16").stdout)
+    tree = json.loads(run("generate", "What is 2 + 2?", "--pair", SMALL, "--max-tokens", "24", "--json", "--budget",
+                          "16").stdout)
     assert tree["tokens"] == plain["tokens"]
     assert tree["stats"]["target_passes"] < plain["stats"]["target_passes"]
 
 
 def test_generate_streams_text_and_stats(smollm2: Pair) -> None:
-    result = run("generate", "Say hello.", "-n", "12", "--budget", "16")
+    result = run("generate", "Say hello.", "--pair", SMALL, "-n", "12", "--budget", "16")
     assert result.exit_code == 0
     assert result.stdout.strip()
     assert "tokens/pass" in result.stderr
 
 
 def test_piped_chat_fails_when_no_prompt_was_answered(smollm2: Pair) -> None:
-    result = run("chat", "--ctx", "256", input="word " * 400 + "\n" + "more " * 400 + "\n")
+    result = run("chat", SMALL, "--ctx", "256", input="word " * 400 + "\n" + "more " * 400 + "\n")
     assert result.exit_code == 1 and result.stderr.count("error:") == 2, result.output
 
 
 def test_piped_chat_transcript(smollm2: Pair) -> None:
-    result = run("chat", "--max-tokens", "20", input="What is the capital of France?\n/stats\nAnd of Italy?\n")
+    result = run("chat", SMALL, "--max-tokens", "20", input="What is the capital of France?\n/stats\nAnd of Italy?\n")
     assert result.exit_code == 0, result.output
     assert result.stderr.count("tokens/pass") == 3  # two replies and /stats
-    greedy = run("chat", "--max-tokens", "20", "--temperature", "0",
+    greedy = run("chat", SMALL, "--max-tokens", "20", "--temperature", "0",
                  input="What is the capital of France?\n/stats\nAnd of Italy?\n")
     import edge
 
@@ -83,7 +88,7 @@ def assert_rounds_add_up(row: dict) -> None:
 
 def test_models_json(smollm2: Pair, gemma3: Pair) -> None:
     out = json.loads(run("models", "--json").stdout)
-    assert out["smollm2-135m"]["default"] is True
+    assert out["qwen2.5-coder-1.5b"]["default"] is True and out["smollm2-135m"]["default"] is False
     for name in ("smollm2-135m", "gemma3-270m"):
         for role in ("target", "drafter"):
             assert out[name][role]["present"] is True and Path(out[name][role]["path"]).exists()
@@ -93,7 +98,8 @@ def test_models_json(smollm2: Pair, gemma3: Pair) -> None:
 def test_bench_json(smollm2: Pair, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Say hello.\nCount to five.\n")
-    result = run("bench", "--prompts", str(prompts), "--budgets", "1,8", "--max-tokens", "16", "--json")
+    result = run("bench", "--pair", SMALL, "--prompts", str(prompts), "--budgets", "1,8", "--max-tokens", "16",
+                 "--json")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["pair"] == "smollm2-135m" and out["machine"]["cores"] >= 1
@@ -109,8 +115,8 @@ def test_bench_methods_auto_and_plot(smollm2: Pair, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Say hello.\n")
     plot = tmp_path / "bench.png"
-    result = run("bench", "--prompts", str(prompts), "--methods", "plain,chain,tree", "--budgets", "auto,4",
-                 "--max-tokens", "12", "--json", "--plot", str(plot))
+    result = run("bench", "--pair", SMALL, "--prompts", str(prompts), "--methods", "plain,chain,tree", "--budgets",
+                 "auto,4", "--max-tokens", "12", "--json", "--plot", str(plot))
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert [(r["method"], r["budget"]) for r in out["rows"]] == [("plain", 0), ("chain", 4), ("tree", "auto"),
@@ -128,8 +134,8 @@ def test_sampled_generation_by_rule(smollm2: Pair) -> None:
     both residual and coupled rounds as their yields say): a seed gives the same text run after run (their trees are
     the drafter's draws, so not plain sampling's), from trees that yield more tokens per pass."""
     def text_and_stats(*flags: str) -> tuple[str, dict]:
-        result = run("generate", "Write a short poem about the sea.", "-n", "48", "--temperature", "0.8", "--seed",
-                     "3", "--budget", "16", "--json", *flags)
+        result = run("generate", "Write a short poem about the sea.", "--pair", SMALL, "-n", "48", "--temperature",
+                     "0.8", "--seed", "3", "--budget", "16", "--json", *flags)
         assert result.exit_code == 0, result.output
         reply = json.loads(result.stdout)
         return reply["text"], reply["stats"]
@@ -144,13 +150,13 @@ def test_sampled_generation_by_rule(smollm2: Pair) -> None:
     assert stats["residual_rounds"] == stats["rounds"] > 0
     auto, stats = text_and_stats()
     assert text_and_stats()[0] == auto and stats["tokens_per_pass"] > 1.5
-    assert_one_line_error(run("generate", "hi", "--budget", "fast"), "--budget", "auto")
-    assert_one_line_error(run("generate", "hi", "--placement", "disk"), "--placement")
-    assert_one_line_error(run("generate", "hi", "--target-dtype", "q3"), "--target-dtype")
-    assert_one_line_error(run("bench", "--drafters", "onnx@q4"), "--drafters", "@QUANT")
-    assert_one_line_error(run("bench", "--drafters", "llama_cpp:8192"), "--drafters")
+    assert_one_line_error(run("generate", "hi", "--pair", SMALL, "--budget", "fast"), "--budget", "auto")
+    assert_one_line_error(run("generate", "hi", "--pair", SMALL, "--placement", "disk"), "--placement")
+    assert_one_line_error(run("generate", "hi", "--pair", SMALL, "--target-dtype", "q3"), "--target-dtype")
+    assert_one_line_error(run("bench", "--pair", SMALL, "--drafters", "onnx@q4"), "--drafters", "@QUANT")
+    assert_one_line_error(run("bench", "--pair", SMALL, "--drafters", "llama_cpp:8192"), "--drafters")
     # a vocabulary not prepared yet is named before any drafter runs
-    assert_one_line_error(run("bench", "--drafters", "onnx,onnx:12345", "--budgets", "1", "-n", "1"),
+    assert_one_line_error(run("bench", "--pair", SMALL, "--drafters", "onnx,onnx:12345", "--budgets", "1", "-n", "1"),
                           "12345-token vocabulary", "prepare")
 
 
@@ -200,7 +206,7 @@ def test_help_does_not_load_llama_cpp() -> None:
 
 @pytest.fixture
 def read_only_cache(smollm2: Pair, tmp_path: Path):
-    """A cache holding the default pair's prepared files and nothing else, mounted read-only (a shared or read-only
+    """A cache holding smollm2-135m's prepared files and nothing else, mounted read-only (a shared or read-only
     mount): hard links to the run's files (its links to the user's, copied as links: a hard link through one would
     touch the user's file) in a folder bound read-only over itself. Skipped where this process cannot mount."""
     import shutil
@@ -210,7 +216,7 @@ def read_only_cache(smollm2: Pair, tmp_path: Path):
 
     import edge
 
-    with edge.load("smollm2-135m", budget=4, gpu_layers=0):  # its drafter's graph is built and cached
+    with edge.load(SMALL, budget=4, gpu_layers=0):  # its drafter's graph is built and cached
         pass
     folder = tmp_path / "cache"
     for sub in ("models", "prepared"):
@@ -233,7 +239,7 @@ def test_a_read_only_cache_serves_what_is_prepared(read_only_cache: Path, monkey
     monkeypatch.setenv("EDGE_SPEC_CACHE", str(read_only_cache))
     with pytest.raises(OSError):
         (read_only_cache / "probe").write_text("x")
-    result = run("generate", "Name three colors.", "-n", "8", "--json")
+    result = run("generate", "Name three colors.", "--pair", SMALL, "-n", "8", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["stats"]["new_tokens"] == 8
     assert not (read_only_cache / "pass-times.json").exists() and not (read_only_cache / "machine.json").exists()
@@ -250,8 +256,8 @@ def test_ctrl_c_stops_reading_a_long_prompt(smollm2: Pair, tmp_path: Path) -> No
 
     import psutil
 
-    command = [sys.executable, "-c", "from edge.cli.main import main; main()", "generate", "-", "-n", "4",
-               "--budget", "4", "--ctx", "16384"]
+    command = [sys.executable, "-c", "from edge.cli.main import main; main()", "generate", "-", "--pair", SMALL,
+               "-n", "4", "--budget", "4", "--ctx", "16384"]
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert process.stdin is not None and process.stderr is not None
     process.stdin.write(("word " * 15000).encode())
@@ -278,17 +284,17 @@ def test_version_and_a_missing_plot_extra_are_said_at_once(tmp_path: Path, monke
         raise AssertionError("a model loaded before the missing extra was said")
 
     monkeypatch.setattr("edge.models.loading.open_pair", loaded)
-    result = run("bench", "--plot", str(tmp_path / "bench.png"))
+    result = run("bench", "--pair", SMALL, "--plot", str(tmp_path / "bench.png"))
     assert_one_line_error(result, "--plot needs matplotlib")
 
 
 def test_chat_defaults_end_every_reply_by_end_of_turn(smollm2: Pair) -> None:
-    """The default pair's chat with its default sampling (llama.cpp's, as the model recommends none) answers each
-    of the repo's chat prompts and stops at its end of turn, well before 512 tokens: no loop to the limit."""
+    """SmolLM2's chat with its default sampling (llama.cpp's, as the model recommends none) answers each of the repo's
+    chat prompts and stops at its end of turn, well before 512 tokens: no loop to the limit."""
     from tests.conftest import CHAT_PROMPTS
 
     piped = "".join(f"{prompt}\n/clear\n" for prompt in CHAT_PROMPTS)
-    result = run("chat", "--max-tokens", "512", "--seed", "1", input=piped)
+    result = run("chat", SMALL, "--max-tokens", "512", "--seed", "1", input=piped)
     assert result.exit_code == 0, result.output
     lengths = [int(n) for n in re.findall(r"^(\d+) tokens · ", result.stderr, re.MULTILINE)]
     assert len(lengths) == len(CHAT_PROMPTS) and max(lengths) < 512, lengths
@@ -299,13 +305,13 @@ def test_chat_samples_by_default_and_takes_greedy(smollm2: Pair) -> None:
 
     assert smollm2.sampling == LLAMA_DEFAULTS and smollm2.recommended == ()  # SmolLM2's file recommends no sampling
     assert chat_defaults(smollm2.sampling, smollm2.recommended).repeat_penalty == CHAT_REPEAT_PENALTY
-    greedy = run("chat", "--max-tokens", "16", "--temperature", "0", input="Name three colors.\n")
-    plain = json.loads(run("generate", "Name three colors.", "-n", "16", "--json").stdout)
+    greedy = run("chat", SMALL, "--max-tokens", "16", "--temperature", "0", input="Name three colors.\n")
+    plain = json.loads(run("generate", "Name three colors.", "--pair", SMALL, "-n", "16", "--json").stdout)
     assert greedy.stdout.strip() == plain["text"].strip()
 
 
-def greedy_text(*args: str) -> str:
-    result = run("generate", "Name three colors.", "-n", "12", "--temperature", "0", "--json", *args)
+def greedy_text(model: str, *args: str) -> str:
+    result = run("generate", "Name three colors.", "-m", model, "-n", "12", "--temperature", "0", "--json", *args)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)["text"]
 
@@ -321,8 +327,8 @@ def test_a_model_named_by_its_file(files: dict[str, Path]) -> None:
     if not copy.exists():
         folder.mkdir(exist_ok=True)
         shutil.copyfile(files["smol"], copy)
-    plain = greedy_text()
-    assert greedy_text("-m", str(copy), "--budget", "8") == plain
+    plain = greedy_text(SMALL)
+    assert greedy_text(str(copy), "--budget", "8") == plain
     chat = run("chat", str(copy), "--temperature", "0", "-n", "12", input="Name three colors.\n")
     assert chat.exit_code == 0, chat.output
     assert chat.stdout.strip() == plain.strip()
@@ -336,8 +342,8 @@ def test_a_gguf_alone_drafts_by_lookup_in_chat_generate_and_serve(files: dict[st
     from benchmarks.serve_process import ServerProcess
 
     model = str(files["smol"])
-    plain = greedy_text()
-    assert greedy_text("-m", model, "--drafter", "lookup", "--budget", "8") == plain
+    plain = greedy_text(SMALL)
+    assert greedy_text(model, "--drafter", "lookup", "--budget", "8") == plain
     chat = run("chat", model, "--drafter", "lookup", "--temperature", "0", "-n", "24",
                input="Name three colors.\nSay that again, word for word.\n")
     assert chat.exit_code == 0, chat.output
@@ -371,9 +377,9 @@ def test_a_hugging_face_reference_from_the_cache(files: dict[str, Path], tmp_pat
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    plain = greedy_text()
+    plain = greedy_text(SMALL)
     for reference in ("someone/SmolLM2-135M-Instruct-GGUF:Q4_1", "hf.co/someone/SmolLM2-135M-Instruct-GGUF:Q4_1"):
-        assert greedy_text("-m", reference) == plain
+        assert greedy_text(reference) == plain
     assert not list(snapshot.glob("*.onnx*"))
     missing = run("generate", "hi", "-m", "someone/SmolLM2-135M-Instruct-GGUF:Q8_0")
     assert missing.exit_code == 1 and "no .gguf file with 'Q8_0'" in missing.output
@@ -453,7 +459,7 @@ def test_plan_warns_of_a_gpu_that_llama_cpp_cannot_use(monkeypatch: pytest.Monke
                                                               "vram_total_gb": 24.0, "vram_free_gb": 23.0}])
     if runtime("llama_cpp").supports_gpu_offload():
         pytest.skip("this llama-cpp-python was built with GPU offload")
-    result = run("plan", "--machine", "ram=32G,vram=24G,disk=3GB/s")
+    result = run("plan", SMALL, "--machine", "ram=32G,vram=24G,disk=3GB/s")
     assert "built without GPU offload" in result.output and "CMAKE_ARGS" in result.output
 
 
@@ -472,8 +478,8 @@ def test_bench_reports_its_progress(smollm2: Pair) -> None:
 def test_stats_lines_do_not_wrap_off_a_terminal(smollm2: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """Stderr to a file or a pipe, even a narrow one: each stats line stays one line, for a script to read."""
     monkeypatch.setenv("COLUMNS", "40")
-    generated = run("generate", "Say hello.", "-n", "8")
-    chatted = run("chat", "-n", "8", "--temperature", "0", input="Say hello.\n")
+    generated = run("generate", "Say hello.", "--pair", SMALL, "-n", "8")
+    chatted = run("chat", SMALL, "-n", "8", "--temperature", "0", input="Say hello.\n")
     for result in (generated, chatted):
         lines = [line for line in result.stderr.splitlines() if "tokens/pass" in line]
         assert len(lines) == 1 and lines[0].rstrip().endswith(("target passes", "by lookup", "/4096", "/1024")), \

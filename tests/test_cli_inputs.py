@@ -13,6 +13,8 @@ from edge.models.pair import Pair
 
 from tests.cli_helpers import assert_one_line_error, run, runner
 
+SMALL = "smollm2-135m"  # the pair a command that would load one names
+
 
 def test_missing_model_file(tmp_path: Path) -> None:
     assert_one_line_error(run("generate", "hi", "--target", str(tmp_path / "nope.gguf")), "not found")
@@ -65,9 +67,9 @@ def test_broken_inputs_get_one_line(tmp_path: Path) -> None:
     not_a_folder = tmp_path / "cache-file"
     not_a_folder.write_text("")
     for cache in (not_a_folder, Path("/dev/null")):
-        result = runner.invoke(app, ["generate", "hi", "-n", "1"], env={"EDGE_SPEC_CACHE": str(cache)})
+        result = runner.invoke(app, ["generate", "hi", "--pair", SMALL, "-n", "1"], env={"EDGE_SPEC_CACHE": str(cache)})
         assert_one_line_error(result, f"the cache {cache} is not a folder", "EDGE_SPEC_CACHE")
-    result = runner.invoke(app, ["generate", "-"], input=b"caf\xe9\n")
+    result = runner.invoke(app, ["generate", "-", "--pair", SMALL], input=b"caf\xe9\n")
     assert_one_line_error(result, "standard input is not UTF-8 text")
     # user-supplied text is printed as it is, never read as rich markup
     marked = tmp_path / "[/x]" / "[bold]m.gguf"
@@ -98,9 +100,9 @@ def test_invalid_sampling_values(smollm2: Pair, flags: list[str], fragment: str)
 
 
 def test_prompt_longer_than_the_context(smollm2: Pair) -> None:
-    assert_one_line_error(run("generate", "word " * 400, "--ctx", "256"), "context holds 256", "--ctx")
+    assert_one_line_error(run("generate", "word " * 400, "--pair", SMALL, "--ctx", "256"), "context holds 256", "--ctx")
     # llama.cpp sizes contexts in steps of 256 tokens: a smaller one is refused rather than silently grown
-    assert_one_line_error(run("generate", "hi", "--ctx", "64"), "--ctx must be at least 256")
+    assert_one_line_error(run("generate", "hi", "--pair", SMALL, "--ctx", "64"), "--ctx must be at least 256")
 
 
 def test_base_model_needs_raw(gemma3: Pair) -> None:
@@ -127,7 +129,7 @@ def test_careless_names_and_files_are_one_line(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     assert_one_line_error(run("--models", str(fifo), "models"), "is not a regular file")
     assert_one_line_error(run("--models", "/dev/zero", "models"), "is not a regular file")
-    assert_one_line_error(run("plan", "--acceptance", str(fifo)), "is not a regular file")
+    assert_one_line_error(run("plan", SMALL, "--acceptance", str(fifo)), "is not a regular file")
     loop = tmp_path / "loop"
     loop.symlink_to(tmp_path / "loop-back")
     (tmp_path / "loop-back").symlink_to(loop)
@@ -189,8 +191,10 @@ def test_unbounded_or_undecodable_input_is_one_line(smollm2: Pair) -> None:
     16 MiB with no end of line (/dev/zero): one line each, where they used to end in a traceback or an OOM kill."""
     from edge.cli.options import MAX_INPUT_BYTES
 
-    assert_one_line_error(run("generate", "caf\udce9"), "the prompt is not UTF-8 text (character 4)", "C.UTF-8")
+    assert_one_line_error(run("generate", "caf\udce9", "--pair", SMALL), "the prompt is not UTF-8 text (character 4)",
+                          "C.UTF-8")
     endless = b"a" * (MAX_INPUT_BYTES + 1)
-    assert_one_line_error(runner.invoke(app, ["generate", "-"], input=endless), "standard input is longer than 16 MiB")
-    chat = runner.invoke(app, ["chat", "-n", "1", "--temperature", "0"], input=endless)
+    assert_one_line_error(runner.invoke(app, ["generate", "-", "--pair", SMALL], input=endless),
+                          "standard input is longer than 16 MiB")
+    chat = runner.invoke(app, ["chat", SMALL, "-n", "1", "--temperature", "0"], input=endless)
     assert "line 1 of standard input is longer than 16 MiB" in chat.stderr and "Traceback" not in chat.output

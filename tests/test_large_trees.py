@@ -211,7 +211,8 @@ def test_bench_runs_a_budget_of_1024(tmp_path) -> None:
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Name three colors.\n")
-    result = run("bench", "--prompts", str(prompts), "--budgets", "1024", "--max-tokens", "6", "--json")
+    result = run("bench", "--pair", "smollm2-135m", "--prompts", str(prompts), "--budgets", "1024", "--max-tokens", "6",
+                 "--json")
     assert result.exit_code == 0, result.output
     plain, tree = json.loads(result.stdout)["rows"]
     assert plain["method"] == "plain" and tree["budget"] == 1024 and tree["matches_plain"], tree

@@ -192,7 +192,7 @@ def test_an_app_with_its_own_models_and_serve_modules_loads_a_pair(tmp_path: Pat
 
     for own in ("models", "serve", "cli"):
         (tmp_path / f"{own}.py").write_text(f"raise ImportError('the application\\'s own {own}.py was imported')\n")
-    code = ("import edge\nwith edge.load(threads=1, gpu_layers=0) as pair:\n"
+    code = ("import edge\nwith edge.load('smollm2-135m', threads=1, gpu_layers=0) as pair:\n"
             "    print(len(edge.generate(pair, 'Hi', max_tokens=4).tokens))\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's edge, as an installed one would be found
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)

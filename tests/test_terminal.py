@@ -69,7 +69,8 @@ def terminal(tmp_path: Path) -> Iterator[Callable[[], Terminal]]:
     history = tmp_path / "history"
 
     def open_chat() -> Terminal:
-        command = [sys.executable, "-c", "'from edge.cli.main import main; main()'", "chat", "--max-tokens", "24"]
+        command = [sys.executable, "-c", "'from edge.cli.main import main; main()'", "chat", "smollm2-135m",
+                   "--max-tokens", "24"]
         term = Terminal(command, {"EDGE_SPEC_CHAT_HISTORY": str(history), "TERM": "xterm-256color"})
         opened.append(term)
         term.wait(lambda s: s.rstrip().endswith(">>>"), "the first prompt")
@@ -82,8 +83,11 @@ def terminal(tmp_path: Path) -> Iterator[Callable[[], Terminal]]:
 
 def test_chat_in_a_terminal(terminal: Callable[[], Terminal], tmp_path: Path) -> None:
     term = terminal()
+    first = term.screen().splitlines()[0]  # where the target runs, and whether trees pay there (tests/test_chat_lines)
+    assert re.match(rf"smollm2-135m in RAM, on {os.cpu_count()} cores: trees (do not )?pay here \(", first), first
     term.keys("Say hi.", "Enter")
-    term.wait(lambda s: s.count(STATS) == 1 and s.rstrip().endswith(">>>"), "the first reply")
+    screen = term.wait(lambda s: s.count(STATS) == 1 and s.rstrip().endswith(">>>"), "the first reply")
+    assert len([line for line in screen.splitlines() if STATS in line]) == 1  # the stats line is one line
 
     term.keys("Up")  # the line just sent comes back, to edit or send again
     term.wait(lambda s: s.rstrip().endswith(">>> Say hi."), "Up to recall the last message")
@@ -95,6 +99,10 @@ def test_chat_in_a_terminal(terminal: Callable[[], Terminal], tmp_path: Path) ->
     term.keys("Enter")
     screen = term.wait(lambda s: s.count(STATS) == 2 and s.rstrip().endswith(">>>"), "the reply to the paste")
     assert screen.count(STATS) == 2  # one reply for two pasted lines
+    term.keys("/stats", "Enter")
+    term.wait(lambda s: re.search(r"last reply: \d+ rounds \(\d+ with a tree, \d+ plain\) · [\d.]+ tokens a pass · "
+                                  r"drafting [\d.]+s \(\d+%\), verifying", s) is not None
+              and s.rstrip().endswith(">>>"), "/stats")
 
     for command, answer in (("/clear", "conversation cleared"), ("/set temperature 0", "greedy (temperature 0)")):
         term.keys(command, "Enter")
@@ -102,10 +110,11 @@ def test_chat_in_a_terminal(terminal: Callable[[], Terminal], tmp_path: Path) ->
     term.keys("/show", "Enter")
     term.wait(lambda s: re.search(r"sampling +greedy", s) is not None and "context    0 of" in s, "/show")
     term.keys("Name three colors.", "Enter")
-    screen = term.wait(lambda s: s.count(STATS) == 3 and s.rstrip().endswith(">>>"), "the greedy reply")
+    screen = term.wait(lambda s: s.count(STATS) == 4 and s.rstrip().endswith(">>>"), "the greedy reply")  # /stats: 1
     reply = screen[screen.rindex(">>> Name three colors.") + len(">>> Name three colors.\n"):]
     reply = reply[: reply.index(STATS)].rsplit("\n", 1)[0]  # up to the stats line
-    result = CliRunner().invoke(app, ["generate", "Name three colors.", "-n", "24", "--temperature", "0", "--json"])
+    result = CliRunner().invoke(app, ["generate", "Name three colors.", "--pair", "smollm2-135m", "-n", "24",
+                                      "--temperature", "0", "--json"])
     assert reply == json.loads(result.stdout)["text"]
     assert "first token" in screen and "context" in screen  # per-turn stats
 

@@ -172,14 +172,14 @@ def test_calibration_prompt_sets(name: str) -> None:
     assert len(set(lines)) == len(lines)
 
 
-# --- the command, on the real default pair ---
+# --- the command, on the real small pair ---
 
 
 def test_prepare_vocab(smollm2: Pair, fresh_cache: Path, tmp_path: Path) -> None:
     prompts = ["What is 2 + 2?", "Name a colour."]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-    result = runner.invoke(app, ["prepare", "--vocab", "512", "--prompts", str(tmp_path / "prompts.txt"),
-                                 "--calibration-tokens", "8"])
+    result = runner.invoke(app, ["prepare", "smollm2-135m", "--vocab", "512", "--prompts",
+                                 str(tmp_path / "prompts.txt"), "--calibration-tokens", "8"])
     assert result.exit_code == 0, result.output
     path = vocab_path(load_registry().pair("smollm2-135m").target, 512)
     assert path.parent == fresh_cache / "prepared" and path.is_file()
@@ -229,7 +229,7 @@ def test_prepare_vocab(smollm2: Pair, fresh_cache: Path, tmp_path: Path) -> None
     (["--calibration-tokens", "8"], "add --vocab K"),
 ])
 def test_prepare_vocab_errors(smollm2: Pair, fresh_cache: Path, flags: list[str], fragment: str) -> None:
-    result = runner.invoke(app, ["prepare", *flags])
+    result = runner.invoke(app, ["prepare", "smollm2-135m", *flags])
     assert result.exit_code == 1, result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and fragment in errors[0], result.stderr
