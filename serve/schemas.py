@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from edge.generate import Stats
 from edge.sampling import MAX_PENALTY, MIN_PENALTY, SamplingConfig
@@ -100,6 +100,20 @@ class GenerationRequest(Strict):
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", "logit_bias", mode="before")
+    @classmethod
+    def _few_items(cls, value: Any, info: Any) -> Any:
+        """Counted before their items are validated: pydantic checks each item of a list (and writes an error for
+        each bad one, 4 s a million), all of it on the event loop, so a body of millions of stop items held the server
+        for minutes."""
+        if not isinstance(value, list | dict):
+            return value
+        if info.field_name == "logit_bias" and value:  # refused whatever it holds (refuse_unsupported)
+            raise ValueError("logit_bias is not supported")
+        if info.field_name == "stop" and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings (got {len(value)})")
+        return value
 
     def sampling(self, defaults: SamplingConfig) -> SamplingConfig:
         """The request's sampling; what it leaves out comes from `defaults` (the pair's: the model's recommended

@@ -123,6 +123,11 @@ def test_shutdown_answers_every_request_then_exits_130() -> None:
      400, "1000002 JSON objects"),  # refused before parsing: validating them held the event loop for seconds
     (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.8,
                  "repeat_penalty": 1e-300}).encode(), 400, "repeat_penalty"),
+    # counted before their items are validated: an error for each of millions of items held the event loop for minutes
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stop": [1] * 1_000_000}).encode(), 400,
+     "stop: at most 16 stop strings (got 1000000)"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {str(i): 1 for i in range(100_000)}})
+     .encode(), 400, "logit_bias: logit_bias is not supported"),
 ])
 def test_bad_requests_get_one_clear_error(server: ServerProcess, body: bytes, status: int, says: str) -> None:
     got, data = request(server, "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
