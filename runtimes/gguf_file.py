@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import json
+import os
 import re
 import struct
 import sys
@@ -178,6 +181,56 @@ def gguf_header(path: str | Path) -> GGUFHeader:
 @functools.lru_cache(maxsize=32)
 def _read_header(path: Path, size: int, mtime_ns: int) -> GGUFHeader:
     # Keyed on size and mtime so a file replaced on disk is read again. Raises _Truncated, ValueError, KeyError.
+    kept = _kept_header(path, size, mtime_ns)
+    if kept is not None:
+        return kept
+    header = _parse_header(path)
+    _keep_header(path, size, mtime_ns, header)
+    return header
+
+
+HEADER_FORMAT = 1  # of the kept headers' JSON; another value is parsed again
+
+
+def _kept_path(path: Path) -> Path:
+    """Where a file's parsed header is kept between runs: a start reads both models' headers for the plan, 0.15 s of
+    the default pair's start (docs/performance.md, "Start-up"), a few milliseconds from this JSON."""
+    from edge.models.cache import cache_dir
+
+    return cache_dir() / "headers" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
+
+
+def _kept_header(path: Path, size: int, mtime_ns: int) -> GGUFHeader | None:
+    """The header kept for this file as it is now (path, size, mtime and inode), else None: parse it."""
+    try:
+        kept = json.loads(_kept_path(path).read_text(encoding="utf-8"))
+        if kept["format"] != HEADER_FORMAT or [kept["path"], kept["size"], kept["mtime_ns"], kept["inode"]] != \
+                [str(path), size, mtime_ns, path.stat().st_ino]:
+            return None
+        header = kept["header"]
+        tensors = tuple(HeaderTensor(t["name"], tuple(t["shape"]), t["type_name"], t["n_elements"], t["n_bytes"])
+                        for t in header["tensors"])
+        return GGUFHeader(dict(header["scalars"]), dict(header["array_max"]), tensors, int(header["n_vocab"]),
+                          str(header["vocab_digest"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, UserError):
+        return None  # none kept, or damaged: parsed again (and kept anew)
+
+
+def _keep_header(path: Path, size: int, mtime_ns: int, header: GGUFHeader) -> None:
+    """Keep the parsed header for the next run; a cache that cannot be written costs that saving only."""
+    try:
+        kept = _kept_path(path)
+        text = json.dumps({"format": HEADER_FORMAT, "path": str(path), "size": size, "mtime_ns": mtime_ns,
+                           "inode": path.stat().st_ino, "header": dataclasses.asdict(header)})
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f"{kept.name}.tmp-{os.getpid()}")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, kept)
+    except (OSError, ValueError, TypeError, UserError):
+        pass
+
+
+def _parse_header(path: Path) -> GGUFHeader:
     reader = _HeaderReader(path)
     scalars, array_max = {}, {}
     for key, field in reader.fields.items():

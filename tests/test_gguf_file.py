@@ -1,6 +1,7 @@
 """check_gguf on tiny GGUF files written here: metadata, and one clear error per kind of bad file."""
 
 import hashlib
+import os
 from pathlib import Path
 
 import gguf
@@ -200,3 +201,20 @@ def test_recommended_sampling_is_read_from_the_header(tmp_path: Path) -> None:
     said: list[str] = []
     assert model_sampling(written("bad.gguf", top_p=5.0), said.append) == (LLAMA_DEFAULTS, ())
     assert len(said) == 1 and "top_p" in said[0]
+
+
+def test_a_parsed_header_is_kept_for_the_next_run_until_the_file_changes(tiny: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start reads both models' headers for the plan: a later run reads the header it kept (in the cache), not the
+    file, as long as the file's path, size, mtime and inode are the same."""
+    from edge.runtimes import gguf_file
+
+    parsed = gguf_file.gguf_header(tiny)
+    gguf_file._read_header.cache_clear()  # as a new process starts
+    monkeypatch.setattr(gguf_file, "_parse_header", lambda path: pytest.fail("parsed the header again"))
+    assert gguf_file.gguf_header(tiny) == parsed
+    gguf_file._read_header.cache_clear()
+    stat = tiny.stat()
+    os.utime(tiny, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # the same bytes, written again
+    with pytest.raises(pytest.fail.Exception, match="parsed the header again"):
+        gguf_file.gguf_header(tiny)
