@@ -148,11 +148,3 @@ def wheel_bytes(folder: Path) -> int:
                 with suppress(OSError):
                     sizes[name] = max(sizes.get(name, 0), os.stat(os.path.join(root, name)).st_size)
     return sum(sizes.values())
-
-
-def size_text(size: float) -> str:
-    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"
-
-
-def count_text(n: int, thing: str) -> str:
-    return f"{n} {thing}{'' if n == 1 else 's'}"

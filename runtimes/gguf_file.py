@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
-import os
 import re
 import struct
 import sys
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,9 +201,11 @@ def _kept_path(path: Path) -> Path:
 
 def _kept_header(path: Path, size: int, mtime_ns: int) -> GGUFHeader | None:
     """The header kept for this file as it is now (path, size, mtime and inode), else None: parse it."""
+    from edge.models.cache import read_json
+
     try:
-        kept = json.loads(_kept_path(path).read_text(encoding="utf-8"))
-        if kept["format"] != HEADER_FORMAT or [kept["path"], kept["size"], kept["mtime_ns"], kept["inode"]] != \
+        kept = read_json(_kept_path(path))  # {} when missing or damaged
+        if kept.get("format") != HEADER_FORMAT or [kept["path"], kept["size"], kept["mtime_ns"], kept["inode"]] != \
                 [str(path), size, mtime_ns, path.stat().st_ino]:
             return None
         header = kept["header"]
@@ -212,22 +213,17 @@ def _kept_header(path: Path, size: int, mtime_ns: int) -> GGUFHeader | None:
                         for t in header["tensors"])
         return GGUFHeader(dict(header["scalars"]), dict(header["array_max"]), tensors, int(header["n_vocab"]),
                           str(header["vocab_digest"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, UserError):
-        return None  # none kept, or damaged: parsed again (and kept anew)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError):
+        return None  # damaged: parsed again (and kept anew)
 
 
 def _keep_header(path: Path, size: int, mtime_ns: int, header: GGUFHeader) -> None:
     """Keep the parsed header for the next run; a cache that cannot be written costs that saving only."""
-    try:
-        kept = _kept_path(path)
-        text = json.dumps({"format": HEADER_FORMAT, "path": str(path), "size": size, "mtime_ns": mtime_ns,
-                           "inode": path.stat().st_ino, "header": dataclasses.asdict(header)})
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        partial = kept.with_name(f"{kept.name}.tmp-{os.getpid()}")
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, kept)
-    except (OSError, ValueError, TypeError, UserError):
-        pass
+    from edge.models.cache import write_json
+
+    with suppress(OSError, ValueError, TypeError, UserError):
+        write_json(_kept_path(path), {"format": HEADER_FORMAT, "path": str(path), "size": size, "mtime_ns": mtime_ns,
+                                      "inode": path.stat().st_ino, "header": dataclasses.asdict(header)})
 
 
 def _parse_header(path: Path) -> GGUFHeader:

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from edge.generate import Stats
 from edge.sampling import MAX_PENALTY, MIN_PENALTY, SamplingConfig
@@ -103,7 +103,7 @@ class GenerationRequest(Strict):
 
     @field_validator("stop", "logit_bias", mode="before")
     @classmethod
-    def _few_items(cls, value: Any, info: Any) -> Any:
+    def _few_items(cls, value: Any, info: ValidationInfo) -> Any:
         """Counted before their items are validated: pydantic checks each item of a list (and writes an error for
         each bad one, 4 s a million), all of it on the event loop, so a body of millions of stop items held the server
         for minutes."""

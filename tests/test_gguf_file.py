@@ -110,6 +110,8 @@ def test_directory(tmp_path: Path) -> None:
 def test_lossless_guarantee(monkeypatch: pytest.MonkeyPatch) -> None:
     from edge.runtimes.llama_cpp.kernels import FORCE_TILED, TILED, lossless_guarantee
 
+    monkeypatch.setenv(TILED, "0")  # as edge-spec sets it (kernels.prefer_invariant_kernels), whatever loaded before
+    monkeypatch.delenv(FORCE_TILED, raising=False)
     fix = "--target-dtype q8_0"
     assert lossless_guarantee(frozenset({"Q4_0", "Q4_1", "Q8_0"}), "bf16", fix) is None
     assert lossless_guarantee(frozenset({"Q4_K", "Q6_K", "Q5_0"}), "bf16", fix) is None  # every batch on one kernel
@@ -141,6 +143,8 @@ def test_lossless_guarantee_of_a_real_tiny_file(tmp_path: Path, monkeypatch: pyt
 
     q4, q6 = (check_gguf(write_gguf(tmp_path / name, q6k=name == "q6.gguf")).weight_types
               for name in ("q4.gguf", "q6.gguf"))
+    monkeypatch.setenv(TILED, "0")  # as edge-spec sets it, whatever loaded before (a plain target restores stock)
+    monkeypatch.delenv(FORCE_TILED, raising=False)
     assert lossless_guarantee(q4, "bf16", "") is None and lossless_guarantee(q6, "bf16", "") is None
     monkeypatch.delenv(TILED, raising=False)
     monkeypatch.delenv(FORCE_TILED, raising=False)
