@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from edge.serve.gate import Gate
 from edge.serve.limits import BODY_TIMEOUT_S
-from edge.serve.reading import describe, read_body
+from edge.serve.reading import BodyBounds, describe, read_body
 from edge.serve.replies import stream, whole
 from edge.serve.schemas import ChatRequest, CompletionRequest, GenerationRequest, Refused, Reply, error_body
 from edge.serve.worker import GenerationFailed, Work, Worker
@@ -52,11 +52,14 @@ class Served:
     name: str = field(init=False)
     n_ctx: int = field(init=False)
     longest_token: int = field(init=False)  # bytes of the vocabulary's longest token (refuse_oversized)
+    body_bounds: BodyBounds = field(init=False)  # what a body may hold, from the context (serve/reading.py)
 
     def __post_init__(self) -> None:
         self.name, self.n_ctx = self.pair.name, self.pair.target.n_ctx
         tokenizer = self.pair.target.tokenizer
-        self.longest_token = max(len(tokenizer.token_bytes(token)) for token in range(self.pair.target.n_vocab))
+        texts = [tokenizer.token_bytes(token) for token in range(self.pair.target.n_vocab)]
+        self.longest_token = max(map(len, texts))
+        self.body_bounds = BodyBounds.for_context(self.n_ctx, texts)
 
     def authorize(self, authorization: str) -> str | None:
         """The principal the request's key names (None: the server's one principal), or a 401. Every key is compared,
@@ -193,7 +196,7 @@ async def one_model(name: str, request: Request) -> dict[str, Any]:
 @api.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
     state = served(request)
-    body = await read_body(request, ChatRequest, state.body_timeout_s)
+    body = await read_body(request, ChatRequest, state.body_bounds, state.body_timeout_s)
     if state.pair.template is None:
         state.check_model(body.model)
         raise Refused(400, f"{state.name} has no chat template (a base model): use /v1/completions to complete "
@@ -205,7 +208,7 @@ async def chat_completions(request: Request) -> Any:
 @api.post("/v1/completions")
 async def completions(request: Request) -> Any:
     state = served(request)
-    body = await read_body(request, CompletionRequest, state.body_timeout_s)
+    body = await read_body(request, CompletionRequest, state.body_bounds, state.body_timeout_s)
     work = await state.prepare(body, body.one_prompt(), True, body.reply_tokens(), request.state.principal)
     return await state.respond(Reply("text", state.name), body, work, request)
 
@@ -239,14 +242,15 @@ def create_app(pair: Pair, worker: Worker, api_keys: Sequence[str] = (),
     except PackageNotFoundError:
         release = "0"
     app = FastAPI(title="edge-spec", version=release, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.served = Served(pair, worker, tuple(api_keys), body_timeout_s)
+    app.state.served = state = Served(pair, worker, tuple(api_keys), body_timeout_s)
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
         # any request header: OpenAI's JS SDK sends its own (x-stainless-*, openai-*) and preflights them
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
-    app.add_middleware(Gate, origins=set(cors_origins), loopback_only=loopback_only)  # outside CORS: it runs first
+    # outside CORS: it runs first
+    app.add_middleware(Gate, origins=set(cors_origins), loopback_only=loopback_only, bounds=state.body_bounds)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(Refused, refused)
     app.add_exception_handler(HTTPException, http_error)

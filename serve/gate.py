@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from edge.serve.hosts import loopback_host
-from edge.serve.reading import MAX_BODY_BYTES
+from edge.serve.reading import BodyBounds
 from edge.serve.schemas import error_body
 from fastapi.responses import JSONResponse
 
@@ -20,10 +20,11 @@ class Gate:
     - a web page's request, unless --cors-origin allows its origin: a browser sends a cross-origin POST of
       text/plain with no preflight, and CORS only hides the reply, after the work;
     - with `loopback_only`, a Host header that names another machine (a page reaching us by DNS rebinding);
-    - a body whose Content-Length is past MAX_BODY_BYTES (a chunked one is counted as it is read: serve/reading.py)."""
+    - a body whose Content-Length is past what a request to this context can need (BodyBounds; a chunked one is
+      counted as it is read: serve/reading.py)."""
 
-    def __init__(self, app: Any, origins: set[str], loopback_only: bool) -> None:
-        self.app, self.origins, self.loopback_only = app, origins, loopback_only
+    def __init__(self, app: Any, origins: set[str], loopback_only: bool, bounds: BodyBounds) -> None:
+        self.app, self.origins, self.loopback_only, self.bounds = app, origins, loopback_only, bounds
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -60,8 +61,10 @@ class Gate:
                               "only: call it as localhost or 127.0.0.1 (DNS rebinding is refused)", "permission_error",
                               code="host_not_allowed"), 403
         length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return error_body(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB"), 413
+        if length is not None and not length.isdigit():
+            return error_body(f"the Content-Length header {length[:32]!r} is not a number of bytes"), 400
+        if length is not None and int(length) > self.bounds.bytes:
+            return self.bounds.too_large(int(length)).body(), 413
         return None
 
 

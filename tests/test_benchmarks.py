@@ -300,6 +300,18 @@ def test_replay_checks_its_decoder() -> None:
     assert replay(decoder, [1, 2], reply).new_tokens == 20  # again from the seed: the same reply
 
 
+def test_serve_bodies_runs() -> None:
+    """The hostile-bodies benchmark starts a real server and sends its bodies (3 MB here): each oversized one is refused
+    from its size (a 413 before it is parsed), the packed one from its count of values, with no 5xx and no traceback;
+    it reports /health's latency during each."""
+    result = json.loads(run_script("serve_bodies.py", "--pair", PAIR, "--server-args", "--ctx 512", "--scale", "0.1"))
+    statuses = {row["body"]: row["status"] for row in result["bodies"]}
+    assert statuses == {"content_parts": 413, "stop_items": 413, "text": 413, "text_chunked": 413,
+                        "text_within_bound": 400, "packed_values": 400}, result
+    assert result["all_refused"] and result["log_tracebacks"] == 0 and result["log_500s"] == 0
+    assert all(row["health_ms"]["polls"] > 0 for row in result["bodies"]) and result["worst_health_ms"] > 0
+
+
 def test_serve_soak_runs() -> None:
     """The soak benchmark starts a real server with two API keys, streams from two clients (one a key), reports the
     server's memory, and probes whether one key's prompt shows in the other's cached tokens."""

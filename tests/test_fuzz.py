@@ -396,6 +396,36 @@ def test_request_bodies_are_served_or_refused_in_openai_json(api: object, data: 
     OUTCOMES["requests refused" if response.status_code != 503 else "requests queued"] += 1
 
 
+def _values_walked(text: bytes) -> int:
+    """`,` `[` `{` outside strings, by walking the bytes one at a time: what json_values counts with numpy."""
+    count, inside, escaped = 0, False, False
+    for byte in text:
+        if inside:
+            escaped, inside = (False, True) if escaped else (byte == ord("\\"), byte != ord('"'))
+        elif byte == ord('"'):
+            inside = True
+        else:
+            count += byte in b",[{"
+    return count
+
+
+JSON_TREES = st.recursive(st.none() | st.integers() | st.text(alphabet='ab,[{"\\\n', max_size=8),
+                          lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(
+                              alphabet='k,{"\\', max_size=4), inner, max_size=3), max_leaves=12)
+
+
+@FUZZ
+@given(value=JSON_TREES, noise=st.binary(max_size=40).map(lambda b: b.replace(b"\x00", b'"')),
+       chunk=st.integers(1, 64))
+def test_a_bodys_json_values_are_counted_as_a_walk_counts_them(value: object, noise: bytes, chunk: int) -> None:
+    """The server's count of JSON values (serve/reading.py), read in chunks of any size, equals a byte-by-byte walk,
+    on JSON with quotes, backslashes and separators inside its strings, and on bytes that are not JSON."""
+    from edge.serve.reading import json_values
+
+    for text in (json.dumps(value).encode(), noise, json.dumps(value).encode() + noise):
+        assert json_values(text, -1, chunk) == _values_walked(text), text
+
+
 # --- what a model file's chat template may do: the render's bounds ---
 
 SIZES = st.sampled_from([0, 1, 3, 1000, 100_000, 10**7, 10**12])

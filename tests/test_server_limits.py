@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from edge.serve.reading import FRAME_BYTES, TOKEN_FRAME_BYTES, BodyBounds, json_values
 
 from benchmarks.serve_process import ServerProcess
 from tests.server_helpers import KEY, MODEL, SERVER_ARGS, health, open_stream, raw, request, wait_for
@@ -115,18 +116,24 @@ def test_shutdown_answers_every_request_then_exits_130() -> None:
      "tools"),
     (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}]}).encode(), 404, "gpt-4o"),
     (json.dumps({"messages": [{"role": "user", "content": "word " * 2000}]}).encode(), 400, "context holds 1024"),
-    (b"[" * 100_000, 400, "nests JSON arrays or objects too deeply"),
+    (b"[" * 5000, 400, "nests JSON arrays or objects too deeply"),
     (b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": ' + b"9" * 5000 + b"}", 400,
      "cannot be read"),
     (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "lone UTF-16 surrogate"),
+    # refused from its Content-Length, before it is read: parsing and validating it held the event loop for seconds
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 1_000_000}]}).encode(),
-     400, "1000002 JSON objects"),  # refused before parsing: validating them held the event loop for seconds
+     413, "is 31000045 bytes, more than a request to this server can need (1198080 bytes: its context holds 1024"),
+    # within the byte bound, refused from a count of its JSON values before it is parsed
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 20_000}]}).encode(),
+     400, "holds 60004 JSON values, more than a request to this server can need (8192"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stop": [1] * 200_000}).encode(), 400,
+     "holds 200005 JSON values"),
     (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.8,
                  "repeat_penalty": 1e-300}).encode(), 400, "repeat_penalty"),
     # counted before their items are validated: an error for each of millions of items held the event loop for minutes
-    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stop": [1] * 1_000_000}).encode(), 400,
-     "stop: at most 16 stop strings (got 1000000)"),
-    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {str(i): 1 for i in range(100_000)}})
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stop": [1] * 4000}).encode(), 400,
+     "stop: at most 16 stop strings (got 4000)"),
+    (json.dumps({"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {str(i): 1 for i in range(4000)}})
      .encode(), 400, "logit_bias: logit_bias is not supported"),
 ])
 def test_bad_requests_get_one_clear_error(server: ServerProcess, body: bytes, status: int, says: str) -> None:
@@ -160,22 +167,24 @@ def test_web_pages_and_rebound_names_are_refused(server: ServerProcess) -> None:
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_rendered(server: ServerProcess) -> None:
-    """100,000 messages, or 4 MB of text, against a 1024-token context: refused as too long from their counts, not
-    after minutes of rendering and tokenizing; the server answers the next request at once."""
-    many = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 1}
+    """2,000 messages, or 1 MB of text, against a 1024-token context: refused as too long from their counts, not
+    after minutes of rendering and tokenizing; 4 MB of text, from the body's size before it is read. The server
+    answers the next request at once."""
+    many = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 2000, "max_tokens": 1}
     status, answer = request(server, "POST", "/v1/chat/completions", json.dumps(many).encode(),
                              {"Content-Type": "application/json"})
     assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
-    assert "100000 messages" in answer["error"]["message"]
-    big = {"model": MODEL, "prompt": "word " * 800_000, "max_tokens": 1}
-    status, answer = request(server, "POST", "/v1/completions", json.dumps(big).encode(),
-                             {"Content-Type": "application/json"})
-    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+    assert "2000 messages" in answer["error"]["message"]
+    for words, status_then in ((200_000, 400), (800_000, 413)):
+        big = {"model": MODEL, "prompt": "word " * words, "max_tokens": 1}
+        status, answer = request(server, "POST", "/v1/completions", json.dumps(big).encode(),
+                                 {"Content-Type": "application/json"})
+        assert status == status_then and answer["error"]["code"] == "context_length_exceeded", answer
     assert health(server)["queue"] == {"running": 0, "waiting": 0}
 
 
-def test_a_chunked_body_past_the_limit_is_refused(server: ServerProcess) -> None:
-    """A body with no Content-Length (chunked) is counted as it arrives: past 32 MiB it is refused with 413."""
+def test_a_chunked_body_past_the_bound_is_refused(server: ServerProcess) -> None:
+    """A body with no Content-Length (chunked) is counted as it arrives: past what the context can need, 413."""
     url = urlsplit(server.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
     piece = b" " * (1 << 20)
@@ -186,10 +195,31 @@ def test_a_chunked_body_past_the_limit_is_refused(server: ServerProcess) -> None
         response = connection.getresponse()
         status, answer = response.status, json.loads(response.read())
     except (BrokenPipeError, ConnectionResetError):  # the server answered and closed before all 40 MiB were sent
-        status, answer = 413, {"error": {"message": "larger than"}}
+        status, answer = 413, {"error": {"message": "runs past 1198080 bytes"}}
     connection.close()
-    assert status == 413 and "larger than" in answer["error"]["message"], answer
+    assert status == 413 and "runs past 1198080 bytes" in answer["error"]["message"], answer
     assert health(server)["status"] == "ok"
+
+
+def test_the_body_bounds_hold_the_largest_requests_the_context_takes() -> None:
+    """The worst a real client sends for a full context fits the bounds: n_ctx of the vocabulary's longest token as a
+    message escaped to ASCII, n_ctx token ids pretty-printed, one message a token; one byte or value more than the
+    bounds allow is refused."""
+    vocabulary = [b"a" * 81, "\u00e9".encode() * 30, b"\x01" * 12, b"\n" * 40]  # escaped: 81, 180, 72, 80 bytes
+    n_ctx = 512
+    bounds = BodyBounds.for_context(n_ctx, vocabulary)
+    widest = vocabulary[1].decode() * n_ctx
+    largest = [json.dumps({"model": "m" * 256, "messages": [{"role": "user", "content": widest}],
+                           "stop": ["x" * 64] * 16, "metadata": {f"key{i}": "v" * 512 for i in range(16)},
+                           "user": "u" * 256}, indent=4),
+               json.dumps({"prompt": [151_642] * n_ctx, "max_tokens": 1}, indent=8),
+               json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "a" * 81}]}] * n_ctx},
+                          indent=2)]
+    for body in largest:
+        assert len(body.encode()) <= bounds.bytes and json_values(body.encode(), 0) <= bounds.values
+    assert bounds.bytes == FRAME_BYTES + n_ctx * (180 + TOKEN_FRAME_BYTES)
+    assert json_values(json.dumps([1] * bounds.values).encode(), 0) == bounds.values  # taken
+    assert json_values(json.dumps([1] * (bounds.values + 1)).encode(), bounds.values) == bounds.values + 1  # refused
 
 
 def test_a_model_file_changed_under_the_server_is_refused_and_the_server_stays_up(tmp_path: Path) -> None:
