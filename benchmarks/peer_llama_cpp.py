@@ -98,10 +98,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def llama_server(bin_dir: Path, args: list[str], cap_bytes: int | None, drop: list[Path]) -> Iterator[str]:
-    """llama-server with `args` on a free loopback port (in a memory cgroup of cap_bytes, if given); its URL."""
+def llama_server(bin_dir: Path, args: list[str], cap_bytes: int | None, drop: list[Path],
+                 slots: int = 1) -> Iterator[str]:
+    """llama-server with `args` and `slots` parallel slots (-np) on a free loopback port (in a memory cgroup of
+    cap_bytes, if given); its URL."""
     port = _free_port()
-    command = [str(bin_dir / "llama-server"), *args, "--host", "127.0.0.1", "--port", str(port), "-np", "1",
+    command = [str(bin_dir / "llama-server"), *args, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                "--no-webui"]
     with contextlib.ExitStack() as stack:
         if cap_bytes is not None:

@@ -146,11 +146,14 @@ def serve(
                             ] = HEAD_TIMEOUT_S,
     body_timeout: Annotated[float, typer.Option(help="seconds a request's body has to arrive whole (else 408)")
                             ] = BODY_TIMEOUT_S,
+    parallel: Annotated[int, typer.Option(
+        help="requests decoded together: up to N at once, plainly, in one target pass for all (1: one at a time, "
+             "with the pair's trees)")] = 1,
     *,
     load: LoadOptions,
 ) -> None:
-    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions), one generation at
-    a time (docs/server.md)."""
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions): one generation at
+    a time with the pair's trees, or --parallel N requests decoded together (docs/server.md)."""
     from edge.serve.hosts import is_loopback
     from edge.serve.run import bind, serve, url
 
@@ -163,30 +166,40 @@ def serve(
     for name, seconds in (("--head-timeout", head_timeout), ("--body-timeout", body_timeout)):
         if not 0 < seconds <= 3600:
             raise UserError(f"{name} must be more than 0 and at most 3600 seconds (got {seconds:g})")
+    if not 1 <= parallel <= MAX_PARALLEL:
+        raise UserError(f"--parallel must be 1 to {MAX_PARALLEL} (got {parallel})")
+    if parallel > 1 and load.budget is not None:
+        raise UserError(f"--parallel {parallel} decodes requests plainly, together: trees (--budget) run with "
+                        "--parallel 1")
     sock = bind(host, port)  # a port in use is said before a load of seconds
     try:
         if not is_loopback(host):
             warning(f"listening on {host}: other machines can reach this server"
                     + ("" if keys else "; anyone who can is able to use it (add --api-key KEY)"))
-        with load_pair(alone(load, no_spec)) as loaded:
+        with load_pair(alone(load, no_spec or parallel > 1)) as loaded:
             loaded.shared_replies = share_replies
             if loaded.lossless_warning and not no_spec:
                 warning(loaded.lossless_warning)
-            if not no_spec and loaded.drafter is not None and loaded.budget == "auto":
+            if parallel == 1 and not no_spec and loaded.drafter is not None and loaded.budget == "auto":
                 loaded.auto_budget()  # the pass times, measured now (once per machine) rather than in a first request
             base = url(sock, host)
             chat_note = "" if loaded.template is not None else " (a base model: /v1/completions only)"
 
             def ready() -> None:
                 who = principals(keys, share_replies)
-                err.print(f"serving {escape(loaded.name)} at {base}/v1{chat_note} · {who} · one generation at a time, "
-                          "others queue · Ctrl-C stops", soft_wrap=True, highlight=False)
+                how = ("one generation at a time, others queue" if parallel == 1 else
+                       f"up to {parallel} requests decoded together, plainly, one pass for all; others queue")
+                err.print(f"serving {escape(loaded.name)} at {base}/v1{chat_note} · {who} · {how} · Ctrl-C stops",
+                          soft_wrap=True, highlight=False)
 
-            serve(loaded, sock, api_keys=keys, cors_origins=cors_origin or (), speculate=not no_spec,
+            serve(loaded, sock, api_keys=keys, cors_origins=cors_origin or (), speculate=not no_spec and parallel == 1,
                   budget=None, log_level=log_level.lower(), ready=ready, head_timeout_s=head_timeout,
-                  body_timeout_s=body_timeout)
+                  body_timeout_s=body_timeout, parallel=parallel)
     finally:
         sock.close()
+
+
+MAX_PARALLEL = 64  # lanes of one pass (llama.cpp's sequences allow 256; each lane holds a context of KV cells)
 
 
 def alone(load: LoadOptions, no_spec: bool) -> LoadOptions:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from edge.chat import Prompt
-from edge.generate import Stats, Step, check_fits
+from edge.generate import Decoder, Stats, Step, check_fits
 from edge.options import LoadOptions, check_max_tokens, parse_budget
 from edge.sampling import SamplingConfig
 from edge.stops import StopStrings, cut_at_stop_strings, stopping
@@ -114,16 +114,21 @@ def stream_generate(pair: Pair, prompt: Prompt, **options: Any) -> Iterator[Step
             tokens = pair.prompt_tokens(prompt, asked.raw)
             check_fits(tokens, pair.target.n_ctx)  # before a first --budget auto times the passes (seconds, once)
             decoder = pair.reused_decoder(sampling, asked.speculate, parse_budget(asked.budget), asked.principal)
-        if stops.stops:
-            steps = cut_at_stop_strings(decoder.reply(tokens, max_tokens, stopping(stops, should_stop)), stops)
-        else:
-            steps = decoder.reply(tokens, max_tokens, should_stop)
+        steps = reply_steps(decoder, tokens, max_tokens, stops, should_stop)
         while True:
             with pair.stepping():  # a pair closed meanwhile is said here, before its models are touched
                 step = next(steps, None)
             if step is None:
                 return
             yield step
+
+
+def reply_steps(decoder: Decoder, tokens: list[int], max_tokens: int, stops: StopStrings,
+                should_stop: Callable[[], bool] | None) -> Iterator[Step]:
+    """A decoder's reply to `tokens`, cut at the first of `stops` (a server's lanes run their decoders this way)."""
+    if stops.stops:
+        return cut_at_stop_strings(decoder.reply(tokens, max_tokens, stopping(stops, should_stop)), stops)
+    return decoder.reply(tokens, max_tokens, should_stop)
 
 
 def generate(pair: Pair, prompt: Prompt, **kwargs: Any) -> Generation:

@@ -32,6 +32,8 @@ from edge.protocols import Drafter, Target
 from edge.sampling import LLAMA_DEFAULTS, SamplingConfig
 
 if TYPE_CHECKING:
+    from edge.runtimes.llama_cpp.lanes import Lanes
+
     from edge.budget import AutoBudget, Costs
 
 Report = Callable[[str], None]
@@ -264,6 +266,26 @@ class Pair:
         while len(self._decoders) > MAX_PRINCIPALS:
             del self._decoders[next(iter(self._decoders))]
         return kept[1]
+
+    def lanes(self, n: int) -> Lanes:
+        """`n` lanes over the target's weights (runtimes/llama_cpp/lanes.py): requests that decode together, plainly,
+        one pass for all, each in a KV stream of the pair's context. Refused where the target cannot: another
+        runtime, or one loaded on llama.cpp's own kernels for plain decoding alone, whose rounding changes with the
+        batch (a lane's reply would then depend on the others')."""
+        from edge.runtimes.llama_cpp.lanes import Lanes
+        from edge.runtimes.llama_cpp.models import LlamaTarget, PlainTarget
+
+        from edge.protocols import TargetWrapper
+
+        self.check_open()
+        inner = self.target
+        while isinstance(inner, TargetWrapper):  # a streamed target's read-ahead around the llama.cpp one
+            inner = inner.inner
+        if not isinstance(inner, LlamaTarget) or isinstance(inner, PlainTarget):
+            raise UserError(f"{self.name}'s target cannot decode several requests in one pass (it runs on "
+                            f"{self.target.runtime}{' stock kernels' if isinstance(inner, PlainTarget) else ''}): "
+                            "set `parallel` to 1", "parallel")
+        return Lanes(inner, n, self.target.n_ctx, self.target.prefetch if self.streamed else None)
 
     def forget_replies(self) -> None:
         """Lookup drafts from no earlier reply, as a load with lookup on starts (lookup stays on)."""

@@ -167,7 +167,7 @@ async def health(request: Request) -> dict[str, Any]:
     state = served(request)
     worker = state.worker
     return {"status": "ok", "model": state.name,
-            "queue": {"running": int(worker.running is not None), "waiting": worker.waiting},
+            "queue": {"running": worker.running, "waiting": worker.waiting},
             "requests": {"completed": worker.completed, "cancelled": worker.cancelled, "failed": worker.failed},
             "rss_bytes": psutil.Process().memory_info().rss}
 

@@ -63,14 +63,14 @@ def url(sock: socket.socket, host: str) -> str:
 def serve(pair: Pair, sock: socket.socket, *, api_keys: Sequence[str] = (), cors_origins: Sequence[str] = (),
           speculate: bool = True, budget: int | str | None = None, log_level: str = "info",
           ready: Callable[[], None] | None = None, head_timeout_s: float = HEAD_TIMEOUT_S,
-          body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+          body_timeout_s: float = BODY_TIMEOUT_S, parallel: int = 1) -> None:
     """Serve `pair` on `sock` until Ctrl-C (or SIGTERM); closes the socket, not the pair. A client has
-    `head_timeout_s` to send a request's head and `body_timeout_s` its body."""
+    `head_timeout_s` to send a request's head and `body_timeout_s` its body; `parallel` requests decode together."""
     import uvicorn
     from edge.serve.app import create_app
     from edge.serve.worker import Worker
 
-    worker = Worker(pair, speculate, budget)
+    worker = Worker(pair, speculate, budget, parallel)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:  # the first Ctrl-C: stop generating, then shut down

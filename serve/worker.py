@@ -1,9 +1,12 @@
-"""One generation at a time, in arrival order, on a thread of its own: the server's requests become jobs here.
+"""The server's requests become jobs here, run in arrival order on threads of their own.
 
-A laptop runs one generation at a time (the models use every core), so requests wait in a queue, first come first
-served. The pair's decoder stays the same from job to job, so a prompt that extends the last one (a chat's next turn)
-runs only its new tokens. A job is cancelled when its client leaves: a waiting job is skipped, a running one stops
-after its current token. Events go back to the asyncio side as Steps, then None.
+With --parallel 1 (the default) one generation runs at a time, with the pair's trees: requests wait in a queue, first
+come first served, and the pair's decoder stays the same from job to job, so a prompt that extends the last one (a
+chat's next turn) runs only its new tokens. With --parallel N, up to N requests decode together, plainly, in lanes
+of one target pass (Pair.lanes: for a target read from the drive, the weights are read once for all of them); a lane
+keeps its principal's last prompt and reply for the next request of the same principal. A job is cancelled when its
+client leaves: a waiting job is skipped, a running one stops after its current token, and its lane takes the next.
+Events go back to the asyncio side as Steps, then None.
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import edge
+from edge.api import reply_steps
 from edge.errors import ModelFault, UserError
-from edge.generate import Step
+from edge.generate import Decoder, Step, _common_prefix
 from edge.sampling import SamplingConfig
+from edge.stops import StopStrings
 
 if TYPE_CHECKING:
     from edge.models.pair import Pair
@@ -74,19 +79,33 @@ class Job:
 
 
 class Worker:
-    """Runs jobs one by one on its own thread until `close`."""
+    """Runs jobs on `parallel` threads (lanes) until `close`: one by one with the pair's own decoder, or up to
+    `parallel` at once in the pair's lanes."""
 
-    def __init__(self, pair: Pair, speculate: bool = True, budget: int | str | None = None):
+    def __init__(self, pair: Pair, speculate: bool = True, budget: int | str | None = None, parallel: int = 1):
         self.pair = pair
         self.speculate = speculate
         self.budget = budget
         self.completed = self.cancelled = self.failed = 0
-        self.running: Job | None = None
+        self.lanes = pair.lanes(parallel) if parallel > 1 else None
+        self._running: set[Job] = set()
+        self._busy_lanes: set[int] = set()
+        self._lane_used: dict[int, int] = {}  # when each lane last took a job (a count)
+        self._picked = 0
+        self._lane_decoders: dict[int, tuple[str | None, Decoder]] = {}  # a lane's principal and decoder, kept
         self._waiting: deque[Job] = deque()
         self._wake = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="edge-spec generation", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(lane,), name=f"edge-spec generation {lane}",
+                                          daemon=True) for lane in range(parallel)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def running(self) -> int:
+        """Jobs generating now."""
+        with self._wake:
+            return len(self._running)
 
     def submit(self, work: Work) -> Job:
         job = Job(work, asyncio.get_running_loop())
@@ -94,7 +113,7 @@ class Worker:
             if self._closed:
                 raise GenerationFailed("the server is shutting down", 503)
             self._waiting.append(job)
-            self._wake.notify()
+            self._wake.notify_all()  # the lane that should take it (Worker._lane_for) among the waiting
         return job
 
     @property
@@ -107,45 +126,109 @@ class Worker:
         """Cancel every job, waiting or running, and end the thread (the running job stops after its token)."""
         with self._wake:
             self._closed = True
-            for job in [*self._waiting, *([self.running] if self.running else [])]:
+            for job in [*self._waiting, *self._running]:
                 job.cancel()
-            self._wake.notify()
-        self._thread.join(timeout)
+            self._wake.notify_all()
+        for thread in self._threads:
+            thread.join(timeout)
+        # the lanes' context goes before the pair's model does (serve's caller closes the pair); a lane still in a
+        # pass (a Ctrl-C's close with no wait) keeps it until the final close
+        if self.lanes is not None and not any(thread.is_alive() for thread in self._threads):
+            self.lanes.close()
 
-    def _next(self) -> Job | None:
+    def _next(self, lane: int) -> Job | None:
         with self._wake:
-            while not self._closed and not self._waiting:
+            while True:
+                if self._closed and not self._waiting:
+                    return None
+                job = self._pick(lane)
+                if job is not None or self._closed:
+                    break
                 self._wake.wait()
-            if not self._waiting:
-                return None
-            job = self._waiting.popleft()
-            self.running = job
+            job = job if job is not None else self._waiting[0]  # closed: each hears so
+            self._waiting.remove(job)
+            self._running.add(job)
+            self._busy_lanes.add(lane)
+            self._lane_used[lane] = self._picked = self._picked + 1
             return job
 
-    def _run(self) -> None:
-        while (job := self._next()) is not None:
+    def _pick(self, lane: int) -> Job | None:
+        """The first waiting job this lane should take: the idle lane whose cells hold the longest start of a job's
+        prompt for the same principal (its last turn) takes it, else an empty lane, else the one idle longest."""
+        for job in self._waiting:
+            if self._lane_for(job) == lane:
+                return job
+        return None
+
+    def _lane_for(self, job: Job) -> int | None:
+        idle = [lane for lane in range(len(self._threads)) if lane not in self._busy_lanes]
+        if not idle:
+            return None
+
+        def worth(lane: int) -> tuple[int, int]:  # (prompt tokens held for this job, -(how recently it ran))
+            kept = self._lane_decoders.get(lane)
+            if kept is None:
+                return 0, 1
+            held = _common_prefix(kept[1].context, job.work.tokens) if kept[0] == job.work.principal else 0
+            return held, -self._lane_used.get(lane, 0)
+
+        return max(idle, key=worth)
+
+    def _run(self, lane: int) -> None:
+        while (job := self._next(lane)) is not None:
             try:
                 if job.cancelled.is_set():  # its client left, or the server is shutting down (the client hears so)
                     self.cancelled += 1
                     if self._closed:
                         job._send(GenerationFailed("the server is shutting down", 503))
                     continue
-                self._generate(job)
+                self._generate(job, lane)
             finally:
                 with self._wake:
-                    self.running = None
+                    self._running.discard(job)
+                    self._busy_lanes.discard(lane)
+                    self._wake.notify_all()  # a job left for this lane (its principal's next turn) may wait
         with self._wake:  # closed: whatever still waits hears so
             for job in self._waiting:
                 job._send(GenerationFailed("the server is shutting down", 503))
             self._waiting.clear()
 
-    def _generate(self, job: Job) -> None:
+    def _steps(self, job: Job, lane: int) -> Iterator[Step]:
         work = job.work
+        if self.lanes is None:
+            return edge.stream_generate(self.pair, list(work.tokens), max_tokens=work.max_tokens,
+                                        sampling=work.sampling, speculate=self.speculate, budget=self.budget,
+                                        stop=list(work.stop) or None, should_stop=job.cancelled.is_set,
+                                        principal=work.principal)
+        self.pair.check_open()  # a model file changed on disk since it loaded is said, not computed with
+        return self._lane_steps(job, lane)
+
+    def _lane_steps(self, job: Job, lane: int) -> Iterator[Step]:
+        """The job in its lane: the lane's decoder where the same principal ran there last (its prompt and reply
+        still in the lane's cells), else a fresh one over an emptied lane: no prompt cache across principals."""
+        assert self.lanes is not None
+        work = job.work
+        kept = self._lane_decoders.get(lane)
+        if kept is None or kept[0] != work.principal:
+            target = self.lanes.target(lane, self.pair.target)
+            target.truncate(0)
+            kept = work.principal, Decoder(target, None, None, work.sampling, accept=self.pair.options.accept)
+            self._lane_decoders[lane] = kept
+        decoder = kept[1]
+        decoder.set_sampling(work.sampling)
+        self.lanes.busy(lane, True)
         try:
-            for step in edge.stream_generate(self.pair, list(work.tokens), max_tokens=work.max_tokens,
-                                             sampling=work.sampling, speculate=self.speculate, budget=self.budget,
-                                             stop=list(work.stop) or None, should_stop=job.cancelled.is_set,
-                                             principal=work.principal):
+            yield from reply_steps(decoder, list(work.tokens), work.max_tokens, StopStrings(list(work.stop)),
+                                   job.cancelled.is_set)
+        finally:
+            self.lanes.busy(lane, False)
+            if job.cancelled.is_set():  # its client left: the lane's cells are freed now, not kept for a next turn
+                decoder.target.truncate(0)
+                del self._lane_decoders[lane]
+
+    def _generate(self, job: Job, lane: int) -> None:
+        try:
+            for step in self._steps(job, lane):
                 job._send(step)
         except ModelFault as problem:  # the model file changed under the server: not the client's fault, no trace
             self.failed += 1

@@ -312,6 +312,16 @@ def test_serve_bodies_runs() -> None:
     assert all(row["health_ms"]["polls"] > 0 for row in result["bodies"]) and result["worst_health_ms"] > 0
 
 
+def test_serve_load_runs() -> None:
+    """The load benchmark starts `serve --parallel 2`, sends the chat prompts alone and then from two clients at once,
+    and reports both phases; every reply under load equals its reply alone."""
+    result = json.loads(run_script("serve_load.py", "--pair", PAIR, "--clients", "2", "-n", "8", "--ctx", "512"))
+    edge = result["edge_spec"]
+    assert edge["replies_equal_alone"] == "8/8" and edge["log_tracebacks"] == 0, edge
+    assert edge["together"]["clients"] == 2 and len(edge["together"]["client_tokens_per_s"]) == 2
+    assert edge["alone"]["aggregate_tokens_per_s"] > 0 and edge["together"]["ttft_worst_s"] > 0
+
+
 def test_serve_soak_runs() -> None:
     """The soak benchmark starts a real server with two API keys, streams from two clients (one a key), reports the
     server's memory, and probes whether one key's prompt shows in the other's cached tokens."""

@@ -11,6 +11,7 @@ import ctypes
 import functools
 import os
 import re
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -199,7 +200,7 @@ class Model:
         self.add_eos: bool = bool(ll.llama_vocab_get_add_eos(self._vocab))
         self._specials: re.Pattern[str] | None = None  # the special tokens' texts, longest first (tokenize)
         self._attributed: list[int] | None = None  # _attributed_special's tokens
-        self._piece = ctypes.create_string_buffer(256)
+        self._pieces = threading.local()  # a buffer per thread: a server's lanes detokenize at once
 
     @property
     def ptr(self) -> ll.llama_model_p:
@@ -268,12 +269,15 @@ class Model:
         return list(out[:n])
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:
-        n = ll.llama_token_to_piece(self._vocab, token, self._piece, len(self._piece), 0, special)
+        piece = getattr(self._pieces, "buffer", None)
+        if piece is None:
+            piece = self._pieces.buffer = ctypes.create_string_buffer(256)
+        n = ll.llama_token_to_piece(self._vocab, token, piece, len(piece), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
             return buf.raw[:n]
-        return self._piece.raw[:n]
+        return piece.raw[:n]
 
     def token_text(self, token: int) -> bytes:
         """The vocabulary entry itself (what tokenizers compare), not its rendering."""
@@ -324,7 +328,7 @@ class Context:
     def __init__(self, model: Model, n_ctx: int, n_batch: int, kv_type: str = "f16",
                  n_threads: int | None = None, flash_attn: bool | None = None, op_offload: bool = True,
                  n_outputs: int = 0, on_layer: LayerHook | None = None, sequences: int = MAX_SEQ,
-                 threadpool: bool = False):
+                 threadpool: bool = False, unified: bool = True):
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         # One tree must be one micro-batch, or an offloaded target streams its weights once per micro-batch.
@@ -334,7 +338,9 @@ class Context:
         # 0: n_batch rows of logits (a 262k vocabulary makes that large); never fewer than n_seq_max, which llama.cpp
         # reserves its output buffer for whatever is asked (and asserts on otherwise)
         params.n_outputs_max = max(n_outputs, sequences) if n_outputs else 0
-        params.kv_unified = True  # tree branches share the committed prefix's cells
+        # unified: tree branches share the committed prefix's cells; else each sequence has a KV stream of its own
+        # (n_ctx cells each), as llama-server's slots: its cells stay in position order whatever the others do
+        params.kv_unified = unified
         params.swa_full = True  # keep sliding-window layers' full history, so rejected branches can be removed
         threads = n_threads or default_threads()
         params.n_threads = threads
@@ -352,7 +358,7 @@ class Context:
         self.model = model
         self._settings = {"n_ctx": n_ctx, "n_batch": n_batch, "kv_type": kv_type, "n_threads": n_threads,
                           "flash_attn": flash_attn, "op_offload": op_offload, "n_outputs": n_outputs,
-                          "on_layer": on_layer, "sequences": sequences, "threadpool": threadpool}
+                          "on_layer": on_layer, "sequences": sequences, "threadpool": threadpool, "unified": unified}
         self._ptr = ll.llama_init_from_model(model.ptr, params)
         if not self._ptr:
             raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "
@@ -365,6 +371,11 @@ class Context:
         self.n_ctx: int = ll.llama_n_ctx(self._ptr)
         self.n_batch: int = ll.llama_n_batch(self._ptr)  # llama.cpp clamps it to the context size
         self._mem = ll.llama_get_memory(self._ptr)
+
+    @property
+    def settings(self) -> dict:
+        """What the context was made with (Context's arguments but the model)."""
+        return dict(self._settings)
 
     def close(self) -> None:
         if self._ptr:

@@ -1,0 +1,134 @@
+"""K clients at once against `edge-spec serve --parallel K`, and against llama-server with K slots (-np K), with the
+real openai client: aggregate tokens/s, each client's tokens/s, first-token latency (median and worst), and whether
+every reply equals the one the same server gives that request alone.
+
+    python benchmarks/serve_load.py --clients 4                       # the default pair, 8 chat prompts x 64 tokens
+    python benchmarks/serve_load.py --pair smollm2-135m --clients 4 -n 32 --peer
+
+Each server runs two phases: the prompts one at a time (each reply alone, and the one-client rate), then the same
+prompts from K clients at once, each client taking every K-th prompt. Greedy, streamed. `--peer` adds llama-server
+(built as benchmarks/peer_llama_cpp.py builds it) with the target alone, plain, `-np K`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def one_reply(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> dict:
+    """A streamed greedy chat reply: its text, tokens (usage), first-token latency and decode rate."""
+    start = time.perf_counter()
+    first = None
+    pieces: list[str] = []
+    usage = None
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=max_tokens, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                first = first if first is not None else time.perf_counter()
+                pieces.append(choice.delta.content)
+    end = time.perf_counter()
+    tokens = usage.completion_tokens if usage is not None else len(pieces)
+    first = end if first is None else first
+    return {"text": "".join(pieces), "tokens": tokens, "ttft_s": first - start, "seconds": end - start}
+
+
+def phase(base: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    """The prompts from `clients` clients at once (client c takes prompts c, c + clients, ...)."""
+    results: list[dict | None] = [None] * len(prompts)
+    spans: list[tuple[float, float, int]] = []
+    failures: list[str] = []
+
+    def client_run(c: int) -> None:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="load", max_retries=0, timeout=1800)
+        started, tokens = time.perf_counter(), 0
+        for i in range(c, len(prompts), clients):
+            try:
+                results[i] = one_reply(client, model, prompts[i], max_tokens)
+            except openai.OpenAIError as problem:
+                failures.append(f"prompt {i}: {problem}")
+                continue
+            tokens += results[i]["tokens"]
+        spans.append((started, time.perf_counter(), tokens))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client_run, args=(c,)) for c in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - start
+    done = [r for r in results if r is not None]
+    if failures:
+        raise SystemExit(f"{len(failures)} requests failed: {failures[0]}")
+    ttfts = [r["ttft_s"] for r in done]
+    return {"clients": clients, "requests": len(done), "tokens": sum(r["tokens"] for r in done),
+            "seconds": round(seconds, 2), "aggregate_tokens_per_s": round(sum(r["tokens"] for r in done) / seconds, 2),
+            "client_tokens_per_s": [round(tokens / (end - begin), 2) for begin, end, tokens in spans],
+            "ttft_median_s": round(statistics.median(ttfts), 3), "ttft_worst_s": round(max(ttfts), 3),
+            "texts": [r["text"] for r in results if r is not None]}
+
+
+def measure(base: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    alone = phase(base, model, prompts, 1, max_tokens)
+    together = phase(base, model, prompts, clients, max_tokens)
+    same = sum(a == b for a, b in zip(alone["texts"], together["texts"], strict=True))
+    for row in (alone, together):
+        del row["texts"]
+    return {"alone": alone, "together": together, "replies_equal_alone": f"{same}/{len(prompts)}",
+            "aggregate_vs_alone": round(together["aggregate_tokens_per_s"] / alone["aggregate_tokens_per_s"], 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="serve_load.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--prompts", type=Path, default=REPO / "benchmarks" / "chat-prompts.txt")
+    parser.add_argument("-n", type=int, default=64, help="tokens per reply")
+    parser.add_argument("--ctx", type=int, default=1024, help="context per request (each lane, each slot)")
+    parser.add_argument("--peer", action="store_true", help="llama-server with -np CLIENTS too")
+    args = parser.parse_args()
+    if args.clients < 1 or args.n < 1:
+        parser.error("--clients and -n must be at least 1")
+    prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from serve_process import ServerProcess
+
+    result: dict = {"pair": args.pair, "clients": args.clients, "max_tokens": args.n, "prompts": len(prompts)}
+    server_args = [args.pair, "--parallel", str(args.clients), "--ctx", str(args.ctx)]
+    with ServerProcess(server_args) as server:
+        result["edge_spec"] = {"server_args": server_args, **measure(server.url, args.pair, prompts, args.clients,
+                                                                      args.n)}
+    result["edge_spec"]["log_tracebacks"] = server.log.count("Traceback")
+    if args.peer:
+        from peer_llama_cpp import amx_crashes, build, llama_server, pair_files
+
+        bin_dir = build(lambda message: print(message, file=sys.stderr))
+        target = str(pair_files(args.pair)["target"])
+        peer_args = ["-m", target, "-c", str(args.ctx * args.clients)] + (["--no-repack"] if amx_crashes() else [])
+        with llama_server(bin_dir, peer_args, None, [], slots=args.clients) as url:
+            result["llama_server"] = {"args": [*peer_args, "-np", str(args.clients)],
+                                      **measure(url, args.pair, prompts, args.clients, args.n)}
+        result["edge_vs_llama_server_aggregate"] = round(
+            result["edge_spec"]["together"]["aggregate_tokens_per_s"]
+            / result["llama_server"]["together"]["aggregate_tokens_per_s"], 2)
+    json.dump(result, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()

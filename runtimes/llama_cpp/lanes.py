@@ -1,0 +1,210 @@
+"""Several requests decoding together: one llama.cpp context whose sequences are lanes, one pass for all of them.
+
+Each lane is a sequence with a KV stream of its own (the context is not unified, as llama-server's slots), so a lane's
+cells stay in position order whatever the other lanes do: its attention sums what it would sum alone. The weights'
+kernels are the batch-invariant ones (runtimes/llama_cpp/kernels.py), so a lane's logits do not depend on what else
+rode in the pass either: every lane's reply is the one it gets alone, bit for bit (tests/test_batching.py).
+
+A lane is a Target (LaneTarget) that one request's decoder runs on its own thread; its passes are requests to the
+lanes' batcher, which waits until every busy lane has asked (or GATHER_S has passed), then runs them all in one
+llama_decode. For a target streamed from the drive, that pass reads the weights once for every lane.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from edge.runtimes.llama_cpp._native import Batch, Context
+from edge.runtimes.llama_cpp.models import LlamaTarget
+
+from edge.protocols import ModelDefaults
+from edge.tree import TokenTree
+
+GATHER_S = 0.02  # how long a pass waits for a busy lane's next request (its thread samples and hands on a token)
+LANE_BATCH = 256  # tokens one pass carries: every lane's next token, and prompts in chunks of what is left
+
+
+@dataclass(eq=False)
+class _Ask:
+    """One lane's tokens for the batcher: run from `done` on at positions start + i; the last one's logits kept."""
+
+    lane: int
+    tokens: Sequence[int]
+    start: int
+    output: bool
+    done: int = 0
+    logits: np.ndarray | None = None
+    error: BaseException | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class Lanes:
+    """`n` lanes over a target's weights, each of `n_ctx` tokens, and the thread that runs their passes."""
+
+    def __init__(self, target: LlamaTarget, n: int, n_ctx: int, before_pass: Callable[[], None] | None = None):
+        settings = target.ctx.settings
+        self.ctx = Context(target.model, n * n_ctx, n_batch=max(LANE_BATCH, n), kv_type=settings["kv_type"],
+                           n_threads=settings["n_threads"], flash_attn=settings["flash_attn"], n_outputs=n,
+                           on_layer=settings["on_layer"], sequences=n, unified=False)
+        self.n, self.n_ctx, self.model = n, self.ctx.n_ctx // n, target.model
+        self.passes = 0  # passes run, all lanes together
+        self.lane_passes = 0  # lanes' passes, counted in each pass they rode in
+        self._before_pass = before_pass  # a streamed target's read-ahead starts
+        self._batch = Batch(self.ctx.n_batch)
+        self._asks: list[_Ask] = []
+        self._targets: dict[int, LaneTarget] = {}
+        self._busy: set[int] = set()  # lanes whose request is running: the batcher waits for their next ask
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="edge-spec lanes", daemon=True)
+        self._thread.start()
+
+    def target(self, lane: int, template: LlamaTarget) -> LaneTarget:
+        """The lane as a Target (the same object for a lane every time: it knows what the lane's cells hold)."""
+        if lane not in self._targets:
+            self._targets[lane] = LaneTarget(self, lane, template)
+        return self._targets[lane]
+
+    def busy(self, lane: int, running: bool) -> None:
+        """Whether `lane` runs a request now: the batcher waits for a busy lane's next pass."""
+        with self._cond:
+            (self._busy.add if running else self._busy.discard)(lane)
+            self._cond.notify_all()
+
+    def run(self, lane: int, tokens: Sequence[int], start: int, output: bool) -> np.ndarray | None:
+        """Run `tokens` in `lane` at positions start..., in the batcher's passes; the last token's logits
+        ([n_vocab] float32, a copy) when `output`."""
+        ask = _Ask(lane, list(tokens), start, output)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the lanes are closed")
+            self._asks.append(ask)
+            self._cond.notify_all()
+        ask.finished.wait()
+        if ask.error is not None:
+            raise ask.error
+        return ask.logits
+
+    def remove(self, lane: int, start: int) -> None:
+        """Drop `lane`'s cells from position `start` on (between passes)."""
+        with self._cond:
+            self.ctx.seq_rm(lane, start, -1)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for ask in self._asks:
+                ask.error = RuntimeError("the lanes are closed")
+                ask.finished.set()
+            self._asks.clear()
+            self._cond.notify_all()
+        self._thread.join(10)
+        self.ctx.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._asks and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                deadline = time.monotonic() + GATHER_S
+                while self._busy - {ask.lane for ask in self._asks} and not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if self._closed:
+                    return
+                taken = self._fill()
+                if self._before_pass is not None:
+                    self._before_pass()
+                try:
+                    self.ctx.decode(self._batch)
+                except BaseException as problem:
+                    for ask, _, _ in taken:
+                        ask.error = problem
+                else:
+                    self.passes += 1
+                    self.lane_passes += len({ask.lane for ask, _, _ in taken})
+                    self._hand_back(taken)
+                for ask, _, _ in taken:
+                    if ask.error is not None or ask.done == len(ask.tokens):
+                        self._asks.remove(ask)
+                        ask.finished.set()
+
+    def _fill(self) -> list[tuple[_Ask, int, int]]:
+        """The batch: each ask's next tokens, the shortest first so that every lane's one token rides before any
+        prompt fills the rest; (ask, its first token here, the row of its logits or -1)."""
+        room, taken, n = self._batch.capacity, [], 0
+        for ask in sorted(self._asks, key=lambda a: len(a.tokens) - a.done):
+            if room == 0:
+                break
+            count = min(room, len(ask.tokens) - ask.done)
+            rows = slice(n, n + count)
+            self._batch.token[rows] = ask.tokens[ask.done: ask.done + count]
+            self._batch.pos[rows] = np.arange(ask.start + ask.done, ask.start + ask.done + count)
+            self._batch.n_seq_id[rows] = 1
+            self._batch.seq_id[rows, 0] = ask.lane
+            last = ask.done + count == len(ask.tokens)
+            self._batch.output[rows] = 0
+            if last and ask.output:
+                self._batch.output[n + count - 1] = 1
+            taken.append((ask, count, n + count - 1 if last and ask.output else -1))
+            n, room = n + count, room - count
+        self._batch.struct.n_tokens = n
+        return taken
+
+    def _hand_back(self, taken: list[tuple[_Ask, int, int]]) -> None:
+        outputs = [row for _, _, row in taken if row >= 0]
+        logits = self.ctx.logits(len(outputs)) if outputs else None  # rows in batch order
+        for ask, count, row in taken:
+            ask.done += count
+            if row >= 0 and logits is not None:
+                ask.logits = logits[outputs.index(row)].copy()
+
+
+class LaneTarget(ModelDefaults):
+    """One lane as a Target for a plain decoder: the KV cache holds context[:-1], and a pass runs the root alone."""
+
+    max_tree = 1
+
+    def __init__(self, lanes: Lanes, lane: int, template: LlamaTarget):
+        self.lanes, self.lane = lanes, lane
+        self.runtime, self.path, self.n_vocab = template.runtime, template.path, template.n_vocab
+        self.tokenizer, self.special = template.tokenizer, template.special
+        self.n_ctx = lanes.n_ctx
+        self.n_past = 0
+        self.passes = 0
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        if tokens:
+            self.lanes.run(self.lane, tokens, self.n_past, output=False)
+            self.n_past += len(tokens)
+            self.passes += 1
+
+    def verify(self, tree: TokenTree) -> np.ndarray:
+        if len(tree) != 1:
+            raise ValueError(f"a lane decodes one token a pass, not a tree of {len(tree)}")
+        logits = self.lanes.run(self.lane, [int(tree.tokens[0])], self.n_past, output=True)
+        self.passes += 1
+        assert logits is not None
+        return logits[None, :]  # [1, n_vocab]
+
+    def commit(self, tree: TokenTree, path: list[int]) -> None:
+        self.n_past += 1  # the root's cell, written by its pass
+
+    def truncate(self, n: int) -> None:
+        if n < self.n_past:
+            self.lanes.remove(self.lane, n)
+            self.n_past = n
+
+    def resize(self, size: int) -> bool:
+        return size <= 1
+
+    def close(self) -> None:
+        """The lanes own the context (Lanes.close)."""

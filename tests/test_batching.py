@@ -1,0 +1,166 @@
+"""Requests decoding together in one target pass (runtimes/llama_cpp/lanes.py, `serve --parallel N`): each reply is
+the one it gets alone, token for token, greedy and seeded; requests join and leave mid-reply; principals share a pass,
+never a cell or a figure. On real SmolLM2, its target alone (no drafter), in this process."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+from edge.models.pair import Pair
+from edge.runtimes.llama_cpp.lanes import Lanes
+from edge.serve.app import create_app
+from edge.serve.worker import Worker
+from starlette.testclient import TestClient
+
+import edge
+from edge.generate import Decoder
+from edge.sampling import SamplingConfig
+from tests.cli_helpers import assert_one_line_error, run
+
+PROMPTS = ["Write a Python function that reverses a string.", "Name three colors.",
+           "What is the capital of France?", "def fibonacci(n):"]
+GREEDY = SamplingConfig(temperature=0.0)
+SEEDED = SamplingConfig(temperature=0.8, seed=5)
+
+
+@pytest.fixture(scope="module")
+def alone_pair() -> Iterator[Pair]:
+    """SmolLM2's target alone on the batch-invariant kernels, as `serve --parallel N` loads it."""
+    with edge.load("smollm2-135m", ctx=512, gpu_layers=0, drafter="none", lookup="off") as pair:
+        yield pair
+
+
+@pytest.fixture
+def lanes(alone_pair: Pair) -> Iterator[Lanes]:
+    made = alone_pair.lanes(4)
+    yield made
+    made.close()
+
+
+def reply(lanes: Lanes, pair: Pair, lane: int, prompt: str, n: int, sampling: SamplingConfig,
+          on_token: Callable[[int], None] | None = None, should_stop: Callable[[], bool] | None = None) -> list[int]:
+    """One request in `lane`, as the server's worker runs it: a plain decoder over the lane, the lane busy meanwhile."""
+    decoder = Decoder(lanes.target(lane, pair.target), None, None, sampling)
+    tokens = pair.prompt_tokens(prompt)
+    lanes.busy(lane, True)
+    try:
+        out = []
+        for step in decoder.reply(tokens, n, should_stop):
+            if step.token is not None:
+                out.append(step.token)
+                if on_token is not None:
+                    on_token(len(out))
+        return out
+    finally:
+        lanes.busy(lane, False)
+
+
+def together(*runs: Callable[[], list[int]]) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in runs]
+    threads = [threading.Thread(target=lambda i=i, call=call: results.__setitem__(i, call())) for i, call in
+               enumerate(runs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_requests_in_one_pass_get_what_they_get_alone(lanes: Lanes, alone_pair: Pair,
+                                                      sampling: SamplingConfig) -> None:
+    """Four requests, each first alone, then all four at once: the same tokens, and the passes were shared (a lane's
+    passes ride together with others')."""
+    alone = [reply(lanes, alone_pair, lane, prompt, 24, sampling) for lane, prompt in enumerate(PROMPTS)]
+    before = lanes.passes, lanes.lane_passes
+    both = together(*[lambda lane=lane, prompt=prompt: reply(lanes, alone_pair, lane, prompt, 24, sampling)
+                      for lane, prompt in enumerate(PROMPTS)])
+    assert both == alone
+    passes, lane_passes = lanes.passes - before[0], lanes.lane_passes - before[1]
+    assert lane_passes >= 2 * passes, (passes, lane_passes)  # most passes carried several lanes
+
+
+def test_a_request_joining_mid_reply_changes_no_ones_tokens(lanes: Lanes, alone_pair: Pair) -> None:
+    alone = [reply(lanes, alone_pair, lane, prompt, 32, GREEDY) for lane, prompt in enumerate(PROMPTS[:2])]
+    started = threading.Event()
+    first = lambda: reply(lanes, alone_pair, 0, PROMPTS[0], 32, GREEDY,  # noqa: E731
+                          on_token=lambda n: started.set() if n == 10 else None)
+
+    def second() -> list[int]:
+        started.wait(60)
+        return reply(lanes, alone_pair, 1, PROMPTS[1], 32, GREEDY)
+
+    assert together(first, second) == alone
+
+
+def test_a_request_leaving_mid_reply_frees_its_lane(lanes: Lanes, alone_pair: Pair) -> None:
+    """A client that leaves after 5 tokens: the other's reply is unchanged; the leaver's lane can be emptied at once,
+    and the next request there gets what it gets alone."""
+    alone = reply(lanes, alone_pair, 1, PROMPTS[1], 32, GREEDY)
+    leaving = threading.Event()
+    first = lambda: reply(lanes, alone_pair, 0, PROMPTS[0], 64, GREEDY,  # noqa: E731
+                          on_token=lambda n: leaving.set() if n == 5 else None, should_stop=leaving.is_set)
+    short, other = together(first, lambda: reply(lanes, alone_pair, 1, PROMPTS[1], 32, GREEDY))
+    assert len(short) == 5 and other == alone
+    lanes.target(0, alone_pair.target).truncate(0)
+    assert lanes.ctx.seq_pos_max(0) == -1
+    assert reply(lanes, alone_pair, 0, PROMPTS[1], 32, GREEDY) == alone
+
+
+def test_lanes_detokenize_at_once(alone_pair: Pair) -> None:
+    """Four lanes' threads turn tokens into text at once: each gets its own bytes (a shared buffer gave one reply
+    another's pieces: "The,Setital of France")."""
+    tokenizer = alone_pair.target.tokenizer
+    expected = [tokenizer.token_bytes(token) for token in range(2000)]
+    seen = together(*[lambda: [tokenizer.token_bytes(token) for token in range(2000)] for _ in range(4)])
+    assert all(got == expected for got in seen)
+
+
+def test_a_stock_target_is_refused_lanes() -> None:
+    """A target loaded on llama.cpp's own kernels (plain decoding alone) rounds by batch size: no lanes, one line."""
+    with edge.load("smollm2-135m", ctx=512, gpu_layers=0, speculate="auto") as pair:
+        if pair.plan_use != "plain":
+            pytest.skip(f"the plan kept {pair.plan_use} here")
+        with pytest.raises(edge.UserError, match="set `parallel` to 1"):
+            pair.lanes(2)
+
+
+A, B = "key-of-a", "key-of-b"
+
+
+def test_principals_share_a_pass_and_nothing_else(alone_pair: Pair) -> None:
+    """`serve --parallel 2` with two keys: A and B ask at once; each gets its reply alone, and B's cached tokens are 0
+    after A sent the same prompt (a lane keeps a prompt only for its own principal's next turn)."""
+    worker = Worker(alone_pair, False, None, parallel=2)
+    try:
+        with TestClient(create_app(alone_pair, worker, (A, B))) as client:
+            def ask(key: str, prompt: str) -> dict:
+                answer = client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                     json={"prompt": prompt, "max_tokens": 16, "temperature": 0})
+                assert answer.status_code == 200, answer.text
+                return answer.json()
+
+            asked = ((A, PROMPTS[0]), (B, PROMPTS[1]))
+            alone = {key: ask(key, prompt)["choices"][0]["text"] for key, prompt in asked}
+            results: dict[str, dict] = {}
+            threads = [threading.Thread(target=lambda k=key, p=prompt: results.__setitem__(k, ask(k, p)))
+                       for key, prompt in asked]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+            assert {key: result["choices"][0]["text"] for key, result in results.items()} == alone
+            ask(A, PROMPTS[2])
+            cached = ask(B, PROMPTS[2])["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == 0
+            assert ask(A, PROMPTS[2] + " Answer in one word.")["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize(("args", "says"), [(["--parallel", "0"], "--parallel must be 1 to 64"),
+                                            (["--parallel", "2", "--budget", "16"], "trees (--budget) run with")])
+def test_serve_parallel_refusals_are_one_line(args: list[str], says: str) -> None:
+    assert_one_line_error(run("serve", "smollm2-135m", "--port", "0", *args), says)
