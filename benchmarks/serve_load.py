@@ -4,15 +4,18 @@ every reply equals the one the same server gives that request alone.
 
     python benchmarks/serve_load.py --clients 4                       # the default pair, 8 chat prompts x 64 tokens
     python benchmarks/serve_load.py --pair smollm2-135m --clients 4 -n 32 --peer
+    python benchmarks/serve_load.py --clients 4 --peer --cap-mb 1049   # each server in a 1049 MiB memory cgroup
 
 Each server runs two phases: the prompts one at a time (each reply alone, and the one-client rate), then the same
 prompts from K clients at once, each client taking every K-th prompt. Greedy, streamed. `--peer` adds llama-server
-(built as benchmarks/peer_llama_cpp.py builds it) with the target alone, plain, `-np K`.
+(built as benchmarks/peer_llama_cpp.py builds it) with the target alone, plain, `-np K`. With `--cap-mb`, each server
+runs in a memory cgroup of its own (benchmarks/memcap.py), the model files dropped from the page cache first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -101,26 +104,42 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=64, help="tokens per reply")
     parser.add_argument("--ctx", type=int, default=1024, help="context per request (each lane, each slot)")
     parser.add_argument("--peer", action="store_true", help="llama-server with -np CLIENTS too")
+    parser.add_argument("--cap-mb", type=int, default=None, help="run each server under a memory cap of this size")
     args = parser.parse_args()
     if args.clients < 1 or args.n < 1:
         parser.error("--clients and -n must be at least 1")
     prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
     sys.path.insert(0, str(REPO / "benchmarks"))
+    from peer_llama_cpp import pair_files
     from serve_process import ServerProcess
 
-    result: dict = {"pair": args.pair, "clients": args.clients, "max_tokens": args.n, "prompts": len(prompts)}
+    files = list(pair_files(args.pair).values())
+    cap = None if args.cap_mb is None else args.cap_mb << 20
+    result: dict = {"pair": args.pair, "clients": args.clients, "max_tokens": args.n, "prompts": len(prompts),
+                    "cap_mb": args.cap_mb}
     server_args = [args.pair, "--parallel", str(args.clients), "--ctx", str(args.ctx)]
-    with ServerProcess(server_args) as server:
+    with contextlib.ExitStack() as stack:
+        wrapper: list[str] = []
+        if cap is not None:
+            from memcap import drop_from_cache, memory_cgroup
+
+            cgroup = stack.enter_context(memory_cgroup(cap))
+            drop_from_cache(files)
+            wrapper = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.procs)]
+        server = stack.enter_context(ServerProcess(server_args, wrapper=wrapper))
         result["edge_spec"] = {"server_args": server_args, **measure(server.url, args.pair, prompts, args.clients,
                                                                       args.n)}
+        if cap is not None:
+            result["edge_spec"]["peak_mib"] = round(cgroup.peak_bytes() / 2**20)
     result["edge_spec"]["log_tracebacks"] = server.log.count("Traceback")
+    result["edge_spec"]["plan"] = [line.strip() for line in server.log.splitlines() if "plan" in line.lower()][:3]
     if args.peer:
-        from peer_llama_cpp import amx_crashes, build, llama_server, pair_files
+        from peer_llama_cpp import amx_crashes, build, llama_server
 
         bin_dir = build(lambda message: print(message, file=sys.stderr))
         target = str(pair_files(args.pair)["target"])
         peer_args = ["-m", target, "-c", str(args.ctx * args.clients)] + (["--no-repack"] if amx_crashes() else [])
-        with llama_server(bin_dir, peer_args, None, [], slots=args.clients) as url:
+        with llama_server(bin_dir, peer_args, cap, files, slots=args.clients) as url:
             result["llama_server"] = {"args": [*peer_args, "-np", str(args.clients)],
                                       **measure(url, args.pair, prompts, args.clients, args.n)}
         result["edge_vs_llama_server_aggregate"] = round(

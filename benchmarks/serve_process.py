@@ -18,12 +18,14 @@ READY = re.compile(r"serving .* at (http://\S+)/v1")
 
 
 class ServerProcess:
-    def __init__(self, args: Sequence[str], timeout: float = 300.0, cwd: Path | None = None):
-        """Start `edge-spec serve ARGS --port 0` and wait (up to `timeout` s) until it serves."""
+    def __init__(self, args: Sequence[str], timeout: float = 300.0, cwd: Path | None = None,
+                 wrapper: Sequence[str] = ()):
+        """Start `edge-spec serve ARGS --port 0` (after `wrapper`: a command that execs the rest, such as one that
+        enters a memory cgroup) and wait (up to `timeout` s) until it serves."""
         # Ctrl-C as a terminal delivers it, even from a suite started in the background (a non-interactive shell
         # starts `cmd &` with SIGINT ignored, and the child would inherit that: it would stop but exit 0, not 130)
-        command = [sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                   "from edge.cli.main import main; main()", "serve", *args, "--port", "0"]
+        command = [*wrapper, sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, "
+                   "signal.default_int_handler); from edge.cli.main import main; main()", "serve", *args, "--port", "0"]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                         cwd=cwd)
         self.lines: list[str] = []

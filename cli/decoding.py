@@ -166,17 +166,13 @@ def serve(
     for name, seconds in (("--head-timeout", head_timeout), ("--body-timeout", body_timeout)):
         if not 0 < seconds <= 3600:
             raise UserError(f"{name} must be more than 0 and at most 3600 seconds (got {seconds:g})")
-    if not 1 <= parallel <= MAX_PARALLEL:
-        raise UserError(f"--parallel must be 1 to {MAX_PARALLEL} (got {parallel})")
-    if parallel > 1 and load.budget is not None:
-        raise UserError(f"--parallel {parallel} decodes requests plainly, together: trees (--budget) run with "
-                        "--parallel 1")
+    load = replace(load, parallel=parallel)  # the target alone for parallel > 1; checked here, before the port
     sock = bind(host, port)  # a port in use is said before a load of seconds
     try:
         if not is_loopback(host):
             warning(f"listening on {host}: other machines can reach this server"
                     + ("" if keys else "; anyone who can is able to use it (add --api-key KEY)"))
-        with load_pair(alone(load, no_spec or parallel > 1)) as loaded:
+        with load_pair(alone(load, no_spec)) as loaded:
             loaded.shared_replies = share_replies
             if loaded.lossless_warning and not no_spec:
                 warning(loaded.lossless_warning)
@@ -197,9 +193,6 @@ def serve(
                   body_timeout_s=body_timeout, parallel=parallel)
     finally:
         sock.close()
-
-
-MAX_PARALLEL = 64  # lanes of one pass (llama.cpp's sequences allow 256; each lane holds a context of KV cells)
 
 
 def alone(load: LoadOptions, no_spec: bool) -> LoadOptions:

@@ -23,6 +23,7 @@ LOOKUP_MODES = ("on", "off", "keep")  # keep: earlier runs' replies too, kept in
 SPECULATE_MODES = ("on", "auto")  # the pair's drafter as named, or the plan's choice of a use (offload/choice.py)
 NO_DRAFTER = ("lookup", "none")  # drafter values that load no drafter model: lookup drafting alone (or plain decoding)
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more than this only waits on each other (a million would never start)
+MAX_PARALLEL = 64  # lanes of one pass (llama.cpp's sequences allow 256; each lane holds a context of KV cells)
 MIN_CTX = 256  # llama.cpp sizes a context in steps of 256 tokens: a smaller one would silently hold 256
 
 
@@ -53,6 +54,9 @@ class LoadOptions:
     # load the target alone, decoding plainly (on llama.cpp's own kernels where it is wholly in RAM) or by lookup;
     # "on": the pair's drafter, as named
     speculate: str = "on"
+    # requests decoded together in lanes of one pass (a server's --parallel; Pair.lanes): plainly, the target alone
+    # (no drafter, no lookup); the plan keeps room for the lanes' KV caches
+    parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.models_file is not None and not isinstance(self.models_file, Path):
@@ -93,6 +97,14 @@ class LoadOptions:
         if self.target_dtype is not None and self.target_dtype not in TARGET_DTYPES:
             raise UserError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)} (got {self.target_dtype!r})",
                             "target_dtype")
+        if not 1 <= self.parallel <= MAX_PARALLEL:
+            raise UserError(f"parallel must be 1 to {MAX_PARALLEL} (got {self.parallel})", "parallel")
+        if self.parallel > 1:
+            if self.budget is not None:
+                raise UserError(f"parallel {self.parallel} decodes requests plainly, together, with no tree: leave "
+                                "the budget out, or set parallel to 1", "parallel")
+            object.__setattr__(self, "drafter", "none")
+            object.__setattr__(self, "lookup", "off")
         if self.drafter_vocab is not None and self.drafter_vocab < 0:
             raise UserError(f"the drafter's vocabulary must be 0 (the full head) or more (got {self.drafter_vocab})")
 

@@ -41,9 +41,16 @@ def open_pair(options: LoadOptions, report: Report = _quiet) -> Pair:
     times: dict[str, float] = {}
     with phase(times, "models.toml and plan"):
         spec, models_file = resolve_spec(options)
-        planned = planned_target(spec, models_file, report, options.drafter_model, _chooses(spec, options),
-                                 options.lookup_drafts, options.placement == "ssd")  # None until the files are here
+        planned = planned_target(planned_spec(spec, options), models_file, report, options.drafter_model,
+                                 _chooses(spec, options), options.lookup_drafts, options.placement == "ssd",
+                                 plain=options.parallel > 1)  # None until the files are here
     return load_pair(spec, options, report, models_file, times, planned)
+
+
+def planned_spec(spec: PairSpec, options: LoadOptions) -> PairSpec:
+    """The pair as the plan sizes it: with lanes (parallel), the KV caches of every lane and of the target's own
+    context (Pair.lanes), each of the pair's context."""
+    return spec if options.parallel == 1 else replace(spec, ctx=spec.ctx * (options.parallel + 1))
 
 
 def _chooses(spec: PairSpec, options: LoadOptions) -> bool:
@@ -167,14 +174,15 @@ class PlannedTarget:
 
 def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _quiet,
                    drafts: bool = True, choose: bool = False, lookup: bool = True,
-                   stream: bool = False) -> PlannedTarget | None:
+                   stream: bool = False, plain: bool = False) -> PlannedTarget | None:
     """Apply `edge-spec plan`: refuse a pair that cannot run here (with the numbers), give the target's GPU layers
     when a GPU is visible, and say whether the target streams from the drive and how much of it stays resident. The
     rest of the plan is what loading does anyway. None while a model file is not here yet (load_pair plans once it
     is fetched). `drafts`: a drafter model loads too (not with lookup drafting alone); `choose`: the plan may
     instead give the drafter's memory to the target (offload/choice.py), and says why in one line; `lookup`: lookup
     drafting is allowed among its choices; `stream`: the target is read from the drive every pass, whatever fits
-    (--placement ssd: what the plan weighs, though loading, not the plan, streams it)."""
+    (--placement ssd: what the plan weighs, though loading, not the plan, streams it); `plain`: the target verifies
+    no tree (a server's lanes decode plainly)."""
     models = (spec.target, spec.drafter) if drafts else (spec.target,)
     if any(path is None or not path.is_file() for path in map(model_path, models)):
         return None
@@ -190,7 +198,7 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
         if plan.machine.capped or plan.target.placement == "ssd":  # in RAM it is what auto does anyway: said in chat
             report(note)
     else:
-        plan = make_plan(spec, None, models_file, stream, drafts=drafts)
+        plan = make_plan(spec, None, models_file, stream, drafts=drafts, plain=plain)
     streamed = plan.target.placement == "ssd" and not stream  # larger than RAM (--placement ssd loads its own way)
     max_tree = plan.tree.n_tokens if spec.budget == "auto" and plan.tree.n_tokens < AUTO_MAX_BUDGET + 1 else None
     if max_tree is not None and use == "drafter":
@@ -226,8 +234,9 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         drafter_file = materialize(spec.drafter, report) if drafts else None
     if planned is None:
         with phase(times, "plan"):
-            planned = planned_target(spec, models_file, report, drafts, _chooses(spec, options),
-                                     options.lookup_drafts, options.placement == "ssd") or PlannedTarget(0, False)
+            planned = planned_target(planned_spec(spec, options), models_file, report, drafts, _chooses(spec, options),
+                                     options.lookup_drafts, options.placement == "ssd",
+                                     plain=options.parallel > 1) or PlannedTarget(0, False)
     stock = False
     if planned.use != "drafter":  # the plan gave the drafter's memory to the target
         drafts, drafter_file = False, None
@@ -314,7 +323,8 @@ def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, 
         threads = max(1, default_threads() - 1)
     model = ModelOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, threads=threads,
                          gpu_layers=options.gpu_layers or 0, mlock=options.mlock, streamed=streams,
-                         provider=spec.target.provider, stock=stock)
+                         provider=spec.target.provider, stock=stock,
+                         lanes=options.parallel if options.parallel > 1 else 0)
     if not drafts:
         with phase(times, "target"):
             return runtime(spec.target.runtime).open_target(target_file, model, max_tree), None

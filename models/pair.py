@@ -14,6 +14,7 @@ from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from edge.models import mapped
 from edge.models.cache import file_stamp
 from edge.models.kept import keep_pass_times, pass_times, pass_times_key, save_corpus
@@ -285,7 +286,18 @@ class Pair:
             raise UserError(f"{self.name}'s target cannot decode several requests in one pass (it runs on "
                             f"{self.target.runtime}{' stock kernels' if isinstance(inner, PlainTarget) else ''}): "
                             "set `parallel` to 1", "parallel")
-        return Lanes(inner, n, self.target.n_ctx, self.target.prefetch if self.streamed else None)
+        from edge.offload.ssd import SsdTarget
+
+        streamed = self.target if isinstance(self.target, SsdTarget) else None
+        if streamed is None:
+            return Lanes(inner, n, self.target.n_ctx)
+        ssd = streamed.ssd
+
+        def before(tokens: np.ndarray) -> None:  # as SsdTarget.verify does around its own passes
+            ssd.wait_evicted()
+            ssd.fetch_rows(tokens)
+
+        return Lanes(inner, n, self.target.n_ctx, before, ssd.after_pass)
 
     def forget_replies(self) -> None:
         """Lookup drafts from no earlier reply, as a load with lookup on starts (lookup stays on)."""

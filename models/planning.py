@@ -20,11 +20,12 @@ from edge.errors import Remedy, UserError
 
 
 def make_plan(pair: PairSpec, machine: str | None, models_file: Path, stream: bool = False,
-              drafts: bool = True) -> Plan:
-    """`drafts`: a drafter model loads too (without, the target drafts by lookup alone: nothing to place)."""
+              drafts: bool = True, plain: bool = False) -> Plan:
+    """`drafts`: a drafter model loads too (without, the target drafts by lookup alone: nothing to place); `plain`:
+    the target verifies no tree (one token a pass)."""
     target = model_shape(pair, "target", pair.target, models_file)
     drafter = model_shape(pair, "drafter", pair.drafter, models_file) if drafts else None
-    return plan_pair(pair, target, drafter, _machine(pair, machine), stream)
+    return plan_pair(pair, target, drafter, _machine(pair, machine), stream, plain=plain)
 
 
 def make_choice(pair: PairSpec, machine: str | None, models_file: Path | None,

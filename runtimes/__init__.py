@@ -69,6 +69,9 @@ class ModelOptions:
     # a target that decodes plainly, never verifying a tree: loaded as its runtime loads it by default (llama.cpp: its
     # repacked weights and kernels, chosen by batch size), which is faster for one token and not batch-invariant
     stock: bool = False
+    # a target whose requests decode in this many lanes of one pass (a server's --parallel; Pair.lanes): its own
+    # context carries one token of one sequence, the lanes' context holds their KV caches (0: no lanes)
+    lanes: int = 0
     provider: str = "cpu"  # an onnxruntime execution provider
     derived_dir: Path | None = None  # where files derived from the model file go (graphs); None: beside it
     int4_block: int = 0  # a drafter's weights requantized into int4 blocks of this many (runtimes that derive files)

@@ -184,10 +184,7 @@ class Worker:
                     continue
                 self._generate(job, lane)
             finally:
-                with self._wake:
-                    self._running.discard(job)
-                    self._busy_lanes.discard(lane)
-                    self._wake.notify_all()  # a job left for this lane (its principal's next turn) may wait
+                self._release(job, lane)
         with self._wake:  # closed: whatever still waits hears so
             for job in self._waiting:
                 job._send(GenerationFailed("the server is shutting down", 503))
@@ -217,18 +214,31 @@ class Worker:
         decoder = kept[1]
         decoder.set_sampling(work.sampling)
         self.lanes.busy(lane, True)
+        ended = None
         try:
-            yield from reply_steps(decoder, list(work.tokens), work.max_tokens, StopStrings(list(work.stop)),
-                                   job.cancelled.is_set)
+            for step in reply_steps(decoder, list(work.tokens), work.max_tokens, StopStrings(list(work.stop)),
+                                    job.cancelled.is_set):
+                ended = step.finish_reason or ended
+                yield step
         finally:
             self.lanes.busy(lane, False)
-            if job.cancelled.is_set():  # its client left: the lane's cells are freed now, not kept for a next turn
+            if ended in (None, "interrupted"):  # its client left: the lane's cells are freed now, not kept
                 decoder.target.truncate(0)
                 del self._lane_decoders[lane]
+
+    def _release(self, job: Job, lane: int) -> None:
+        """The job is done with its lane: before its client hears the last step, so that the client's next request
+        (a chat's next turn) finds the lane that holds its prompt free, not taken by another principal meanwhile."""
+        with self._wake:
+            self._running.discard(job)
+            self._busy_lanes.discard(lane)
+            self._wake.notify_all()  # a job left for this lane (its principal's next turn) may wait
 
     def _generate(self, job: Job, lane: int) -> None:
         try:
             for step in self._steps(job, lane):
+                if step.finish_reason is not None:
+                    self._release(job, lane)
                 job._send(step)
         except ModelFault as problem:  # the model file changed under the server: not the client's fault, no trace
             self.failed += 1

@@ -27,8 +27,8 @@ SEEDED = SamplingConfig(temperature=0.8, seed=5)
 
 @pytest.fixture(scope="module")
 def alone_pair() -> Iterator[Pair]:
-    """SmolLM2's target alone on the batch-invariant kernels, as `serve --parallel N` loads it."""
-    with edge.load("smollm2-135m", ctx=512, gpu_layers=0, drafter="none", lookup="off") as pair:
+    """SmolLM2's target alone on the batch-invariant kernels, loaded for 4 lanes as `serve --parallel 4` loads it."""
+    with edge.load("smollm2-135m", ctx=512, gpu_layers=0, parallel=4) as pair:
         yield pair
 
 
@@ -161,6 +161,6 @@ def test_principals_share_a_pass_and_nothing_else(alone_pair: Pair) -> None:
 
 
 @pytest.mark.parametrize(("args", "says"), [(["--parallel", "0"], "--parallel must be 1 to 64"),
-                                            (["--parallel", "2", "--budget", "16"], "trees (--budget) run with")])
+                                            (["--parallel", "2", "--budget", "16"], "leave the budget out")])
 def test_serve_parallel_refusals_are_one_line(args: list[str], says: str) -> None:
     assert_one_line_error(run("serve", "smollm2-135m", "--port", "0", *args), says)

@@ -49,14 +49,16 @@ def _load_model(path: Path, options: RunOptions) -> Model:
                  repack=options.repack)
 
 
-def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ) -> LlamaTarget:
-    """A target verifying trees of up to `max_tree` nodes a pass. Its logits take max_tree rows of the vocabulary
-    (2049 x 262144 float32 are 2 GB), so size it for the budget the run uses (LlamaTarget.resize grows it)."""
+def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ, sequences: int = MAX_SEQ) -> LlamaTarget:
+    """A target verifying trees of up to `max_tree` nodes a pass, with `sequences` seq ids (a tree's leaves). Its
+    logits take max_tree rows of the vocabulary (2049 x 262144 float32 are 2 GB), and never fewer than `sequences`,
+    so size it for the budget the run uses (LlamaTarget.resize grows it)."""
     model = _load_model(path, options)
     layers = LayerListener() if options.layer_progress else None
     # The batch also carries the previous round's accepted tokens (see LlamaTarget); only tree nodes output.
     ctx = Context(model, options.n_ctx, n_batch=max_tree + PENDING_ROOM, kv_type=options.kv_type,
-                  n_threads=options.n_threads, flash_attn=options.flash_attn, n_outputs=max_tree, on_layer=layers)
+                  n_threads=options.n_threads, flash_attn=options.flash_attn, n_outputs=max_tree, on_layer=layers,
+                  sequences=sequences)
     return LlamaTarget(model, ctx, max_tree, layers)
 
 
@@ -90,6 +92,8 @@ def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget
         return PlainTarget(model, ctx, 1, layers)
     prefer_tiled(options.streamed)
     repack = not options.streamed and keeps_repacking(check_gguf(path).weight_types)
+    if options.lanes:  # its passes run in a server's lanes (Pair.lanes): one token, one sequence of its own
+        return load_target(path, replace(_run_options(options), repack=repack), 1, sequences=1)
     return load_target(path, replace(_run_options(options), repack=repack), max_tree)
 
 

@@ -45,7 +45,10 @@ class _Ask:
 class Lanes:
     """`n` lanes over a target's weights, each of `n_ctx` tokens, and the thread that runs their passes."""
 
-    def __init__(self, target: LlamaTarget, n: int, n_ctx: int, before_pass: Callable[[], None] | None = None):
+    def __init__(self, target: LlamaTarget, n: int, n_ctx: int,
+                 before_pass: Callable[[np.ndarray], None] | None = None, after_pass: Callable[[], None] | None = None):
+        """`before_pass(tokens)` and `after_pass()` around each pass: a target streamed from the drive reads the
+        tokens' embedding rows and drops its pages behind (offload/ssd.py SsdTarget does the same around its own)."""
         settings = target.ctx.settings
         self.ctx = Context(target.model, n * n_ctx, n_batch=max(LANE_BATCH, n), kv_type=settings["kv_type"],
                            n_threads=settings["n_threads"], flash_attn=settings["flash_attn"], n_outputs=n,
@@ -53,7 +56,7 @@ class Lanes:
         self.n, self.n_ctx, self.model = n, self.ctx.n_ctx // n, target.model
         self.passes = 0  # passes run, all lanes together
         self.lane_passes = 0  # lanes' passes, counted in each pass they rode in
-        self._before_pass = before_pass  # a streamed target's read-ahead starts
+        self._before_pass, self._after_pass = before_pass, after_pass
         self._batch = Batch(self.ctx.n_batch)
         self._asks: list[_Ask] = []
         self._targets: dict[int, LaneTarget] = {}
@@ -121,10 +124,12 @@ class Lanes:
                 if self._closed:
                     return
                 taken = self._fill()
-                if self._before_pass is not None:
-                    self._before_pass()
                 try:
+                    if self._before_pass is not None:
+                        self._before_pass(self._batch.token[: self._batch.struct.n_tokens])
                     self.ctx.decode(self._batch)
+                    if self._after_pass is not None:
+                        self._after_pass()
                 except BaseException as problem:
                     for ask, _, _ in taken:
                         ask.error = problem
