@@ -201,7 +201,7 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
         plan = make_plan(spec, None, models_file, stream, drafts=drafts, plain=plain)
     streamed = plan.target.placement == "ssd" and not stream  # larger than RAM (--placement ssd loads its own way)
     max_tree = plan.tree.n_tokens if spec.budget == "auto" and plan.tree.n_tokens < AUTO_MAX_BUDGET + 1 else None
-    if max_tree is not None and use == "drafter":
+    if max_tree is not None and use == "drafter" and not plain:
         report(f"plan: auto's trees are at most {max_tree} nodes (the logits of larger ones would not fit under the "
                "memory limit)")
     resident = plan.target.resident_bytes
@@ -318,7 +318,7 @@ def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, 
     `streams`: the target is read from the drive every pass (its weights stay in its file's mapping). Without
     `drafts`, the target alone (lookup drafting); `stock`: loaded for plain decoding alone (ModelOptions.stock)."""
     threads = options.threads
-    if threads is None and stock and streams and options.readahead:
+    if threads is None and (stock or options.parallel > 1) and streams and options.readahead:
         # ggml's threads spin between ops: the read-ahead needs a core of its own to read while the pass computes
         threads = max(1, default_threads() - 1)
     model = ModelOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, threads=threads,

@@ -90,7 +90,8 @@ def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget
         ctx = Context(model, run.n_ctx, n_batch=STOCK_BATCH, kv_type=run.kv_type, n_threads=run.n_threads,
                       flash_attn=run.flash_attn, n_outputs=1, on_layer=layers, sequences=1, threadpool=True)
         return PlainTarget(model, ctx, 1, layers)
-    prefer_tiled(options.streamed)
+    # lanes' passes carry a few tokens each, where the dot-product kernels are the faster, streamed or not
+    prefer_tiled(options.streamed and not options.lanes)
     repack = not options.streamed and keeps_repacking(check_gguf(path).weight_types)
     if options.lanes:  # its passes run in a server's lanes (Pair.lanes): one token, one sequence of its own
         return load_target(path, replace(_run_options(options), repack=repack), 1, sequences=1)
