@@ -132,8 +132,7 @@ def main() -> None:
         with ServerProcess(server_args) as server:
             result = measure(server.url, args.scale)
         result["server_args"] = server_args
-        result["log_tracebacks"] = server.log.count("Traceback")
-        result["log_500s"] = server.log.count('" 500')
+        result.update(server.faults())
     json.dump(result, sys.stdout, indent=2)
     print()
 

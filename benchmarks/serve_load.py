@@ -131,7 +131,7 @@ def main() -> None:
                                                                       args.n)}
         if cap is not None:
             result["edge_spec"]["peak_mib"] = round(cgroup.peak_bytes() / 2**20)
-    result["edge_spec"]["log_tracebacks"] = server.log.count("Traceback")
+    result["edge_spec"].update(server.faults())
     result["edge_spec"]["plan"] = [line.strip() for line in server.log.splitlines() if "plan" in line.lower()][:3]
     if args.peer:
         from peer_llama_cpp import amx_crashes, build, llama_server

@@ -42,6 +42,11 @@ class ServerProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
+    def faults(self) -> dict[str, int]:
+        """What the log says went wrong on the server's side: tracebacks and 500s (a client's fault writes neither)."""
+        log = self.log
+        return {"log_tracebacks": log.count("Traceback"), "log_500s": log.count('" 500')}
+
     @property
     def pid(self) -> int:
         return self.process.pid

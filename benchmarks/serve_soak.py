@@ -286,8 +286,7 @@ def main() -> None:
                 result["isolation"] = isolation_probe(server.url, keys)
         result["server_args"] = server_args
         result["server_exit"] = server.process.returncode
-        result["log_tracebacks"] = server.log.count("Traceback")
-        result["log_500s"] = server.log.count('" 500')
+        result.update(server.faults())
     json.dump(result, sys.stdout, indent=2)
     print()
 
