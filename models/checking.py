@@ -7,9 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edge.errors import UserError
 from edge.grow import MAX_LEAVES
-from edge.invariance import check_batch_invariance
+from edge.invariance import ShapeResult, check_batch_invariance, sequential_logits
 
 # A fixed text, so results are comparable between machines and files.
 TEXT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz combined "
@@ -38,7 +40,11 @@ def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str
             report(f"checked the {shape} tree ({done} of {total} shapes" + (f", about {left:.0f} s left)"
                                                                             if done < total else ")"))
 
-        shapes = [dataclasses.asdict(r) for r in check_batch_invariance(target, drafter, tokens, progress)]
+        results = check_batch_invariance(target, drafter, tokens, progress)
+        if lanes_run_on(target):  # several requests' tokens in one pass (serve --parallel)
+            results.append(check_lanes(target, tokens))
+            report("checked 4 lanes in one pass")
+        shapes = [dataclasses.asdict(r) for r in results]
     finally:
         drafter.close()
         target.close()
@@ -50,3 +56,51 @@ def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str
         "edge_spec_guarantee": engine.lossless_guarantee(info.weight_types, kv_type, "target_dtype q8_0") is None,
         "shapes": shapes,
     }
+
+
+LANES, LANE_STEPS = 4, 16
+
+
+def lanes_run_on(target: Any) -> bool:
+    from edge.runtimes.llama_cpp.models import LlamaTarget
+
+    return isinstance(target, LlamaTarget)
+
+
+def check_lanes(target: Any, tokens: list[int]) -> ShapeResult:
+    """4 requests decoding together in one pass each step (runtimes/llama_cpp/lanes.py), each after its own
+    context, against each decoded alone one token a pass: every step's logits, bit for bit."""
+    import threading
+
+    from edge.runtimes.llama_cpp.lanes import Lanes
+
+    starts = [8 * lane for lane in range(LANES)]  # each lane a context of its own: the text from another token on
+    prefixes = [tokens[start: start + 96] for start in starts]
+    steps = [tokens[start + 96: start + 96 + LANE_STEPS] for start in starts]
+    expected = [sequential_logits(target, prefix, step) for prefix, step in zip(prefixes, steps, strict=True)]
+    target.truncate(0)
+    lanes = Lanes(target, LANES, 256)
+    got: list[list[np.ndarray]] = [[] for _ in range(LANES)]
+
+    def decode(lane: int) -> None:
+        lanes.busy(lane, True)
+        try:
+            lanes.run(lane, prefixes[lane], 0, output=False)
+            for i, token in enumerate(steps[lane]):
+                logits = lanes.run(lane, [token], len(prefixes[lane]) + i, output=True)
+                assert logits is not None
+                got[lane].append(logits)
+        finally:
+            lanes.busy(lane, False)
+
+    threads = [threading.Thread(target=decode, args=(lane,)) for lane in range(LANES)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        lanes.close()
+    worst = max(float(np.abs(np.array(got[lane]) - expected[lane]).max()) for lane in range(LANES))
+    flips = sum(int((np.array(got[lane]).argmax(1) != expected[lane].argmax(1)).sum()) for lane in range(LANES))
+    return ShapeResult(f"{LANES} lanes in one pass", LANES, LANES * LANE_STEPS, worst, flips)

@@ -200,11 +200,13 @@ def test_rm_of_a_users_file_removes_its_graphs_not_another_files(tmp_path: Path,
 
 
 def test_pull_and_check_take_a_model(smollm2: Pair) -> None:
-    """`pull MODEL` prints the cached files; `check MODEL` measures the model's target under tree batching (the
-    shipped Q4_1 target is bit-exact here, tests/test_lossless.py's premise)."""
+    """`pull MODEL` prints the cached files; `check MODEL` measures the model's target under tree batching and in
+    lanes of one pass (the shipped Q4_1 target is bit-exact here, tests/test_lossless.py's premise)."""
     pulled = run("pull", "smollm2-135m")
     assert pulled.exit_code == 0 and "target: " in pulled.stdout and "drafter: " in pulled.stdout
     checked = run("check", "smollm2-135m", "--json")
     assert checked.exit_code == 0, checked.output
     result = json.loads(checked.stdout)
     assert result["bit_exact"] is True and result["shapes"]
+    lanes = next(shape for shape in result["shapes"] if shape["shape"] == "4 lanes in one pass")
+    assert lanes["nodes_checked"] == 64 and lanes["max_abs_diff"] == 0.0  # serve --parallel's passes too
