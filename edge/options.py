@@ -100,6 +100,9 @@ class LoadOptions:
         if not 1 <= self.parallel <= MAX_PARALLEL:
             raise UserError(f"parallel must be 1 to {MAX_PARALLEL} (got {self.parallel})", "parallel")
         if self.parallel > 1:
+            if self.drafter is not None and self.drafter not in NO_DRAFTER:
+                raise UserError(f"parallel {self.parallel} decodes requests with the target alone: leave the drafter "
+                                "out, or set parallel to 1", "parallel")
             if self.budget is not None:
                 raise UserError(f"parallel {self.parallel} decodes requests plainly, together, with no tree: leave "
                                 "the budget out, or set parallel to 1", "parallel")

@@ -161,6 +161,7 @@ def test_principals_share_a_pass_and_nothing_else(alone_pair: Pair) -> None:
 
 
 @pytest.mark.parametrize(("args", "says"), [(["--parallel", "0"], "--parallel must be 1 to 64"),
-                                            (["--parallel", "2", "--budget", "16"], "leave the budget out")])
+                                            (["--parallel", "2", "--budget", "16"], "leave the budget out"),
+                                            (["--parallel", "2", "--drafter", "other.gguf"], "leave the drafter out")])
 def test_serve_parallel_refusals_are_one_line(args: list[str], says: str) -> None:
     assert_one_line_error(run("serve", "smollm2-135m", "--port", "0", *args), says)
