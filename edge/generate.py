@@ -206,7 +206,7 @@ class Decoder:
         if _HOLDERS.get(id(self.target)) is not self:  # another decoder has used the caches since: start over
             self.context = []
         _HOLDERS[id(self.target)] = self
-        keep = min(_common_prefix(self.context, tokens), len(tokens) - 1, max(len(self.context) - 1, 0))
+        keep = min(common_prefix(self.context, tokens), len(tokens) - 1, max(len(self.context) - 1, 0))
         self.cached_tokens = keep
         self._forget_pregrown()
         for model in self._models():
@@ -330,7 +330,7 @@ def check_fits(tokens: Sequence[int], n_ctx: int) -> None:
         raise ContextFull(len(tokens), n_ctx)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0

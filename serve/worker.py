@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import edge
 from edge.api import reply_steps
 from edge.errors import ModelFault, UserError
-from edge.generate import Decoder, Step, _common_prefix
+from edge.generate import Decoder, Step, common_prefix
 from edge.sampling import SamplingConfig
 from edge.stops import StopStrings
 
@@ -169,7 +169,7 @@ class Worker:
             kept = self._lane_decoders.get(lane)
             if kept is None:
                 return 0, 1
-            held = _common_prefix(kept[1].context, job.work.tokens) if kept[0] == job.work.principal else 0
+            held = common_prefix(kept[1].context, job.work.tokens) if kept[0] == job.work.principal else 0
             return held, -self._lane_used.get(lane, 0)
 
         return max(idle, key=worth)
@@ -207,7 +207,7 @@ class Worker:
         work = job.work
         kept = self._lane_decoders.get(lane)
         if kept is None or kept[0] != work.principal:
-            target = self.lanes.target(lane, self.pair.target)
+            target = self.lanes.target(lane)
             target.truncate(0)
             kept = work.principal, Decoder(target, None, None, work.sampling, accept=self.pair.options.accept)
             self._lane_decoders[lane] = kept

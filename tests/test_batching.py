@@ -42,7 +42,7 @@ def lanes(alone_pair: Pair) -> Iterator[Lanes]:
 def reply(lanes: Lanes, pair: Pair, lane: int, prompt: str, n: int, sampling: SamplingConfig,
           on_token: Callable[[int], None] | None = None, should_stop: Callable[[], bool] | None = None) -> list[int]:
     """One request in `lane`, as the server's worker runs it: a plain decoder over the lane, the lane busy meanwhile."""
-    decoder = Decoder(lanes.target(lane, pair.target), None, None, sampling)
+    decoder = Decoder(lanes.target(lane), None, None, sampling)
     tokens = pair.prompt_tokens(prompt)
     lanes.busy(lane, True)
     try:
@@ -104,7 +104,7 @@ def test_a_request_leaving_mid_reply_frees_its_lane(lanes: Lanes, alone_pair: Pa
                           on_token=lambda n: leaving.set() if n == 5 else None, should_stop=leaving.is_set)
     short, other = together(first, lambda: reply(lanes, alone_pair, 1, PROMPTS[1], 32, GREEDY))
     assert len(short) == 5 and other == alone
-    lanes.target(0, alone_pair.target).truncate(0)
+    lanes.target(0).truncate(0)
     assert lanes.ctx.seq_pos_max(0) == -1
     assert reply(lanes, alone_pair, 0, PROMPTS[1], 32, GREEDY) == alone
 

@@ -53,7 +53,7 @@ class Lanes:
         self.ctx = Context(target.model, n * n_ctx, n_batch=max(LANE_BATCH, n), kv_type=settings["kv_type"],
                            n_threads=settings["n_threads"], flash_attn=settings["flash_attn"], n_outputs=n,
                            on_layer=settings["on_layer"], sequences=n, unified=False)
-        self.n, self.n_ctx, self.model = n, self.ctx.n_ctx // n, target.model
+        self.n, self.n_ctx, self.model, self._template = n, self.ctx.n_ctx // n, target.model, target
         self.passes = 0  # passes run, all lanes together
         self.lane_passes = 0  # lanes' passes, counted in each pass they rode in
         self._before_pass, self._after_pass = before_pass, after_pass
@@ -66,10 +66,10 @@ class Lanes:
         self._thread = threading.Thread(target=self._run, name="edge-spec lanes", daemon=True)
         self._thread.start()
 
-    def target(self, lane: int, template: LlamaTarget) -> LaneTarget:
+    def target(self, lane: int) -> LaneTarget:
         """The lane as a Target (the same object for a lane every time: it knows what the lane's cells hold)."""
         if lane not in self._targets:
-            self._targets[lane] = LaneTarget(self, lane, template)
+            self._targets[lane] = LaneTarget(self, lane, self._template)
         return self._targets[lane]
 
     def busy(self, lane: int, running: bool) -> None:
@@ -165,12 +165,14 @@ class Lanes:
         return taken
 
     def _hand_back(self, taken: list[tuple[_Ask, int, int]]) -> None:
-        outputs = [row for _, _, row in taken if row >= 0]
-        logits = self.ctx.logits(len(outputs)) if outputs else None  # rows in batch order
+        n_outputs = sum(row >= 0 for _, _, row in taken)
+        logits = self.ctx.logits(n_outputs) if n_outputs else None  # [n_outputs, n_vocab], in batch order
+        output = 0
         for ask, count, row in taken:
             ask.done += count
             if row >= 0 and logits is not None:
-                ask.logits = logits[outputs.index(row)].copy()
+                ask.logits = logits[output].copy()
+                output += 1
 
 
 class LaneTarget(ModelDefaults):
