@@ -88,7 +88,8 @@ ThreadsOpt = Annotated[int | None, typer.Option(
     help="CPU threads (default: all cores; the drafter one fewer while an SSD target is read ahead)",
     show_default=False)]
 ProviderOpt = Annotated[str | None, typer.Option(
-    help="onnxruntime execution provider for ONNX models: cpu, cuda, directml, openvino, qnn (default: models.toml)",
+    help="execution provider for ONNX models: cpu, cuda, directml, openvino (its CPU; openvino-gpu, openvino-npu: "
+         "OpenVINO's runtime where onnxruntime lacks it), qnn (default: models.toml)",
     show_default=False)]
 GpuOpt = Annotated[int | None, typer.Option(
     "--gpu-layers", help="target layers to place on a GPU (default: `edge-spec plan`'s, when a GPU is visible)",

@@ -17,7 +17,7 @@ ACCEPT_RULES = ("match", "residual", "coupled", "auto")
 
 PLACEMENTS = ("ram", "ssd")
 TARGET_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "as-is")
-PROVIDERS = ("cpu", "cuda", "directml", "openvino", "qnn")
+PROVIDERS = ("cpu", "cuda", "directml", "openvino", "openvino-gpu", "openvino-npu", "qnn")
 OVERLAP_MODES = ("auto", "on", "off")  # drafting during the target's passes (edge/overlap.py); auto: where they wait
 LOOKUP_MODES = ("on", "off", "keep")  # keep: earlier runs' replies too, kept in the cache (edge/lookup.py)
 SPECULATE_MODES = ("on", "auto")  # the pair's drafter as named, or the plan's choice of a use (offload/choice.py)

@@ -20,13 +20,13 @@ from edge.runtimes import ModelOptions, Report
 from edge.runtimes.onnx.arch import GGUFWeights, file_arch
 from edge.runtimes.onnx.graph import GraphOptions, build_bytes, build_graph
 from edge.runtimes.onnx.models import MAX_TREE, OnnxDrafter, OnnxTarget
-from edge.runtimes.onnx.session import PROVIDERS, DecoderSession, provider_name
+from edge.runtimes.onnx.session import PROVIDERS, open_session, provider_name
 
 from edge.errors import UserError
 
 __all__ = ["PROVIDERS", "OnnxDrafter", "OnnxOptions", "OnnxTarget", "graph_path", "load_drafter",
-           "load_quantspec", "lossless_guarantee", "open_drafter", "open_shared", "open_target", "prepare_graph",
-           "provider_name"]
+           "load_quantspec", "lossless_guarantee", "open_drafter", "open_session", "open_shared", "open_target",
+           "prepare_graph", "provider_name"]
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,9 @@ def _check_memory(dest: Path, need: int) -> None:
 def load_drafter(gguf: Path, options: OnnxOptions, head_ids: np.ndarray | None = None, report=None) -> OnnxDrafter:
     """The drafter with its own 4-bit KV cache."""
     arch = file_arch(gguf)
-    session = DecoderSession(prepare_graph(gguf, "drafter", head_ids, report, options.graph_dir, options.reserve,
-                                           options.int4_block),
-                             options.provider, options.threads, options.mem_reuse)
+    session = open_session(prepare_graph(gguf, "drafter", head_ids, report, options.graph_dir, options.reserve,
+                                         options.int4_block),
+                           options.provider, options.threads, options.mem_reuse)
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=4,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
     drafter = OnnxDrafter(session, arch, kv, gguf)
@@ -139,12 +139,12 @@ def load_quantspec(target_gguf: Path, drafter_gguf: Path, options: OnnxOptions, 
     arch = file_arch(target_gguf)
     kv = QuantSpecKV(arch.n_layers, arch.n_kv_heads, arch.head_dim, options.n_ctx, bits=8,
                      value_group=value_group(arch.n_kv_heads, arch.head_dim))
-    target_session = DecoderSession(prepare_graph(target_gguf, "target", None, report, options.graph_dir,
-                                                  options.reserve), options.provider, options.threads,
-                                    options.mem_reuse)
-    drafter_session = DecoderSession(prepare_graph(drafter_gguf, "shared-drafter", head_ids, report,
-                                                   options.graph_dir, options.reserve), options.provider,
-                                     options.threads, options.mem_reuse)
+    target_session = open_session(prepare_graph(target_gguf, "target", None, report, options.graph_dir,
+                                                options.reserve), options.provider, options.threads,
+                                  options.mem_reuse)
+    drafter_session = open_session(prepare_graph(drafter_gguf, "shared-drafter", head_ids, report,
+                                                 options.graph_dir, options.reserve), options.provider,
+                                   options.threads, options.mem_reuse)
     target = OnnxTarget(target_session, arch, kv, tokenizer, options.n_ctx, target_gguf)
     drafter = OnnxDrafter(drafter_session, file_arch(drafter_gguf), kv, drafter_gguf, shared=True)
     if head_ids is not None:

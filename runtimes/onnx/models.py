@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from edge.quant.kv import QuantSpecKV
 from edge.runtimes.onnx.arch import Arch
-from edge.runtimes.onnx.session import DecoderSession
+from edge.runtimes.onnx.session import Session
 
 from edge.grow import MAX_BUDGET
 from edge.protocols import ModelDefaults
@@ -37,7 +37,7 @@ MAX_EXTRA = 512
 class _OnnxModel(ModelDefaults):
     runtime = "onnx"
 
-    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, path: Path, shared: bool):
+    def __init__(self, session: Session, arch: Arch, kv: QuantSpecKV, path: Path, shared: bool):
         self.session, self.arch, self.kv, self.path, self.shared = session, arch, kv, path, shared
         self.vocab = arch.n_vocab  # the head's rows: fewer once trim_head keeps the frequent tokens only
         shape = (MAX_TREE, arch.n_layers, arch.n_kv_heads, arch.head_dim)
@@ -187,7 +187,7 @@ class OnnxDrafter(_OnnxModel):
     """The Drafter protocol. `node_slot[node]` is the tree slot a node ran in (-1: not run); a root pass also runs
     pending tokens."""
 
-    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, path: Path, shared: bool = False):
+    def __init__(self, session: Session, arch: Arch, kv: QuantSpecKV, path: Path, shared: bool = False):
         super().__init__(session, arch, kv, path, shared)
         self.expand_capacity = MAX_EXPAND
         self.node_slot = np.full(1024, -1, np.int64)  # grows with the grow-time node ids
@@ -306,7 +306,7 @@ class OnnxTarget(_OnnxModel):
     accepted path's slots into the shared cache, so a committed token's K/V is the target's own.
     """
 
-    def __init__(self, session: DecoderSession, arch: Arch, kv: QuantSpecKV, tokenizer, n_ctx: int, path: Path):
+    def __init__(self, session: Session, arch: Arch, kv: QuantSpecKV, tokenizer, n_ctx: int, path: Path):
         super().__init__(session, arch, kv, path, shared=False)
         self.tokenizer = tokenizer  # the file's vocabulary (runtimes.llama_cpp.tokenizer)
         self.special = tokenizer.special()

@@ -1,4 +1,6 @@
-"""An onnxruntime session over one decoder graph (runtimes/onnx/graph.py), fed with numpy views."""
+"""A session over one decoder graph (runtimes/onnx/graph.py), fed with numpy views: onnxruntime's, or OpenVINO's
+own runtime reading the same file (Intel CPUs, GPUs and NPUs) where the installed onnxruntime has no OpenVINO
+provider."""
 
 from __future__ import annotations
 
@@ -13,8 +15,32 @@ PROVIDERS = {
     "cuda": "CUDAExecutionProvider",
     "directml": "DmlExecutionProvider",
     "openvino": "OpenVINOExecutionProvider",
+    "openvino-gpu": "OpenVINOExecutionProvider",
+    "openvino-npu": "OpenVINOExecutionProvider",
     "qnn": "QNNExecutionProvider",
 }
+# the OpenVINO device of each openvino provider: "openvino" is the CPU's plugin, as "cpu" is onnxruntime's
+OPENVINO_DEVICES = {"openvino": "CPU", "openvino-gpu": "GPU", "openvino-npu": "NPU"}
+
+
+def open_session(path: Path, provider: str = "cpu", threads: int | None = None, mem_reuse: bool = False):
+    """The session that runs `path` on `provider`: onnxruntime's execution provider where the installed onnxruntime
+    carries it, else, for the openvino providers, OpenVINO's runtime (the `openvino` package) on the same file."""
+    if provider.lower() in OPENVINO_DEVICES and not _ort_has(PROVIDERS[provider.lower()]) and _has_openvino():
+        return OpenVinoSession(path, OPENVINO_DEVICES[provider.lower()], threads)
+    return DecoderSession(path, provider, threads, mem_reuse)
+
+
+def _ort_has(name: str) -> bool:
+    import onnxruntime as ort
+
+    return name in ort.get_available_providers()
+
+
+def _has_openvino() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("openvino") is not None
 
 
 def provider_name(provider: str) -> str:
@@ -25,8 +51,10 @@ def provider_name(provider: str) -> str:
     available = ort.get_available_providers()
     if name not in available:
         known = ", ".join(k for k, v in PROVIDERS.items() if v in available)
-        raise UserError(f"onnxruntime provider {provider!r} is not installed here (available: {known}); "
-                        "install the onnxruntime build that carries it (e.g. onnxruntime-gpu for cuda)")
+        fix = ("install OpenVINO's runtime (pip install openvino)" if provider.lower() in OPENVINO_DEVICES else
+               "install the onnxruntime build that carries it (e.g. onnxruntime-gpu for cuda)")
+        raise UserError(f"onnxruntime provider {provider!r} is not installed here (available: {known}); {fix}",
+                        "provider")
     return name
 
 
@@ -48,7 +76,10 @@ class DecoderSession:
         options.add_session_config_entry("session.intra_op.allow_spinning", "1")
         options.add_session_config_entry("session.force_spinning_stop", "1")
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=[provider_name(provider)])
+            name = provider_name(provider)
+            device = OPENVINO_DEVICES.get(provider.lower())
+            self.session = ort.InferenceSession(str(path), options, providers=[
+                (name, {"device_type": device}) if device else name])
         except UserError:
             raise
         except Exception as e:  # onnxruntime raises its own exception types
@@ -66,3 +97,50 @@ class DecoderSession:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         feeds = {k: v for k, v in feeds.items() if k in self.input_names}
         return dict(zip(self.output_names, self.session.run(self.output_names, feeds), strict=False))
+
+
+class OpenVinoSession:  # the same interface as DecoderSession
+    """The same graph on OpenVINO's runtime: its ONNX reader takes the Microsoft domain's MatMulNBits and
+    GroupQueryAttention, and its plugins (CPU, GPU, NPU) compile the graph once, with the shapes left dynamic."""
+
+    def __init__(self, path: Path, device: str = "CPU", threads: int | None = None):
+        import openvino as ov
+
+        core = ov.Core()
+        if device not in core.available_devices:
+            raise UserError(f"OpenVINO has no {device} device here (it has {', '.join(core.available_devices)}); "
+                            "choose the openvino provider of one of those, or cpu", "provider")
+        config = {}
+        if device == "CPU":
+            # float32 arithmetic, as onnxruntime's CPU provider runs the graph: on CPUs with AMX or AVX512-BF16 the
+            # plugin would otherwise run bfloat16, whose drafts agree less often with the target
+            config["INFERENCE_PRECISION_HINT"] = "f32"
+            if threads:
+                config["INFERENCE_NUM_THREADS"] = threads
+        try:
+            # the file's real folder: OpenVINO refuses weights (.data) outside the folder it reads the graph from,
+            # which a link into another cache would be
+            self.compiled = core.compile_model(core.read_model(str(Path(path).resolve())), device, config)
+        except Exception as e:  # OpenVINO raises its own RuntimeError with the plugin's lines
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raise UserError(f"OpenVINO's {device} plugin could not compile the drafter's graph "
+                            f"({lines[-1] if lines else type(e).__name__}); set `provider` to cpu",
+                            "provider") from None
+        self.request = self.compiled.create_infer_request()
+        # a port may carry several names (an output that is also an inner node's): keep the graph's own
+        import onnx
+
+        graph = onnx.load(str(path), load_external_data=False).graph
+        declared = {value.name for value in [*graph.input, *graph.output]}
+        self.input_names = {port.get_any_name() for port in self.compiled.inputs}
+        self.output_names = [next(iter(port.get_names() & declared)) for port in self.compiled.outputs]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds = {k: v for k, v in feeds.items() if k in self.input_names}
+        results = self.request.infer(feeds)
+        # the request's output tensors are reused by the next run: hand back copies, as onnxruntime does
+        return {name: np.array(results[port]) for name, port in zip(self.output_names, self.compiled.outputs,
+                                                                    strict=True)}
+
+
+Session = DecoderSession | OpenVinoSession
