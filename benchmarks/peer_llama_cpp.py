@@ -187,7 +187,8 @@ def edge_job(job: dict) -> dict:
             plan.append(message)
 
     out: dict = {"rows": {}}
-    with edge.load(job["pair"], threads=job["threads"], speculate=job["speculate"], report=report) as pair:
+    with edge.load(job["pair"], threads=job["threads"], speculate=job["speculate"], report=report,
+                   gpu_layers=job.get("gpu_layers") or None) as pair:
         from edge.models.bench import read_prompts
 
         prompts = [pair.prompt_tokens(text) for text in read_prompts(Path(job["prompts"]))]
@@ -282,15 +283,20 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled at this temperature")
     parser.add_argument("--accept", default="auto",
                         help="edge-spec's acceptance rules when sampling, an auto row each (match,residual,auto)")
+    parser.add_argument("--gpu-layers", type=int, default=0,
+                        help="the target's layers on the GPU, both sides (llama.cpp: -ngl; its drafter wholly there)")
+    parser.add_argument("--bin-dir", type=Path, default=None,
+                        help="the peer's binaries (default: built here for the CPU; a GPU build: "
+                             "benchmarks/build_llama_backend.sh BACKEND --peer)")
     parser.add_argument("--edge-only", action="store_true", help="edge-spec's rows alone (no llama.cpp)")
     parser.add_argument("--build-only", action="store_true", help="build the peer's binaries and stop")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--tokens", action="store_true", help="each row's token ids in the JSON")
     args = parser.parse_args()
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    if shutil.which("cmake") is None:
+    if args.bin_dir is None and shutil.which("cmake") is None:
         raise SystemExit("cmake is needed to build llama.cpp's binaries (pip install cmake)")
-    bin_dir = build(say)
+    bin_dir = args.bin_dir or build(say)
     if args.build_only:
         print(bin_dir)
         return
@@ -300,7 +306,8 @@ def main() -> None:
     threads = args.threads or default_threads()
     cap = None if args.cap_mb is None else args.cap_mb << 20
     job = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads,
-           "temperature": args.temperature, "accept": [r for r in args.accept.split(",") if r]}
+           "gpu_layers": args.gpu_layers, "temperature": args.temperature,
+           "accept": [r for r in args.accept.split(",") if r]}
     sys.path.insert(0, str(REPO / "benchmarks"))
     from memcap import call_capped
 
@@ -334,6 +341,8 @@ def main() -> None:
     ours["rows"] = rows
     files = [Path(ours["target"])] + ([Path(ours["drafter"])] if ours["drafter"] else [])
     common = ["-m", ours["target"], "-c", str(ours["ctx"]), "-t", str(threads), "-tb", str(threads)]
+    if args.gpu_layers or args.bin_dir:  # a GPU build offloads "auto" layers by default: as many as asked here
+        common += ["-ngl", str(args.gpu_layers)]
     if amx_crashes():
         common.append("--no-repack")  # its AMX buffers crash on a prompt's batch on this CPU (see amx_crashes)
     configs = [] if args.edge_only else [("llama.cpp plain", [])]
@@ -343,7 +352,7 @@ def main() -> None:
     if configs and ours["drafter"] and ours["drafter"].endswith(".gguf"):
         # --spec-type draft-simple: llama.cpp infers the kind of drafting from the draft file's metadata, and a plain
         # model file names none (it would load the drafter and never draft)
-        draft = ["-md", ours["drafter"], "--spec-type", "draft-simple"]
+        draft = ["-md", ours["drafter"], "--spec-type", "draft-simple", *(["-ngld", "all"] if args.gpu_layers else [])]
         configs.append(("llama.cpp speculative (defaults)", draft))
         configs += [(f"llama.cpp speculative draft-max {n}", [*draft, "--spec-draft-n-max", n])
                     for n in args.draft_max.split(",") if n]
@@ -372,6 +381,7 @@ def main() -> None:
         if peer_plain is not None and row.get("decode_tokens_per_s") and peer_plain["decode_tokens_per_s"]:
             row["vs_llama_plain"] = round(row["decode_tokens_per_s"] / peer_plain["decode_tokens_per_s"], 3)
     out = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads, "cap_mb": args.cap_mb,
+           "gpu_layers": args.gpu_layers,
            "temperature": args.temperature, "overlap": ours["overlap"],
            "placement": ours["placement"], "machine": probe_machine()["cpu"], "peer": str(bin_dir),
            "peer_no_repack": amx_crashes(), "rows": results}

@@ -95,6 +95,8 @@ def check(
     kv_type: Annotated[str, typer.Option("--kv-type", help="KV cache type to check")] = "bf16",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     threads: ThreadsOpt = None,
+    gpu_layers: Annotated[int, typer.Option(
+        "--gpu-layers", help="target layers on the GPU for the check (all of them: its layer count + 1)")] = 0,
 ) -> None:
     """Measure whether a model's target is batch-invariant here (the condition for bit-exact lossless
     speculation)."""
@@ -107,15 +109,16 @@ def check(
     with working("preparing the target") as said:
         target = materialize(named(ctx, model)[0].target, said)
     with working(f"checking {target.name} under tree batching") as said:
-        result = run_check(target, kv_type, threads, said)
+        result = run_check(target, kv_type, threads, said, gpu_layers)
     if as_json:
         print(json.dumps(result, indent=2))
         return
     from rich.table import Table
 
     table = Table("tree", "nodes", "nodes checked", "max |logit diff|", "argmax differences",
-                  title=escape(f"{target.name}, {kv_type} KV: "
-                               f"{'bit-exact' if result['bit_exact'] else 'NOT bit-exact'}"))
+                  title=escape(f"{target.name}, {kv_type} KV, on {result['backend']}"
+                               + (f" ({gpu_layers} layers on the GPU)" if gpu_layers else "")
+                               + f": {'bit-exact' if result['bit_exact'] else 'NOT bit-exact'}"))
     for row in result["shapes"]:
         table.add_row(row["shape"], str(row["nodes"]), str(row["nodes_checked"]), f"{row['max_abs_diff']:.4g}",
                       str(row["argmax_differences"]))
@@ -145,7 +148,7 @@ def plan(
 
     from edge.cli.planning import render_plan, render_rates, render_uses
     from edge.models.loading import resolve_spec
-    from edge.models.planning import make_choice, make_plan, unused_gpu
+    from edge.models.planning import backend_line, make_choice, make_plan, unused_gpu
     from edge.offload.choice import reason
     from edge.offload.expected import expected_rates, pick, read_acceptance
 
@@ -167,8 +170,11 @@ def plan(
         result = replace(choice[0].plan, notes=(f"with its drafter it cannot run here ({refusal}); --speculate "
                                                 f"auto runs it as planned here", *choice[0].plan.notes))
     rates = expected_rates(result, measured) if measured is not None else None
+    # this machine's plan: what the installed llama.cpp can run the target's layers on (a described one's: unknown)
+    backend = backend_line() if machine is None else None
     if as_json:
         out = result.as_dict()
+        out["backend"] = backend
         if choice is not None:
             out["uses"] = {"chosen": choice[0].name, "reason": reason(*choice),
                            "weighed": [use.as_dict() for use in choice[1]]}
@@ -178,6 +184,8 @@ def plan(
         print(json.dumps(out, indent=2))
         return
     render_plan(result, Console())
+    if backend is not None:
+        Console().print(f"llama.cpp runs layers on: {backend}", soft_wrap=True, highlight=False, markup=False)
     if choice is not None:
         render_uses(*choice, Console())
     if measured is not None and rates is not None:

@@ -19,16 +19,22 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "more than two hundred cities across Europe, and the price of books fell sharply. ") * 3
 
 
-def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str, Any]:
+def run_check(path: Path, kv_type: str, threads: int | None, report, gpu_layers: int = 0) -> dict[str, Any]:
+    """`gpu_layers`: the target's layers on the GPU (llama.cpp's count: its layers + 1 puts them all there)."""
+    from edge.models.planning import check_gpu_layers
     from edge.models.registry import KV_TYPES
     from edge.runtimes import DEFAULT, ModelOptions, runtime
     from edge.runtimes.gguf_file import check_gguf
 
     if kv_type not in KV_TYPES:
         raise UserError(f"kv_type must be one of {', '.join(KV_TYPES)} (got {kv_type!r})", "kv_type")
+    if gpu_layers < 0:
+        raise UserError(f"gpu_layers must be 0 or more (got {gpu_layers})", "gpu_layers")
+    check_gpu_layers(gpu_layers)
     info = check_gguf(path)
     engine = runtime(DEFAULT)  # loaded as a pair loads a target of this file
-    target = engine.open_target(path, ModelOptions(n_ctx=1024, kv_type=kv_type, threads=threads), MAX_LEAVES + 1)
+    target = engine.open_target(path, ModelOptions(n_ctx=1024, kv_type=kv_type, threads=threads,
+                                                   gpu_layers=gpu_layers), MAX_LEAVES + 1)
     drafter = engine.open_drafter(path, ModelOptions(n_ctx=1024, kv_type="q4_0", threads=threads), MAX_LEAVES + 1)
     try:
         tokens = target.tokenizer.tokenize(TEXT, add_special=True, parse_special=False)[:160]
@@ -52,6 +58,8 @@ def run_check(path: Path, kv_type: str, threads: int | None, report) -> dict[str
         "file": str(path),
         "weight_types": sorted(info.weight_types),
         "kv_type": kv_type,
+        "backend": engine.backend_line(),  # what llama.cpp runs layers on here
+        "gpu_layers": gpu_layers,
         "bit_exact": all(s["max_abs_diff"] == 0.0 for s in shapes),
         "edge_spec_guarantee": engine.lossless_guarantee(info.weight_types, kv_type, "target_dtype q8_0") is None,
         "shapes": shapes,

@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 from edge.models.cache import ensure_space
 from edge.models.kept import open_corpus
@@ -20,7 +21,16 @@ from edge.models.pair import NESTED, Pair, budget_refused, tree_nodes
 from edge.models.registry import ModelSpec, PairSpec, Registry, Source, load_registry
 from edge.models.sources import model_path
 from edge.offload.plan import AUTO_MAX_BUDGET
-from edge.runtimes import DRAFTERS, ModelOptions, check_name, default_threads, drafts_from, runtime, traits
+from edge.runtimes import (
+    DRAFTERS,
+    ModelOptions,
+    SplitsLayers,
+    check_name,
+    default_threads,
+    drafts_from,
+    runtime,
+    traits,
+)
 
 from edge.chat_template import ChatTemplate
 from edge.errors import UserError
@@ -188,7 +198,6 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
         return None
     from edge.models.planning import make_choice, make_plan
     from edge.offload.choice import reason
-    from edge.offload.probe import probe_gpus
 
     use, note, rates = "drafter", None, ()
     if drafts and choose:
@@ -210,7 +219,7 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
         report(f"plan: the target does not fit in RAM ({plan.machine.ram_free / 2**30:.1f} GiB free): {kept}"
                f"{plan.ssd_bytes / 2**30:.2f} GiB are read from the drive on every pass")
     gpu_layers = 0
-    if probe_gpus():
+    if plan.machine.vram_free:  # a GPU the installed llama.cpp can use (models.planning.usable_gpus)
         gpu_layers = plan.target.n_gpu_layers
         report(f"plan: {gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
     return PlannedTarget(gpu_layers, streamed, max_tree if use != "plain" else None, resident, use, note, rates)
@@ -223,6 +232,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
 
     A target the plan streams is used from its file's mapping: the kernel reads it on every pass and evicts it.
     placement "ssd": the same for a target that would fit, its pages evicted after every pass (offload/ssd.py)."""
+    from edge.models.planning import check_gpu_layers
     from edge.runtimes.gguf_file import check_gguf
 
     times = {} if times is None else times
@@ -248,6 +258,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
             spec = replace(spec, target=replace(spec.target, kv_type=STOCK_KV))
     if options.gpu_layers is None:
         options = replace(options, gpu_layers=planned.gpu_layers)
+    if traits(spec.target.runtime).splits_layers:  # its layers go where gpu_layers says
+        check_gpu_layers(options.gpu_layers)
     if drafter_file is not None and spec.drafter.runtime == BY_ARCHITECTURE:
         spec = replace(spec, drafter=replace(spec.drafter, runtime=drafter_runtime_for(drafter_file)))
     draft_threads = drafter_threads(options.threads, options.placement, options.readahead)
@@ -279,6 +291,9 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
     warning = None if stock else runtime(spec.target.runtime).lossless_guarantee(
         info.weight_types, spec.target.kv_type, _dtype_fix(spec, models_file))  # plain decoding verifies no tree
+    if warning is None and not stock and options.gpu_layers and kind.splits_layers:
+        engine = cast(SplitsLayers, runtime(spec.target.runtime))
+        warning = engine.gpu_guarantee(options.gpu_layers, engine.gpu_devices()[0].backend)
     with phase(times, "chat template"):
         special = target.special
         template = ChatTemplate(info.chat_template, special.bos_text, special.eos_text) if info.chat_template else None

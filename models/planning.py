@@ -44,7 +44,7 @@ def _machine(pair: PairSpec, machine: str | None) -> Machine:
     if machine is not None:
         return parse_machine(machine)
     target = _local_file(pair.target)
-    here = probe_here(target or cache_dir() / "models", JsonFile(cache_dir() / "machine.json"))
+    here = probe_here(target or cache_dir() / "models", JsonFile(cache_dir() / "machine.json"), usable_gpus())
     return measured_rates(here, target) if target is not None else here
 
 
@@ -94,6 +94,38 @@ def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) 
 def _local_file(model: ModelSpec) -> Path | None:
     path = model_path(model)
     return path if path is not None and path.is_file() else None
+
+
+def usable_gpus() -> list[dict]:
+    """The GPUs whose memory the plan may fill: none where the installed llama.cpp has no GPU backend; else
+    nvidia-smi's figures, or the dedicated GPUs llama.cpp itself reports (Vulkan, HIP, SYCL: no nvidia-smi there). An
+    integrated GPU shares the RAM: layers go there only when asked (gpu_layers)."""
+    from edge.offload.probe import probe_gpus
+    from edge.runtimes import tools
+
+    devices = tools().gpu_devices()
+    if not devices:
+        return []
+    return probe_gpus() or [{"name": device.description, "vram_total_gb": round(device.total / 2**30, 2),
+                             "vram_free_gb": round(device.free / 2**30, 2)}
+                            for device in devices if device.kind == "gpu"]
+
+
+def backend_line() -> str:
+    """What the installed llama.cpp runs a target's layers on, in one line (its GPUs first, then the CPU)."""
+    from edge.runtimes import tools
+
+    return tools().backend_line()
+
+
+def check_gpu_layers(gpu_layers: int) -> None:
+    """Refuses, in one line, target layers for a GPU that the installed llama.cpp cannot use."""
+    from edge.runtimes import tools
+
+    if gpu_layers and not tools().gpu_devices():
+        raise UserError(f"{gpu_layers} target layers are to go on a GPU, but the installed llama.cpp has no GPU "
+                        f"backend (it runs on: {tools().backend_line()}); reinstall llama-cpp-python for the GPU "
+                        "(README, \"GPUs\"), or set gpu_layers to 0", "gpu_layers")
 
 
 def unused_gpu() -> str | None:

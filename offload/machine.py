@@ -78,9 +78,9 @@ def parse_machine(text: str) -> Machine:
     )
 
 
-def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
+def probe_here(model_file: Path | None, store: JsonStore, gpus: list[dict] | None = None) -> Machine:
     """This machine: free RAM and VRAM now, and the measured read speed of the drive holding the model (kept in
-    `store` once measured)."""
+    `store` once measured). `gpus`: those the model's runtime can use (default: nvidia-smi's)."""
     from edge.offload.probe import disk_read_gbps, probe_machine
 
     probed = probe_machine()
@@ -88,7 +88,7 @@ def probe_here(model_file: Path | None, store: JsonStore) -> Machine:
     if ram_gb is None:
         raise UserError("cannot tell how much RAM is free here; describe it (machine): ram=16G,disk=2GB/s",
                         "machine")
-    gpus = probed["gpus"]
+    gpus = probed["gpus"] if gpus is None else gpus
     gpu = max(gpus, key=lambda g: g["vram_free_gb"]) if gpus else None  # one GPU: layers are not split across GPUs
     disk = disk_read_gbps(_existing(model_file), store) if model_file is not None else None
     assumed = ("rambw",) + (("pcie",) if gpu else ()) + (() if disk else ("disk",))

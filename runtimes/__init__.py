@@ -93,6 +93,14 @@ class Runtime(Protocol):
     def lossless_guarantee(self, weight_types: frozenset[str], kv_type: str, fix: str) -> str | None: ...
 
 
+class SplitsLayers(Runtime, Protocol):
+    """What a runtime whose traits say splits_layers has besides: the devices it can put a target's layers on (each
+    with .name, .backend, .description, .kind, .free and .total bytes), and whether layers there leave trees exact."""
+
+    def gpu_devices(self) -> tuple[Any, ...]: ...
+    def gpu_guarantee(self, gpu_layers: int, backend: str) -> str | None: ...
+
+
 def register(name: str, package: str, traits: Traits) -> None:
     """A runtime besides the built-in ones (a GPU runtime, MLX, a test's): `package` has the Runtime functions. It can
     be named from now on, in models.toml and on the command line, as the built-in ones are."""

@@ -178,6 +178,16 @@ def test_gpu_layers_fill_free_vram() -> None:
     assert set(target.options()) == set(PLACEMENT_KEYS)
 
 
+def test_a_tree_target_with_no_gpu_layer_is_not_offloaded() -> None:
+    """No VRAM left for the target's layers (a small card, the drafter first): its trees stay on the CPU's
+    batch-invariant kernels rather than go to the GPU's from 32 tokens; verifying no tree, it may offload."""
+    plan = plan_on("ram=64G,vram=1600M")
+    assert plan.target.n_gpu_layers == 0 and not plan.target.op_offload
+    assert plan.tree.bound != "PCIe"
+    plain = plan_pair(LLAMA_70B, *shapes(), parse_machine("ram=64G,vram=1600M"), plain=True)
+    assert plain.target.n_gpu_layers == 0 and plain.target.op_offload
+
+
 def test_more_vram_more_gpu_layers_until_all_fit() -> None:
     layers = [plan_on(f"ram=32G,vram={v}G").target.n_gpu_layers for v in (8, 16, 24, 48)]
     assert layers == sorted(layers) and layers[0] > 0

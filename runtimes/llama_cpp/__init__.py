@@ -16,12 +16,20 @@ from edge.runtimes.llama_cpp._native import (
     quantize,
     supports_gpu_offload,
 )
-from edge.runtimes.llama_cpp.kernels import keeps_repacking, lossless_guarantee, prefer_stock, prefer_tiled
+from edge.runtimes.llama_cpp.devices import backend_line, devices, gpu_devices
+from edge.runtimes.llama_cpp.kernels import (
+    gpu_guarantee,
+    keeps_repacking,
+    lossless_guarantee,
+    prefer_stock,
+    prefer_tiled,
+)
 from edge.runtimes.llama_cpp.models import PENDING_ROOM, LayerListener, LlamaDrafter, LlamaTarget, PlainTarget
 
 STOCK_BATCH = 512  # llama.cpp's default n_ubatch: the batches a stock target runs a prompt in
 
-__all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "default_threads", "keeps_repacking",
+__all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "backend_line", "default_threads",
+           "devices", "gpu_devices", "gpu_guarantee", "keeps_repacking",
            "load_drafter", "load_target", "lossless_guarantee", "open_drafter", "open_shared", "open_target",
            "prefer_tiled", "quantize", "supports_gpu_offload", "tokenizer"]
 
@@ -56,9 +64,13 @@ def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ, sequen
     model = _load_model(path, options)
     layers = LayerListener() if options.layer_progress else None
     # The batch also carries the previous round's accepted tokens (see LlamaTarget); only tree nodes output.
+    # op_offload: a GPU build computes the layers left on the CPU on the GPU from 32-token batches (uploading them),
+    # on other kernels than a one-token pass's (1.03 logits on SmolLM2 with no layer on the GPU, Vulkan). A target
+    # wholly on the CPU stays on its batch-invariant kernels; one with GPU layers is exact only as far as the GPU's
+    # kernels are (lossless_guarantee says), and keeps the offload's speed.
     ctx = Context(model, options.n_ctx, n_batch=max_tree + PENDING_ROOM, kv_type=options.kv_type,
                   n_threads=options.n_threads, flash_attn=options.flash_attn, n_outputs=max_tree, on_layer=layers,
-                  sequences=sequences)
+                  sequences=sequences, op_offload=options.n_gpu_layers > 0)
     return LlamaTarget(model, ctx, max_tree, layers)
 
 

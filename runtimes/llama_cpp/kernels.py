@@ -116,3 +116,20 @@ def lossless_guarantee(weight_types: frozenset[str], kv_type: str, fix: str) -> 
            else f"rewrite the target as q8_0: {fix}")
     return (f"weights of type {', '.join(unsafe)} are not batch-invariant in llama.cpp on this CPU: speculative "
             f"output can differ from plain decoding where logits nearly tie ({why})")
+
+
+# GPU backends whose kernels gave a token the same logits alone and inside a tree (`edge-spec check --gpu-layers N`):
+# none yet. Vulkan (lavapipe, llama-cpp-python 0.3.36) switches MUL_MAT from its matrix-vector shaders (up to 8
+# tokens) to its tiled ones (from 9), and splits flash attention by the batch's rows: 0.4-0.6 logits
+# (docs/runtimes.md, "GPU and NPU"). CUDA switches kernels by batch size too (MMVQ, MMQ, cuBLAS).
+INVARIANT_GPU_BACKENDS: frozenset[str] = frozenset()
+
+
+def gpu_guarantee(gpu_layers: int, backend: str) -> str | None:
+    """None when `gpu_layers` target layers on `backend` ("CUDA", "Vulkan", ...) leave trees bit-exact, else the
+    warning: the layers on the CPU stay invariant (no op offload), those on the GPU are as exact as its kernels."""
+    if not gpu_layers or backend in INVARIANT_GPU_BACKENDS:
+        return None
+    return (f"{gpu_layers} target layers run on {backend}, whose kernels change with the batch size: speculative "
+            f"output can differ from plain decoding where logits nearly tie (gpu_layers 0 keeps it exact; "
+            f"`edge-spec check MODEL --gpu-layers {gpu_layers}` measures it)")

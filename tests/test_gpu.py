@@ -1,0 +1,102 @@
+"""The GPU path, with no GPU and the default CPU build: what llama.cpp reports it can run layers on, how the plan
+uses a GPU it can and cannot use, and the one-line refusal of layers for a GPU the build lacks. The runs on a real
+GPU backend are benchmarks/gpu_check.py's (Vulkan here, CUDA where lent)."""
+
+from __future__ import annotations
+
+import pytest
+from edge.models.cache import JsonFile
+from edge.models.planning import check_gpu_layers, usable_gpus
+from edge.models.registry import load_registry
+from edge.offload.machine import parse_machine, probe_here
+from edge.offload.plan import GIB, Shape, plan_pair
+from edge.runtimes.llama_cpp.devices import Device, backend_line, devices
+from edge.runtimes.llama_cpp.kernels import gpu_guarantee
+
+from edge.errors import UserError
+from tests.cli_helpers import assert_one_line_error, run
+
+LLAMA_70B = load_registry().pair("llama3.1-70b")  # sized from models.toml facts: nothing is loaded
+RTX = {"name": "NVIDIA GeForce RTX 4090", "vram_total_gb": 24.0, "vram_free_gb": 23.0}
+RADEON = Device("Vulkan0", "AMD Radeon RX 7800 XT (RADV NAVI32)", "gpu", free=15 * GIB, total=16 * GIB)
+LAVAPIPE = Device("Vulkan0", "llvmpipe (LLVM 15.0.6, 256 bits)", "igpu", free=23 * GIB, total=23 * GIB)
+
+
+def _plan(machine):
+    assert LLAMA_70B.target.facts is not None and LLAMA_70B.drafter.facts is not None
+    return plan_pair(LLAMA_70B, Shape.from_facts(LLAMA_70B.target.facts), Shape.from_facts(LLAMA_70B.drafter.facts),
+                     machine)
+
+
+def _here(tmp_path, monkeypatch, smi: list[dict], gpus: tuple[Device, ...]):
+    """This machine as the plan probes it, with nvidia-smi and llama.cpp's devices as given (RAM: 32 GiB free)."""
+    monkeypatch.setattr("edge.offload.probe.probe_gpus", lambda: smi)
+    monkeypatch.setattr("edge.runtimes.llama_cpp.gpu_devices", lambda: gpus)
+    monkeypatch.setattr("edge.offload.probe.probe_machine", lambda: {
+        "cpu": "a CPU", "cores": 8, "ram_total_gb": 64.0, "ram_free_gb": 32.0, "memory_limit": None, "gpus": smi})
+    return probe_here(None, JsonFile(tmp_path / "machine.json"), usable_gpus())
+
+
+def test_llama_cpp_names_what_it_runs_layers_on() -> None:
+    """The default install is the CPU build: its one device is the CPU, and the line `plan` and `check` print says
+    so (a GPU build lists its GPUs first: "CUDA0 (NVIDIA ..., 22.5 of 24.0 GiB free), CPU")."""
+    found = devices()
+    assert any(device.name == "CPU" and device.kind == "cpu" for device in found)
+    assert backend_line().endswith("CPU")
+    assert RADEON.describe() == "Vulkan0 (AMD Radeon RX 7800 XT (RADV NAVI32), 15.0 of 16.0 GiB free)"
+    assert RADEON.backend == "Vulkan" and RADEON.offloads and LAVAPIPE.offloads
+
+
+def test_a_gpu_the_build_cannot_use_gets_no_layers(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvidia-smi sees a card, the installed llama.cpp is a CPU build: the plan places every layer off the GPU
+    (it would otherwise plan layers that llama.cpp silently keeps in RAM)."""
+    machine = _here(tmp_path, monkeypatch, [RTX], ())
+    assert machine.vram_free == 0
+    plan = _plan(machine)
+    assert plan.target.n_gpu_layers == 0 and plan.drafter.placement != "gpu"
+
+
+def test_the_gpu_a_build_reports_is_planned_as_nvidia_smi_would_be(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Vulkan (or HIP) build on a card nvidia-smi does not see: llama.cpp's own figure of the card's free memory
+    sizes the split, the same split as a machine described with that VRAM."""
+    machine = _here(tmp_path, monkeypatch, [], (RADEON,))
+    assert machine.vram_free == 15 * GIB and "AMD Radeon" in machine.name
+    split = _plan(machine).target.n_gpu_layers
+    assert split == _plan(parse_machine("ram=32G,vram=15G,cores=8")).target.n_gpu_layers
+    assert 0 < split < LLAMA_70B.target.facts.layers
+    # with a CUDA build, nvidia-smi's figures are the plan's
+    assert _here(tmp_path, monkeypatch, [RTX], (RADEON,)).vram_free == 23 * GIB
+
+
+def test_an_integrated_gpu_gets_layers_only_when_asked(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An integrated GPU (or Mesa's software one) shares the RAM the plan already counts: no layers unless
+    gpu_layers asks, and then they are not refused."""
+    assert _here(tmp_path, monkeypatch, [], (LAVAPIPE,)).vram_free == 0
+    check_gpu_layers(29)
+
+
+def test_layers_for_a_gpu_the_build_lacks_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("edge.runtimes.llama_cpp.gpu_devices", lambda: ())
+    check_gpu_layers(0)  # nothing asked of a GPU: nothing to refuse
+    with pytest.raises(UserError) as refused:
+        check_gpu_layers(12)
+    assert "no GPU backend" in str(refused.value) and refused.value.option == "gpu_layers"
+
+
+@pytest.mark.parametrize("command", ["generate", "check"])
+def test_the_cli_refuses_gpu_layers_in_one_line(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before a model loads: a user with the CPU build who asks for GPU layers gets what is wrong and the fix."""
+    monkeypatch.setattr("edge.runtimes.llama_cpp.gpu_devices", lambda: ())
+    args = ["generate", "-m", "smollm2-135m", "-n", "4", "Hello"] if command == "generate" else \
+        ["check", "smollm2-135m"]
+    result = run(*args, "--gpu-layers", "8")
+    assert_one_line_error(result, "no GPU backend")
+    assert "--gpu-layers" in result.output and "reinstall llama-cpp-python" in result.output
+
+
+def test_layers_on_a_gpu_carry_a_lossless_warning() -> None:
+    """No GPU backend's kernels have been measured batch-invariant: a target with layers there says so in one line
+    (the pair's lossless_warning, which chat, generate and serve print); one without layers there is exact."""
+    assert gpu_guarantee(0, "Vulkan") is None
+    warning = gpu_guarantee(14, "CUDA")
+    assert warning is not None and "14 target layers run on CUDA" in warning and "gpu_layers 0" in warning
