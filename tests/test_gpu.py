@@ -4,12 +4,16 @@ GPU backend are benchmarks/gpu_check.py's (Vulkan here, CUDA where lent)."""
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
+
+import edge.offload.probe as probe
 import pytest
 from edge.models.cache import JsonFile
 from edge.models.planning import check_gpu_layers, usable_gpus
 from edge.models.registry import load_registry
 from edge.offload.machine import parse_machine, probe_here
-from edge.offload.plan import GIB, Shape, plan_pair
+from edge.offload.plan import GIB, GPU_RESERVE, PLACEMENT_KEYS, Shape, plan_pair
 from edge.runtimes.llama_cpp.devices import Device, backend_line, devices
 from edge.runtimes.llama_cpp.kernels import gpu_guarantee
 
@@ -17,15 +21,20 @@ from edge.errors import UserError
 from tests.cli_helpers import assert_one_line_error, run
 
 LLAMA_70B = load_registry().pair("llama3.1-70b")  # sized from models.toml facts: nothing is loaded
+DESCRIBED = "ram=32G,vram=24G,disk=3GB/s"
 RTX = {"name": "NVIDIA GeForce RTX 4090", "vram_total_gb": 24.0, "vram_free_gb": 23.0}
 RADEON = Device("Vulkan0", "AMD Radeon RX 7800 XT (RADV NAVI32)", "gpu", free=15 * GIB, total=16 * GIB)
-LAVAPIPE = Device("Vulkan0", "llvmpipe (LLVM 15.0.6, 256 bits)", "igpu", free=23 * GIB, total=23 * GIB)
+INTEGRATED = Device("Vulkan0", "Intel(R) Graphics (ADL GT2)", "igpu", free=23 * GIB, total=23 * GIB)
 
 
-def _plan(machine):
+def _plan(machine, plain: bool = False):
     assert LLAMA_70B.target.facts is not None and LLAMA_70B.drafter.facts is not None
     return plan_pair(LLAMA_70B, Shape.from_facts(LLAMA_70B.target.facts), Shape.from_facts(LLAMA_70B.drafter.facts),
-                     machine)
+                     machine, plain=plain)
+
+
+def plan_on(machine: str):
+    return _plan(parse_machine(machine))
 
 
 def _here(tmp_path, monkeypatch, smi: list[dict], gpus: tuple[Device, ...]):
@@ -37,6 +46,58 @@ def _here(tmp_path, monkeypatch, smi: list[dict], gpus: tuple[Device, ...]):
     return probe_here(None, JsonFile(tmp_path / "machine.json"), usable_gpus())
 
 
+# --- the plan's GPU split, for described VRAM sizes ---
+
+
+def test_gpu_layers_fill_free_vram() -> None:
+    plan = plan_on(DESCRIBED)
+    target, drafter, shape = plan.target, plan.drafter, plan.target.shape
+    assert drafter.placement == "gpu" and drafter.n_gpu_layers == drafter.shape.n_layers + 1
+    assert target.placement == "ram" and 0 < target.n_gpu_layers < shape.n_layers
+    per_layer = shape.layer_bytes / shape.n_layers + target.kv_bytes / shape.n_layers
+    vram_left = 24 * GIB - GPU_RESERVE - drafter.vram_bytes
+    assert target.n_gpu_layers * per_layer <= vram_left < (target.n_gpu_layers + 1) * per_layer
+    assert target.vram_bytes + drafter.vram_bytes <= 24 * GIB - GPU_RESERVE
+    assert target.op_offload and target.n_ubatch >= plan.tree.n_tokens
+    # a 256-token pass computes the CPU-resident layers on the GPU: PCIe paces it, not the CPU
+    assert plan.tree.bound == "PCIe" and plan.one_token.bound == "RAM"
+    assert plan.placement() == {"target": target.options(), "drafter": drafter.options()}
+    assert set(target.options()) == set(PLACEMENT_KEYS)
+
+
+def test_a_tree_target_with_no_gpu_layer_is_not_offloaded() -> None:
+    """No VRAM left for the target's layers (a small card, the drafter first): its trees stay on the CPU's
+    batch-invariant kernels rather than go to the GPU's from 32 tokens; verifying no tree, it may offload."""
+    plan = plan_on("ram=64G,vram=1600M")
+    assert plan.target.n_gpu_layers == 0 and not plan.target.op_offload
+    assert plan.tree.bound != "PCIe"
+    plain = _plan(parse_machine("ram=64G,vram=1600M"), plain=True)
+    assert plain.target.n_gpu_layers == 0 and plain.target.op_offload
+
+
+def test_more_vram_more_gpu_layers_until_all_fit() -> None:
+    layers = [plan_on(f"ram=32G,vram={v}G").target.n_gpu_layers for v in (8, 16, 24, 48)]
+    assert layers == sorted(layers) and layers[0] > 0
+    whole = plan_on("ram=32G,vram=80G").target
+    assert (whole.placement, whole.n_gpu_layers, whole.ram_bytes) == ("gpu", 81, 0)  # 80 layers + the output head
+
+
+def _fake_nvidia_smi(folder: Path, output: str) -> None:
+    tool = folder / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\nprintf '{output}'\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+
+
+def test_gpus_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert probe.probe_gpus() == []  # no tool: no GPU, quietly
+    _fake_nvidia_smi(tmp_path, "NVIDIA GeForce RTX 4090, 24564, 23000\\nBroken, [N/A], [N/A]\\n")
+    assert probe.probe_gpus() == [{"name": "NVIDIA GeForce RTX 4090", "vram_total_gb": 23.99, "vram_free_gb": 22.46}]
+
+
+# --- this machine's GPUs, as nvidia-smi and llama.cpp report them ---
+
+
 def test_llama_cpp_names_what_it_runs_layers_on() -> None:
     """The default install is the CPU build: its one device is the CPU, and the line `plan` and `check` print says
     so (a GPU build lists its GPUs first: "CUDA0 (NVIDIA ..., 22.5 of 24.0 GiB free), CPU")."""
@@ -44,7 +105,7 @@ def test_llama_cpp_names_what_it_runs_layers_on() -> None:
     assert any(device.name == "CPU" and device.kind == "cpu" for device in found)
     assert backend_line().endswith("CPU")
     assert RADEON.describe() == "Vulkan0 (AMD Radeon RX 7800 XT (RADV NAVI32), 15.0 of 16.0 GiB free)"
-    assert RADEON.backend == "Vulkan" and RADEON.offloads and LAVAPIPE.offloads
+    assert RADEON.backend == "Vulkan" and RADEON.offloads and INTEGRATED.offloads
 
 
 def test_a_gpu_the_build_cannot_use_gets_no_layers(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,9 +130,9 @@ def test_the_gpu_a_build_reports_is_planned_as_nvidia_smi_would_be(tmp_path, mon
 
 
 def test_an_integrated_gpu_gets_layers_only_when_asked(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An integrated GPU (or Mesa's software one) shares the RAM the plan already counts: no layers unless
+    """An integrated GPU shares the RAM the plan already counts: no layers unless
     gpu_layers asks, and then they are not refused."""
-    assert _here(tmp_path, monkeypatch, [], (LAVAPIPE,)).vram_free == 0
+    assert _here(tmp_path, monkeypatch, [], (INTEGRATED,)).vram_free == 0
     check_gpu_layers(29)
 
 

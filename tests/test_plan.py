@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -22,8 +21,6 @@ from edge.models.sources import model_path
 from edge.offload.machine import parse_machine
 from edge.offload.plan import (
     GIB,
-    GPU_RESERVE,
-    PLACEMENT_KEYS,
     Shape,
     kv_bytes,
     plan_pair,
@@ -162,39 +159,6 @@ def test_bigger_than_ram_streams_from_the_ssd() -> None:
     assert small.tree.bound == "disk" and small.tree.seconds == pytest.approx(40.12 / 3 + 17 * compute, rel=0.01)
 
 
-def test_gpu_layers_fill_free_vram() -> None:
-    plan = plan_on(DESCRIBED)
-    target, drafter, shape = plan.target, plan.drafter, plan.target.shape
-    assert drafter.placement == "gpu" and drafter.n_gpu_layers == drafter.shape.n_layers + 1
-    assert target.placement == "ram" and 0 < target.n_gpu_layers < shape.n_layers
-    per_layer = shape.layer_bytes / shape.n_layers + target.kv_bytes / shape.n_layers
-    vram_left = 24 * GIB - GPU_RESERVE - drafter.vram_bytes
-    assert target.n_gpu_layers * per_layer <= vram_left < (target.n_gpu_layers + 1) * per_layer
-    assert target.vram_bytes + drafter.vram_bytes <= 24 * GIB - GPU_RESERVE
-    assert target.op_offload and target.n_ubatch >= plan.tree.n_tokens
-    # a 256-token pass computes the CPU-resident layers on the GPU: PCIe paces it, not the CPU
-    assert plan.tree.bound == "PCIe" and plan.one_token.bound == "RAM"
-    assert plan.placement() == {"target": target.options(), "drafter": drafter.options()}
-    assert set(target.options()) == set(PLACEMENT_KEYS)
-
-
-def test_a_tree_target_with_no_gpu_layer_is_not_offloaded() -> None:
-    """No VRAM left for the target's layers (a small card, the drafter first): its trees stay on the CPU's
-    batch-invariant kernels rather than go to the GPU's from 32 tokens; verifying no tree, it may offload."""
-    plan = plan_on("ram=64G,vram=1600M")
-    assert plan.target.n_gpu_layers == 0 and not plan.target.op_offload
-    assert plan.tree.bound != "PCIe"
-    plain = plan_pair(LLAMA_70B, *shapes(), parse_machine("ram=64G,vram=1600M"), plain=True)
-    assert plain.target.n_gpu_layers == 0 and plain.target.op_offload
-
-
-def test_more_vram_more_gpu_layers_until_all_fit() -> None:
-    layers = [plan_on(f"ram=32G,vram={v}G").target.n_gpu_layers for v in (8, 16, 24, 48)]
-    assert layers == sorted(layers) and layers[0] > 0
-    whole = plan_on("ram=32G,vram=80G").target
-    assert (whole.placement, whole.n_gpu_layers, whole.ram_bytes) == ("gpu", 81, 0)  # 80 layers + the output head
-
-
 def test_kv_cache_size() -> None:
     target, drafter = shapes()
     # 2 (K, V) x 80 layers x 8 heads x 128 dims x 8192 tokens x 2 bytes
@@ -305,19 +269,6 @@ def test_disk_speed_of_a_small_file_uses_a_temporary_one(tmp_path: Path) -> None
     speed = probe.disk_read_gbps(model, store=JsonFile(tmp_path / "cache" / "machine.json"), sample_bytes=2 << 20)
     assert speed is not None and speed > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "small.gguf"]  # the temporary file is gone
-
-
-def _fake_nvidia_smi(folder: Path, output: str) -> None:
-    tool = folder / "nvidia-smi"
-    tool.write_text(f"#!/bin/sh\nprintf '{output}'\n")
-    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
-
-
-def test_gpus_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert probe.probe_gpus() == []  # no tool: no GPU, quietly
-    _fake_nvidia_smi(tmp_path, "NVIDIA GeForce RTX 4090, 24564, 23000\\nBroken, [N/A], [N/A]\\n")
-    assert probe.probe_gpus() == [{"name": "NVIDIA GeForce RTX 4090", "vram_total_gb": 23.99, "vram_free_gb": 22.46}]
 
 
 # --- edge-spec plan ---
