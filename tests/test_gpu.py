@@ -161,3 +161,39 @@ def test_layers_on_a_gpu_carry_a_lossless_warning() -> None:
     assert gpu_guarantee(0, "Vulkan") is None
     warning = gpu_guarantee(14, "CUDA")
     assert warning is not None and "14 target layers run on CUDA" in warning and "gpu_layers 0" in warning
+
+
+# --- passes padded to a backend's smallest batch (kernels.MIN_ROWS) ---
+
+
+def test_a_padded_pass_gives_the_unpadded_logits_and_leaves_no_cell(files: dict) -> None:
+    """Vulkan's kernels change below 9 rows, so a target with layers there pads each pass to 9 rows with throwaway
+    tokens in a sequence of their own (each with an output, so that the output head multiplies 9 rows too). On the
+    CPU's batch-invariant kernels the padding must change nothing: the same logits, bit for bit, for a prompt, a
+    chain and a one-token pass, and no cell of the padding left in the cache after the pass."""
+    import numpy as np
+    from edge.runtimes.llama_cpp import RunOptions, load_target
+    from edge.runtimes.llama_cpp.models import PAD_SEQ
+
+    from edge.invariance import sequential_logits
+    from edge.tree import TokenTree
+
+    targets = [load_target(files["smol"], RunOptions(n_ctx=512, kv_type="bf16", min_rows=rows), 64)
+               for rows in (1, 9)]
+    try:
+        tokens = targets[0].tokenizer.tokenize("A padded pass is the same pass. " * 8, add_special=True,
+                                               parse_special=False)
+        prefix, chain = tokens[:40], tokens[40:44]
+        logits = []
+        for target in targets:
+            steps = sequential_logits(target, prefix, chain)  # one-token passes, padded to 9 rows on the second
+            target.truncate(len(prefix))
+            tree = TokenTree(np.array(chain, np.int32), np.arange(-1, len(chain) - 1, dtype=np.int32),
+                             np.arange(len(chain), dtype=np.int32), np.zeros(len(chain), np.float32))
+            logits.append((steps, target.verify(tree).copy()))
+            assert target.ctx.seq_pos_max(PAD_SEQ) == -1  # the padding's cells are gone
+        assert np.array_equal(logits[0][0], logits[1][0]) and np.array_equal(logits[0][1], logits[1][1])
+        assert targets[1].n_ctx == targets[1].ctx.n_ctx - 8  # its room for the padding is not offered as context
+    finally:
+        for target in targets:
+            target.close()

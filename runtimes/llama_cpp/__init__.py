@@ -21,6 +21,7 @@ from edge.runtimes.llama_cpp.kernels import (
     gpu_guarantee,
     keeps_repacking,
     lossless_guarantee,
+    min_rows,
     prefer_stock,
     prefer_tiled,
 )
@@ -49,6 +50,7 @@ class RunOptions:
     # follows them; it costs one synchronization a layer, so only a streamed target has it
     layer_progress: bool = False
     flash_attn: bool | None = True  # None: llama.cpp's default (on where the backend has it)
+    min_rows: int = 1  # a tree target's passes carry at least this many rows (kernels.MIN_ROWS)
 
 
 def _load_model(path: Path, options: RunOptions) -> Model:
@@ -68,10 +70,11 @@ def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ, sequen
     # on other kernels than a one-token pass's (1.03 logits on SmolLM2 with no layer on the GPU, Vulkan). A target
     # wholly on the CPU stays on its batch-invariant kernels; one with GPU layers is exact only as far as the GPU's
     # kernels are (lossless_guarantee says), and keeps the offload's speed.
-    ctx = Context(model, options.n_ctx, n_batch=max_tree + PENDING_ROOM, kv_type=options.kv_type,
-                  n_threads=options.n_threads, flash_attn=options.flash_attn, n_outputs=max_tree, on_layer=layers,
-                  sequences=sequences, op_offload=options.n_gpu_layers > 0)
-    return LlamaTarget(model, ctx, max_tree, layers)
+    ctx = Context(model, options.n_ctx + options.min_rows - 1, n_batch=max(max_tree + PENDING_ROOM, options.min_rows),
+                  kv_type=options.kv_type, n_threads=options.n_threads, flash_attn=options.flash_attn,
+                  n_outputs=max(max_tree, options.min_rows), on_layer=layers, sequences=sequences,
+                  op_offload=options.n_gpu_layers > 0)
+    return LlamaTarget(model, ctx, max_tree, layers, options.min_rows)
 
 
 def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ - 1) -> LlamaDrafter:
@@ -107,7 +110,9 @@ def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget
     repack = not options.streamed and keeps_repacking(check_gguf(path).weight_types)
     if options.lanes:  # its passes run in a server's lanes (Pair.lanes): one token, one sequence of its own
         return load_target(path, replace(_run_options(options), repack=repack), 1, sequences=1)
-    return load_target(path, replace(_run_options(options), repack=repack), max_tree)
+    backend = gpu_devices()[0].backend if options.gpu_layers and gpu_devices() else None
+    return load_target(path, replace(_run_options(options), repack=repack,
+                                     min_rows=min_rows(options.gpu_layers, backend)), max_tree)
 
 
 def open_drafter(path: Path, options: ModelOptions, max_tree: int, head_ids=None,

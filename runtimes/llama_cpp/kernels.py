@@ -119,10 +119,19 @@ def lossless_guarantee(weight_types: frozenset[str], kv_type: str, fix: str) -> 
 
 
 # GPU backends whose kernels gave a token the same logits alone and inside a tree (`edge-spec check --gpu-layers N`):
-# none yet. Vulkan (lavapipe, llama-cpp-python 0.3.36) switches MUL_MAT from its matrix-vector shaders (up to 8
-# tokens) to its tiled ones (from 9), and splits flash attention by the batch's rows: 0.4-0.6 logits
-# (docs/runtimes.md, "GPU and NPU"). CUDA switches kernels by batch size too (MMVQ, MMQ, cuBLAS).
+# none yet. CUDA switches kernels by batch size (MMVQ, MMQ, cuBLAS), unmeasured here.
 INVARIANT_GPU_BACKENDS: frozenset[str] = frozenset()
+# The rows below which a backend's kernels differ from its larger batches', by backend: every pass of a target with
+# layers there is padded to as many. Vulkan (llama-cpp-python 0.3.36) runs MUL_MAT on matrix-vector shaders up to 8
+# rows (mul_mat_vec_max_cols) and on its tiled shaders from 9: a token's logits moved 0.40 between 1 and 9 rows on
+# Mesa's lavapipe (SmolLM2, every layer there), and were bit-identical at every size from 9 to 128. A Vulkan GPU that
+# reports its core count also splits large matmuls by the batch's tiles (ggml_vk_guess_split_k): measure it there.
+MIN_ROWS = {"Vulkan": 9}
+
+
+def min_rows(gpu_layers: int, backend: str | None) -> int:
+    """The rows every pass of a target with `gpu_layers` layers on `backend` carries (1: no padding)."""
+    return MIN_ROWS.get(backend, 1) if gpu_layers and backend else 1
 
 
 def gpu_guarantee(gpu_layers: int, backend: str) -> str | None:
@@ -130,6 +139,10 @@ def gpu_guarantee(gpu_layers: int, backend: str) -> str | None:
     warning: the layers on the CPU stay invariant (no op offload), those on the GPU are as exact as its kernels."""
     if not gpu_layers or backend in INVARIANT_GPU_BACKENDS:
         return None
+    check = f"gpu_layers 0 keeps it exact; `edge-spec check MODEL --gpu-layers {gpu_layers}` measures it"
+    if backend in MIN_ROWS:
+        return (f"{gpu_layers} target layers run on {backend}, its passes padded to {MIN_ROWS[backend]} rows (exact "
+                f"on Mesa's software device); a GPU that splits its matmuls by batch size can still make speculative "
+                f"output differ from plain decoding where logits nearly tie ({check})")
     return (f"{gpu_layers} target layers run on {backend}, whose kernels change with the batch size: speculative "
-            f"output can differ from plain decoding where logits nearly tie (gpu_layers 0 keeps it exact; "
-            f"`edge-spec check MODEL --gpu-layers {gpu_layers}` measures it)")
+            f"output can differ from plain decoding where logits nearly tie ({check})")

@@ -17,6 +17,8 @@ from edge.runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model
 from edge.protocols import ModelDefaults
 from edge.tree import TokenTree
 
+PAD_SEQ = MAX_SEQ - 1  # a pass padded to min_rows carries its throwaway rows here (a tree that needs it has < 9 leaves)
+
 PENDING_ROOM = 64  # a target's batch also carries the previous round's accepted tokens (see LlamaTarget)
 
 
@@ -60,8 +62,15 @@ class _Runner(ModelDefaults):
         for seq in range(1, MAX_SEQ):
             self.ctx.seq_rm(seq)
 
+    min_rows = 1  # a target on a GPU backend whose kernels change below it pads every pass to this many rows
+
     def _decode(self) -> None:
+        padded = self.batch.struct.n_tokens < self.min_rows
+        if padded:  # throwaway rows in a sequence of their own, dropped after the pass (kernels.MIN_ROWS)
+            self.batch.pad(self.min_rows, PAD_SEQ)
         self.ctx.decode(self.batch)
+        if padded:
+            self.ctx.seq_rm(PAD_SEQ)
         self.passes += 1
 
     def close(self) -> None:
@@ -104,8 +113,11 @@ class LlamaTarget(_Runner):
     cache.
     """
 
-    def __init__(self, model: Model, ctx: Context, max_tree: int, layers: LayerListener | None = None):
+    def __init__(self, model: Model, ctx: Context, max_tree: int, layers: LayerListener | None = None,
+                 min_rows: int = 1):
         super().__init__(model, ctx)
+        # a pass's padding takes cells for its duration: the context holds min_rows - 1 cells past n_ctx
+        self.min_rows, self.n_ctx = min_rows, ctx.n_ctx - (min_rows - 1)
         self.max_tree = min(max_tree, ctx.n_batch)
         self._layers = layers  # its context's passes call it as each layer is computed (RunOptions.layer_progress)
         self._n_leaves = 0
