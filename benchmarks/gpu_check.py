@@ -122,6 +122,7 @@ def main() -> None:
                 str(prompts), "-n", str(args.n), "--gpu-layers", str(gpu_layers), "--draft-max", "16", "--json"]
         run["peer"] = run_json(peer + (["--bin-dir", str(peer_bin)] if peer_bin else ["--edge-only"]), env, 3600)
         out["runs"].append(run)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")  # each split's figures kept as it ends
     out["summary"] = [summary(run) for run in out["runs"]]
     out["seconds"] = round(time.perf_counter() - started, 1)
     prompts.unlink(missing_ok=True)

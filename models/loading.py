@@ -218,10 +218,8 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
         kept = f"{resident / 2**30:.2f} GiB of its weights stay in RAM, " if resident else ""
         report(f"plan: the target does not fit in RAM ({plan.machine.ram_free / 2**30:.1f} GiB free): {kept}"
                f"{plan.ssd_bytes / 2**30:.2f} GiB are read from the drive on every pass")
-    gpu_layers = 0
-    if plan.machine.vram_free:  # a GPU the installed llama.cpp can use (models.planning.usable_gpus)
-        gpu_layers = plan.target.n_gpu_layers
-        report(f"plan: {gpu_layers} target layers on the GPU, the rest in {plan.target.placement}")
+    # on a GPU the installed llama.cpp can use (models.planning.usable_gpus); load_pair says so unless told otherwise
+    gpu_layers = plan.target.n_gpu_layers if plan.machine.vram_free else 0
     return PlannedTarget(gpu_layers, streamed, max_tree if use != "plain" else None, resident, use, note, rates)
 
 
@@ -258,6 +256,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
             spec = replace(spec, target=replace(spec.target, kv_type=STOCK_KV))
     if options.gpu_layers is None:
         options = replace(options, gpu_layers=planned.gpu_layers)
+        if planned.gpu_layers:
+            report(f"plan: {planned.gpu_layers} target layers on the GPU")
     if traits(spec.target.runtime).splits_layers:  # its layers go where gpu_layers says
         check_gpu_layers(options.gpu_layers)
     if drafter_file is not None and spec.drafter.runtime == BY_ARCHITECTURE:

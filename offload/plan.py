@@ -415,9 +415,9 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
         ram = kv_ram + resident
     # Streamed weights must be used from the mapping: a repacked copy of a file larger than RAM cannot be made.
     common["repack"] = placement != "ssd"
-    # A tree target with no layer on the GPU keeps its passes on the CPU's batch-invariant kernels: op offload would
-    # compute 32-token batches on the GPU's, not a one-token pass's (runtimes/llama_cpp, load_target)
-    common["op_offload"] = common["op_offload"] and (n_gpu > 0 or n_tree == 1)
+    # A tree target keeps the layers left on the CPU on the CPU's batch-invariant kernels: op offload would compute
+    # its 32-token batches on the GPU's, not a one-token pass's (runtimes/llama_cpp, load_target)
+    common["op_offload"] = common["op_offload"] and n_tree == 1
     return ModelPlan(placement=placement, n_gpu_layers=n_gpu + (1 if with_head else 0), ram_bytes=ram,
                      vram_bytes=vram, resident_bytes=resident, **common)
 

@@ -282,7 +282,7 @@ def test_plan_json_on_a_described_machine() -> None:
     assert plan["machine"]["ram_free_gib"] == 32.0 and plan["machine"]["vram_free_gib"] == 24.0
     target, drafter = plan["target"], plan["drafter"]
     assert (target["file"], target["layers"], target["placement"]) == ("models.toml facts", 80, "ram")
-    assert 0 < target["n_gpu_layers"] < 80 and target["op_offload"] and target["n_ubatch"] >= 256
+    assert 0 < target["n_gpu_layers"] < 80 and not target["op_offload"] and target["n_ubatch"] >= 256
     assert (drafter["placement"], drafter["n_gpu_layers"]) == ("gpu", 17)
     assert plan["target_pass"]["tokens_n"] == 256
     assert 0 < plan["target_pass"]["tokens_1_s"] <= plan["target_pass"]["tokens_n_s"]

@@ -66,14 +66,13 @@ def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ, sequen
     model = _load_model(path, options)
     layers = LayerListener() if options.layer_progress else None
     # The batch also carries the previous round's accepted tokens (see LlamaTarget); only tree nodes output.
-    # op_offload: a GPU build computes the layers left on the CPU on the GPU from 32-token batches (uploading them),
-    # on other kernels than a one-token pass's (1.03 logits on SmolLM2 with no layer on the GPU, Vulkan). A target
-    # wholly on the CPU stays on its batch-invariant kernels; one with GPU layers is exact only as far as the GPU's
-    # kernels are (lossless_guarantee says), and keeps the offload's speed.
+    # op_offload off: a GPU build computes the layers left on the CPU on the GPU from 32-token batches (uploading
+    # them), on other kernels than a one-token pass's: 1.03 logits on SmolLM2 with no layer on the GPU, and 0.62 on
+    # Qwen2.5-Coder-1.5B with 14 of 29 there (Vulkan, passes padded). A tree's CPU layers stay on the CPU's kernels.
     ctx = Context(model, options.n_ctx + options.min_rows - 1, n_batch=max(max_tree + PENDING_ROOM, options.min_rows),
                   kv_type=options.kv_type, n_threads=options.n_threads, flash_attn=options.flash_attn,
                   n_outputs=max(max_tree, options.min_rows), on_layer=layers, sequences=sequences,
-                  op_offload=options.n_gpu_layers > 0)
+                  op_offload=False)
     return LlamaTarget(model, ctx, max_tree, layers, options.min_rows)
 
 

@@ -141,8 +141,8 @@ def gpu_guarantee(gpu_layers: int, backend: str) -> str | None:
         return None
     check = f"gpu_layers 0 keeps it exact; `edge-spec check MODEL --gpu-layers {gpu_layers}` measures it"
     if backend in MIN_ROWS:
-        return (f"{gpu_layers} target layers run on {backend}, its passes padded to {MIN_ROWS[backend]} rows (exact "
-                f"on Mesa's software device); a GPU that splits its matmuls by batch size can still make speculative "
-                f"output differ from plain decoding where logits nearly tie ({check})")
+        return (f"{gpu_layers} target layers run on {backend}, its passes padded to {MIN_ROWS[backend]} rows (chains "
+                f"and one-level trees exact on Mesa's software device, grown trees not yet): speculative output can "
+                f"differ from plain decoding where logits nearly tie ({check})")
     return (f"{gpu_layers} target layers run on {backend}, whose kernels change with the batch size: speculative "
             f"output can differ from plain decoding where logits nearly tie ({check})")
