@@ -134,7 +134,7 @@ def unused_gpu() -> str | None:
     from edge.runtimes import tools
 
     gpus = probe_gpus()
-    if not gpus or tools().supports_gpu_offload():
+    if not gpus or tools().gpu_devices():  # the same test as usable_gpus: a device llama.cpp can put layers on
         return None
     return (f"this machine has a GPU ({gpus[0]['name']}) but llama-cpp-python was built without GPU offload: "
             "reinstall it for the GPU (README, \"GPUs\"), e.g. CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install "

@@ -274,7 +274,7 @@ def test_plan_warns_of_a_gpu_that_llama_cpp_cannot_use(monkeypatch: pytest.Monke
 
     monkeypatch.setattr("edge.offload.probe.probe_gpus", lambda: [{"name": "NVIDIA GeForce RTX 4090",
                                                               "vram_total_gb": 24.0, "vram_free_gb": 23.0}])
-    if runtime("llama_cpp").supports_gpu_offload():
+    if runtime("llama_cpp").gpu_devices():
         pytest.skip("this llama-cpp-python was built with GPU offload")
     result = run("plan", SMALL, "--machine", "ram=32G,vram=24G,disk=3GB/s")
     assert "built without GPU offload" in result.output and "CMAKE_ARGS" in result.output

@@ -14,7 +14,6 @@ from edge.runtimes.llama_cpp._native import (
     Model,
     default_threads,
     quantize,
-    supports_gpu_offload,
 )
 from edge.runtimes.llama_cpp.devices import backend_line, devices, gpu_devices
 from edge.runtimes.llama_cpp.kernels import (
@@ -32,7 +31,7 @@ STOCK_BATCH = 512  # llama.cpp's default n_ubatch: the batches a stock target ru
 __all__ = ["KV_TYPES", "LlamaDrafter", "LlamaTarget", "Model", "RunOptions", "backend_line", "default_threads",
            "devices", "gpu_devices", "gpu_guarantee", "keeps_repacking",
            "load_drafter", "load_target", "lossless_guarantee", "open_drafter", "open_shared", "open_target",
-           "prefer_tiled", "quantize", "supports_gpu_offload", "tokenizer"]
+           "prefer_tiled", "quantize", "tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +66,8 @@ def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ, sequen
     layers = LayerListener() if options.layer_progress else None
     # The batch also carries the previous round's accepted tokens (see LlamaTarget); only tree nodes output.
     # op_offload off: a GPU build computes the layers left on the CPU on the GPU from 32-token batches (uploading
-    # them), on other kernels than a one-token pass's: 1.03 logits on SmolLM2 with no layer on the GPU, and 0.62 on
-    # Qwen2.5-Coder-1.5B with 14 of 29 there (Vulkan, passes padded). A tree's CPU layers stay on the CPU's kernels.
+    # them), on other kernels than a one-token pass's (SmolLM2 with no layer on the GPU, Vulkan: 1.03 logits at 32
+    # tokens with it, 0.0 without). A tree's CPU layers stay on the CPU's kernels.
     ctx = Context(model, options.n_ctx + options.min_rows - 1, n_batch=max(max_tree + PENDING_ROOM, options.min_rows),
                   kv_type=options.kv_type, n_threads=options.n_threads, flash_attn=options.flash_attn,
                   n_outputs=max(max_tree, options.min_rows), on_layer=layers, sequences=sequences,

@@ -491,8 +491,3 @@ def quantize(src: Path, dest: Path, ftype: str, n_threads: int | None = None) ->
     rc = ll.llama_model_quantize(str(src).encode(), str(dest).encode(), ctypes.byref(params))
     if rc != 0:
         raise UserError(f"llama.cpp could not quantize {src} to {ftype} (code {rc})")
-
-
-def supports_gpu_offload() -> bool:
-    """Whether this llama.cpp build can put layers on a GPU (pip builds a CPU-only one unless CMAKE_ARGS says)."""
-    return bool(ll.llama_supports_gpu_offload())
