@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 from edge.quant.int4 import quantize_weight
-from edge.runtimes.onnx.graph import IR_VERSION, OPSET
+from edge.runtimes.onnx.proto import IR_VERSION, OPSET
 
 ROWS = (1, 2, 4, 8, 16)
 VARIANTS = [  # bits, block, accuracy level, symmetric
