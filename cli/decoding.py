@@ -147,8 +147,8 @@ def serve(
     body_timeout: Annotated[float, typer.Option(help="seconds a request's body has to arrive whole (else 408)")
                             ] = BODY_TIMEOUT_S,
     parallel: Annotated[int, typer.Option(
-        help="requests decoded together: up to N at once, plainly, in one target pass for all (1: one at a time, "
-             "with the pair's trees)")] = 1,
+        help="requests decoded together: up to N at once, in one target pass for all, each with its tree where the "
+             "pair keeps its drafter, else plainly (1: one at a time)")] = 1,
     *,
     load: LoadOptions,
 ) -> None:
@@ -166,7 +166,7 @@ def serve(
     for name, seconds in (("--head-timeout", head_timeout), ("--body-timeout", body_timeout)):
         if not 0 < seconds <= 3600:
             raise UserError(f"{name} must be more than 0 and at most 3600 seconds (got {seconds:g})")
-    load = replace(load, parallel=parallel)  # the target alone for parallel > 1; checked here, before the port
+    load = replace(load, parallel=parallel)  # checked here, before the port
     sock = bind(host, port)  # a port in use is said before a load of seconds
     try:
         if not is_loopback(host):
@@ -183,12 +183,13 @@ def serve(
 
             def ready() -> None:
                 who = principals(keys, share_replies)
+                trees = "each with its tree" if loaded.drafter is not None and not no_spec else "plainly"
                 how = ("one generation at a time, others queue" if parallel == 1 else
-                       f"up to {parallel} requests decoded together, plainly, one pass for all; others queue")
+                       f"up to {parallel} requests decoded together, {trees}, one pass for all; others queue")
                 err.print(f"serving {escape(loaded.name)} at {base}/v1{chat_note} · {who} · {how} · Ctrl-C stops",
                           soft_wrap=True, highlight=False)
 
-            serve(loaded, sock, api_keys=keys, cors_origins=cors_origin or (), speculate=not no_spec and parallel == 1,
+            serve(loaded, sock, api_keys=keys, cors_origins=cors_origin or (), speculate=not no_spec,
                   budget=None, log_level=log_level.lower(), ready=ready, head_timeout_s=head_timeout,
                   body_timeout_s=body_timeout, parallel=parallel)
     finally:

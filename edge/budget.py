@@ -41,6 +41,7 @@ import itertools
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -360,3 +361,24 @@ def _config(budget: int) -> GrowConfig:
 
 def _blend(old: float | None, new: float) -> float:
     return float(new) if old is None else (1 - SMOOTHING) * old + SMOOTHING * float(new)
+
+
+class SharedBudget:
+    """Trees for requests that share their target passes (serve --parallel N with a drafter): `total` nodes a pass,
+    shared out among the `sharers()` requests that run now, so that a request's tree shrinks as more ride in the
+    pass, and the pass stays about the size one request's tree would have had."""
+
+    def __init__(self, total: int, sharers: Callable[[], int]):
+        self.total, self.sharers = total, sharers
+
+    def choose(self, max_nodes: int, rule: str = "match") -> GrowConfig | None:
+        return _config(max(1, min(self.total // max(1, self.sharers()), max_nodes - 1)))
+
+    def observe(self, config: GrowConfig | None, result: RoundResult, rule: str = "match") -> None:
+        pass
+
+    def pass_s(self, tokens: int) -> float | None:
+        return None  # not measured: a shared pass takes every lookup branch it has room for
+
+    def hold_timing(self, held: bool) -> None:
+        pass  # no time chooses the trees

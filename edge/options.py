@@ -54,8 +54,9 @@ class LoadOptions:
     # load the target alone, decoding plainly (on llama.cpp's own kernels where it is wholly in RAM) or by lookup;
     # "on": the pair's drafter, as named
     speculate: str = "on"
-    # requests decoded together in lanes of one pass (a server's --parallel; Pair.lanes): plainly, the target alone
-    # (no drafter, no lookup); the plan keeps room for the lanes' KV caches
+    # requests decoded together in lanes of one pass (a server's --parallel; Pair.lanes): each with its tree where the
+    # pair keeps its drafter (a drafter each, the trees verified together), else plainly; the plan keeps room for
+    # the lanes' KV caches
     parallel: int = 1
 
     def __post_init__(self) -> None:
@@ -99,14 +100,7 @@ class LoadOptions:
                             "target_dtype")
         if not 1 <= self.parallel <= MAX_PARALLEL:
             raise UserError(f"parallel must be 1 to {MAX_PARALLEL} (got {self.parallel})", "parallel")
-        if self.parallel > 1:
-            if self.drafter is not None and self.drafter not in NO_DRAFTER:
-                raise UserError(f"parallel {self.parallel} decodes requests with the target alone: leave the drafter "
-                                "out, or set parallel to 1", "parallel")
-            if self.budget is not None:
-                raise UserError(f"parallel {self.parallel} decodes requests plainly, together, with no tree: leave "
-                                "the budget out, or set parallel to 1", "parallel")
-            object.__setattr__(self, "drafter", "none")
+        if self.parallel > 1 and self.drafter in NO_DRAFTER:  # lanes decode plainly: nor lookup trees
             object.__setattr__(self, "lookup", "off")
         if self.drafter_vocab is not None and self.drafter_vocab < 0:
             raise UserError(f"the drafter's vocabulary must be 0 (the full head) or more (got {self.drafter_vocab})")

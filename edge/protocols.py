@@ -71,6 +71,11 @@ class ModelDefaults:
         every pass); False where the runtime cannot say."""
         return False
 
+    def fork(self) -> Drafter | None:
+        """(A drafter) another drafter over the same weights with a KV cache of its own, for one of several requests
+        drafting at once (runtimes/llama_cpp/tree_lanes.py); None where the runtime cannot."""
+        return None
+
 
 class Target(Protocol):
     runtime: str  # the runtime it runs on (runtimes/)
@@ -118,6 +123,7 @@ class Drafter(Protocol):
     def truncate(self, n: int) -> None: ...
     def resize(self, size: int) -> bool: ...  # room for `size` expansions a round (caches emptied)
     def kv_bytes_per_token(self) -> float: ...
+    def fork(self) -> Drafter | None: ...  # the same weights, a KV cache of its own (a server lane's); None: cannot
     def close(self) -> None: ...
 
 

@@ -50,6 +50,8 @@ def run_check(path: Path, kv_type: str, threads: int | None, report, gpu_layers:
         if lanes_run_on(target):  # several requests' tokens in one pass (serve --parallel)
             results.append(check_lanes(target, tokens))
             report("checked 4 lanes in one pass")
+            results.append(check_tree_lanes(target, drafter, tokens))
+            report(f"checked the trees of {TREE_LANES} lanes in one pass")
         shapes = [dataclasses.asdict(r) for r in results]
     finally:
         drafter.close()
@@ -67,6 +69,7 @@ def run_check(path: Path, kv_type: str, threads: int | None, report, gpu_layers:
 
 
 LANES, LANE_STEPS = 4, 16
+TREE_LANES, LANE_TREE = 3, 63  # serve --parallel 3 with a drafter: each lane's tree up to 64 nodes
 
 
 def lanes_run_on(target: Any) -> bool:
@@ -112,3 +115,53 @@ def check_lanes(target: Any, tokens: list[int]) -> ShapeResult:
     worst = max(float(np.abs(np.array(got[lane]) - expected[lane]).max()) for lane in range(LANES))
     flips = sum(int((np.array(got[lane]).argmax(1) != expected[lane].argmax(1)).sum()) for lane in range(LANES))
     return ShapeResult(f"{LANES} lanes in one pass", LANES, LANES * LANE_STEPS, worst, flips)
+
+
+def check_tree_lanes(target: Any, drafter: Any, tokens: list[int]) -> ShapeResult:
+    """The trees of 3 requests verified together (runtimes/llama_cpp/tree_lanes.py), each after its own context:
+    each lane checks its drafter-grown tree node by node against plain decoding (edge.invariance.compare) at the
+    same time as the others, so tree passes and one-token passes of different lanes share passes."""
+    import threading
+    from dataclasses import replace
+
+    from edge.runtimes.llama_cpp.tree_lanes import TreeLanes
+
+    from edge.grow import GrowConfig, grow
+    from edge.invariance import compare
+
+    starts = [8 * lane for lane in range(TREE_LANES)]
+    prefixes = [tokens[start: start + 96] for start in starts]
+    roots = [tokens[start + 96] for start in starts]
+    trees = []
+    for prefix, root in zip(prefixes, roots, strict=True):
+        drafter.truncate(0)
+        drafter.prefill(prefix)
+        trees.append(grow(drafter, root, replace(GrowConfig.for_budget(LANE_TREE), extend_prob=None))[0])
+    drafter.truncate(0)
+    target.truncate(0)
+    lanes = TreeLanes(target, TREE_LANES, 256)
+    results: list[tuple[int, float, int]] = [(0, 0.0, 0)] * TREE_LANES
+    errors: list[BaseException] = []
+
+    def check(lane: int) -> None:
+        lanes.busy(lane, True)
+        try:
+            results[lane] = compare(lanes.target(lane), trees[lane], prefixes[lane], max_paths=20)
+        except BaseException as problem:  # raised below, in the caller's thread
+            errors.append(problem)
+        finally:
+            lanes.busy(lane, False)
+
+    threads = [threading.Thread(target=check, args=(lane,)) for lane in range(TREE_LANES)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        lanes.close()
+    if errors:
+        raise errors[0]
+    return ShapeResult(f"trees of {TREE_LANES} lanes in one pass", sum(len(tree) for tree in trees),
+                       sum(checked for checked, _, _ in results), max(worst for _, worst, _ in results),
+                       sum(flips for _, _, flips in results))

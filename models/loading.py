@@ -53,14 +53,23 @@ def open_pair(options: LoadOptions, report: Report = _quiet) -> Pair:
         spec, models_file = resolve_spec(options)
         planned = planned_target(planned_spec(spec, options), models_file, report, options.drafter_model,
                                  _chooses(spec, options), options.lookup_drafts, options.placement == "ssd",
-                                 plain=options.parallel > 1)  # None until the files are here
+                                 plain=_plain_lanes(options))  # None until the files are here
     return load_pair(spec, options, report, models_file, times, planned)
 
 
 def planned_spec(spec: PairSpec, options: LoadOptions) -> PairSpec:
     """The pair as the plan sizes it: with lanes (parallel), the KV caches of every lane and of the target's own
-    context (Pair.lanes), each of the pair's context."""
-    return spec if options.parallel == 1 else replace(spec, ctx=spec.ctx * (options.parallel + 1))
+    context (Pair.lanes), each of the pair's context; lanes with trees as many again for the cells they let go of
+    (TreeLanes.dead_room)."""
+    if options.parallel == 1:
+        return spec
+    lanes = 2 * options.parallel if options.drafter_model else options.parallel
+    return replace(spec, ctx=spec.ctx * (lanes + 1))
+
+
+def _plain_lanes(options: LoadOptions) -> bool:
+    """Lanes that decode plainly (no drafter model): the target verifies no tree."""
+    return options.parallel > 1 and not options.drafter_model
 
 
 def _chooses(spec: PairSpec, options: LoadOptions) -> bool:
@@ -244,14 +253,14 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         with phase(times, "plan"):
             planned = planned_target(planned_spec(spec, options), models_file, report, drafts, _chooses(spec, options),
                                      options.lookup_drafts, options.placement == "ssd",
-                                     plain=options.parallel > 1) or PlannedTarget(0, False)
+                                     plain=_plain_lanes(options)) or PlannedTarget(0, False)
     stock = False
     if planned.use != "drafter":  # the plan gave the drafter's memory to the target
         drafts, drafter_file = False, None
         options = replace(options, drafter=planned.use if planned.use == "lookup" else "none",
                           lookup="off" if planned.use == "plain" else options.lookup)
         # decoding plainly: loaded as its runtime loads it by default, KV cache included (streamed: not repacked)
-        stock = planned.use == "plain"
+        stock = planned.use == "plain" and options.parallel == 1  # lanes stay on the batch-invariant kernels
         if stock and traits(spec.target.runtime).own_kv is None:
             spec = replace(spec, target=replace(spec.target, kv_type=STOCK_KV))
     if options.gpu_layers is None:

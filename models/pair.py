@@ -268,13 +268,15 @@ class Pair:
             del self._decoders[next(iter(self._decoders))]
         return kept[1]
 
-    def lanes(self, n: int) -> Lanes:
-        """`n` lanes over the target's weights (runtimes/llama_cpp/lanes.py): requests that decode together, plainly,
-        one pass for all, each in a KV stream of the pair's context. Refused where the target cannot: another
-        runtime, or one loaded on llama.cpp's own kernels for plain decoding alone, whose rounding changes with the
-        batch (a lane's reply would then depend on the others')."""
+    def lanes(self, n: int, trees: bool = False) -> Lanes:
+        """`n` lanes over the target's weights (runtimes/llama_cpp/lanes.py): requests that decode together, one
+        pass for all, each in a KV stream of the pair's context; with `trees`, each request's tree in that pass
+        (runtimes/llama_cpp/tree_lanes.py; lane_drafter gives each lane its drafter). Refused where the target
+        cannot: another runtime, or one loaded on llama.cpp's own kernels for plain decoding alone, whose rounding
+        changes with the batch (a lane's reply would then depend on the others')."""
         from edge.runtimes.llama_cpp.lanes import Lanes
         from edge.runtimes.llama_cpp.models import LlamaTarget, PlainTarget
+        from edge.runtimes.llama_cpp.tree_lanes import TreeLanes
 
         from edge.protocols import TargetWrapper
 
@@ -288,16 +290,26 @@ class Pair:
                             "set `parallel` to 1", "parallel")
         from edge.offload.ssd import SsdTarget
 
+        kind = TreeLanes if trees else Lanes
         streamed = self.target if isinstance(self.target, SsdTarget) else None
         if streamed is None:
-            return Lanes(inner, n, self.target.n_ctx)
+            return kind(inner, n, self.target.n_ctx)
         ssd = streamed.ssd
 
         def before(tokens: np.ndarray) -> None:  # as SsdTarget.verify does around its own passes
             ssd.wait_evicted()
             ssd.fetch_rows(tokens)
 
-        return Lanes(inner, n, self.target.n_ctx, before, ssd.after_pass)
+        return kind(inner, n, self.target.n_ctx, before, ssd.after_pass)
+
+    def lane_drafter(self) -> Drafter:
+        """A drafter of the lane's own over the pair's drafter's weights (its own KV cache): for TreeLanes."""
+        forked = None if self.drafter is None else self.drafter.fork()
+        if forked is None:
+            raise UserError(f"{self.name}'s drafter cannot draft for several requests at once (it runs on "
+                            f"{self.drafter.runtime if self.drafter else 'no runtime'}): set `parallel` to 1 or "
+                            "leave the drafter out", "parallel")
+        return forked
 
     def forget_replies(self) -> None:
         """Lookup drafts from no earlier reply, as a load with lookup on starts (lookup stays on)."""

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 
 import edge
 from edge.api import reply_steps
+from edge.budget import SharedBudget
 from edge.errors import ModelFault, UserError
 from edge.generate import Decoder, Step, common_prefix
+from edge.lookup import Lookup
 from edge.sampling import SamplingConfig
 from edge.stops import StopStrings
 
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
     from edge.models.pair import Pair
 
 log = logging.getLogger("edge.serve")
+# tree lanes' nodes a pass, shared out among the requests that run (SharedBudget): about the tree --budget auto grows
+# for one request streamed from the drive, where a pass of 32 tokens costs about what one token's does
+SHARED_NODES = 32
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,10 @@ class Worker:
         self.speculate = speculate
         self.budget = budget
         self.completed = self.cancelled = self.failed = 0
-        self.lanes = pair.lanes(parallel) if parallel > 1 else None
+        # with a drafter, each lane grows its trees with a drafter of its own and the pass verifies all of them
+        self.trees = parallel > 1 and speculate and pair.drafter is not None
+        self.lanes = pair.lanes(parallel, self.trees) if parallel > 1 else None
+        self._lane_drafters = [pair.lane_drafter() for _ in range(parallel)] if self.trees else []
         self._running: set[Job] = set()
         self._busy_lanes: set[int] = set()
         self._lane_used: dict[int, int] = {}  # when each lane last took a job (a count)
@@ -135,13 +143,15 @@ class Worker:
         # pass (a Ctrl-C's close with no wait) keeps it until the final close
         if self.lanes is not None and not any(thread.is_alive() for thread in self._threads):
             self.lanes.close()
+            for drafter in self._lane_drafters:
+                drafter.close()
 
     def _next(self, lane: int) -> Job | None:
         with self._wake:
             while True:
                 if self._closed and not self._waiting:
                     return None
-                job = self._pick(lane)
+                job = None if self._draining() else self._pick(lane)
                 if job is not None or self._closed:
                     break
                 self._wake.wait()
@@ -151,6 +161,19 @@ class Worker:
             self._busy_lanes.add(lane)
             self._lane_used[lane] = self._picked = self._picked + 1
             return job
+
+    def _draining(self) -> bool:
+        """Tree lanes keep the cells a lane lets go of taken until every lane is empty (TreeLanes.remove): where a new
+        job's start could let go of more than they have room for, no job starts until the running ones end; then
+        the lanes start over, empty (their prompts are not kept)."""
+        lanes = self.lanes
+        if not self.trees or lanes.room_for_dead(lanes.n_ctx):  # type: ignore[union-attr]
+            return False
+        if self._busy_lanes:
+            return True
+        lanes.reset()  # type: ignore[union-attr]
+        self._lane_decoders.clear()
+        return False
 
     def _pick(self, lane: int) -> Job | None:
         """The first waiting job this lane should take: the idle lane whose cells hold the longest start of a job's
@@ -209,7 +232,7 @@ class Worker:
         if kept is None or kept[0] != work.principal:
             target = self.lanes.target(lane)
             target.truncate(0)
-            kept = work.principal, Decoder(target, None, None, work.sampling, accept=self.pair.options.accept)
+            kept = work.principal, self._lane_decoder(lane, work)
             self._lane_decoders[lane] = kept
         decoder = kept[1]
         decoder.set_sampling(work.sampling)
@@ -222,9 +245,22 @@ class Worker:
                 yield step
         finally:
             self.lanes.busy(lane, False)
-            if ended in (None, "interrupted"):  # its client left: the lane's cells are freed now, not kept
-                decoder.target.truncate(0)
+            if ended in (None, "interrupted"):  # its client left: the lane's cells are not kept for its next turn
+                if not self.trees:  # (tree lanes let go of them when the lane's next job starts: _draining)
+                    decoder.target.truncate(0)
                 del self._lane_decoders[lane]
+
+    def _lane_decoder(self, lane: int, work: Work) -> Decoder:
+        """A lane's decoder for `work`'s principal: plain, or its trees drafted by the lane's own drafter (and lookup
+        over the principal's own replies), their size shared out among the lanes that run (SharedBudget)."""
+        assert self.lanes is not None
+        target, accept = self.lanes.target(lane), self.pair.options.accept
+        if not self.trees:
+            return Decoder(target, None, None, work.sampling, accept=accept)
+        corpus = self.pair.corpus_of(work.principal)
+        budget = SharedBudget(SHARED_NODES if self.budget in (None, "auto") else int(self.budget), self.lanes.running)
+        return Decoder(target, self._lane_drafters[lane], budget, work.sampling, accept=accept,
+                       lookup=None if corpus is None else Lookup(corpus))
 
     def _release(self, job: Job, lane: int) -> None:
         """The job is done with its lane: before its client hears the last step, so that the client's next request

@@ -210,3 +210,5 @@ def test_pull_and_check_take_a_model(smollm2: Pair) -> None:
     assert result["bit_exact"] is True and result["shapes"]
     lanes = next(shape for shape in result["shapes"] if shape["shape"] == "4 lanes in one pass")
     assert lanes["nodes_checked"] == 64 and lanes["max_abs_diff"] == 0.0  # serve --parallel's passes too
+    trees = next(shape for shape in result["shapes"] if shape["shape"] == "trees of 3 lanes in one pass")
+    assert trees["nodes_checked"] >= 60 and trees["max_abs_diff"] == 0.0 and trees["argmax_differences"] == 0

@@ -49,11 +49,9 @@ class Lanes:
                  before_pass: Callable[[np.ndarray], None] | None = None, after_pass: Callable[[], None] | None = None):
         """`before_pass(tokens)` and `after_pass()` around each pass: a target streamed from the drive reads the
         tokens' embedding rows and drops its pages behind (offload/ssd.py SsdTarget does the same around its own)."""
-        settings = target.ctx.settings
-        self.ctx = Context(target.model, n * n_ctx, n_batch=max(LANE_BATCH, n), kv_type=settings["kv_type"],
-                           n_threads=settings["n_threads"], flash_attn=settings["flash_attn"], n_outputs=n,
-                           on_layer=settings["on_layer"], sequences=n, unified=False)
+        self.ctx = self._context(target, n, n_ctx)
         self.n, self.n_ctx, self.model, self._template = n, self.ctx.n_ctx // n, target.model, target
+        self.gather_s = GATHER_S  # how long a pass waits for the busy lanes that have not asked yet
         self.passes = 0  # passes run, all lanes together
         self.lane_passes = 0  # lanes' passes, counted in each pass they rode in
         self._before_pass, self._after_pass = before_pass, after_pass
@@ -65,6 +63,14 @@ class Lanes:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="edge-spec lanes", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _context(target: LlamaTarget, n: int, n_ctx: int) -> Context:
+        """n KV streams of n_ctx cells, one a lane, over the target's weights and settings."""
+        settings = target.ctx.settings
+        return Context(target.model, n * n_ctx, n_batch=max(LANE_BATCH, n), kv_type=settings["kv_type"],
+                       n_threads=settings["n_threads"], flash_attn=settings["flash_attn"], n_outputs=n,
+                       on_layer=settings["on_layer"], sequences=n, unified=False)
 
     def target(self, lane: int) -> LaneTarget:
         """The lane as a Target (the same object for a lane every time: it knows what the lane's cells hold)."""
@@ -78,10 +84,18 @@ class Lanes:
             (self._busy.add if running else self._busy.discard)(lane)
             self._cond.notify_all()
 
+    def running(self) -> int:
+        """Lanes whose request runs now."""
+        with self._cond:
+            return len(self._busy)
+
     def run(self, lane: int, tokens: Sequence[int], start: int, output: bool) -> np.ndarray | None:
         """Run `tokens` in `lane` at positions start..., in the batcher's passes; the last token's logits
         ([n_vocab] float32, a copy) when `output`."""
-        ask = _Ask(lane, list(tokens), start, output)
+        return self._submit(_Ask(lane, list(tokens), start, output))
+
+    def _submit(self, ask: _Ask) -> np.ndarray | None:
+        """Hand `ask` to the batcher and wait until its passes have run: its logits, if it asked for any."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the lanes are closed")
@@ -115,7 +129,7 @@ class Lanes:
                     self._cond.wait()
                 if self._closed:
                     return
-                deadline = time.monotonic() + GATHER_S
+                deadline = time.monotonic() + self.gather_s
                 while self._busy - {ask.lane for ask in self._asks} and not self._closed:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -127,7 +141,7 @@ class Lanes:
                 try:
                     if self._before_pass is not None:
                         self._before_pass(self._batch.token[: self._batch.struct.n_tokens])
-                    self.ctx.decode(self._batch)
+                    self._decode(taken)
                     if self._after_pass is not None:
                         self._after_pass()
                 except BaseException as problem:
@@ -141,6 +155,9 @@ class Lanes:
                     if ask.error is not None or ask.done == len(ask.tokens):
                         self._asks.remove(ask)
                         ask.finished.set()
+
+    def _decode(self, taken: list[tuple[_Ask, int, int]]) -> None:
+        self.ctx.decode(self._batch)
 
     def _fill(self) -> list[tuple[_Ask, int, int]]:
         """The batch: each ask's next tokens, the shortest first so that every lane's one token rides before any

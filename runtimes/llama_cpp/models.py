@@ -73,10 +73,13 @@ class _Runner(ModelDefaults):
             self.ctx.seq_rm(PAD_SEQ)
         self.passes += 1
 
+    owns_model = True  # closing it frees the weights too (a fork shares another's: LlamaDrafter.fork)
+
     def close(self) -> None:
         """Frees the context (its KV cache) and the model's weights; the object is unusable afterwards."""
         self.ctx.close()
-        self.model.close()
+        if self.owns_model:
+            self.model.close()
 
 
 class LayerListener:
@@ -284,6 +287,14 @@ class LlamaDrafter(_Runner):
         self._base = 0  # position of this round's root
         self._node_seq: dict[int, int] = {}  # tree node -> the seq holding its path
         self._tip: dict[int, int] = {}  # seq -> its deepest node (the seq holds that node's path, nothing more)
+
+    def fork(self) -> LlamaDrafter:
+        """Another drafter over the same weights, with a KV cache of its own (a lane's: tree_lanes.py); closing it
+        leaves the weights to this one."""
+        forked = LlamaDrafter(self.model, Context(self.model, **self.ctx.settings), self.kv_type,
+                              self.expand_capacity)
+        forked.owns_model = False
+        return forked
 
     def resize(self, size: int) -> bool:
         """Room for `size` nodes a round from now on: a new context over the same weights, with that many more cells

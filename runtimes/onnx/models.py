@@ -194,6 +194,20 @@ class OnnxDrafter(_OnnxModel):
         self.pending: list[int] = []  # committed tokens not yet run (a path's unexpanded tail)
         self.base = 0  # the root's position
 
+    def fork(self) -> OnnxDrafter | None:
+        """Another drafter over the same session (onnxruntime runs one session from several threads), with a KV
+        cache and tree slots of its own: a lane's (runtimes/llama_cpp/tree_lanes.py). None for one that reads its
+        QuantSpec target's cache."""
+        if self.shared:
+            return None
+        kv = self.kv
+        forked = OnnxDrafter(self.session, self.arch, QuantSpecKV(kv.n_layers, kv.n_kv_heads, kv.head_dim, kv.capacity,
+                                                                  bits=kv.bits, group=kv.group,
+                                                                  value_group=kv.value_group), self.path)
+        if self.in_head is not None:
+            forked.in_head, forked.vocab, forked._pad = self.in_head, self.vocab, self._pad
+        return forked
+
     def prefill(self, tokens: Sequence[int]) -> None:
         if not self.shared:  # a shared cache is the target's to fill
             self._write([*self.pending, *tokens])
