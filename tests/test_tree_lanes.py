@@ -151,6 +151,13 @@ def test_the_server_verifies_two_principals_trees_in_one_pass(lanes_pair: Pair) 
             assert lanes is not None and lanes.lane_passes >= 1.3 * lanes.passes, (lanes.passes, lanes.lane_passes)
             _ask(client, A, CHAT_PROMPTS[2])
             assert _ask(client, B, CHAT_PROMPTS[2])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            # the cells lanes let go of stay taken until a reset: with room for no more, the next job's start
+            # empties every lane first (nothing runs), and its reply is still the plain one
+            assert lanes.dead > 0
+            lanes.dead_room = lanes.dead
+            again = _ask(client, A, CHAT_PROMPTS[0])
+            assert again["choices"][0]["text"] == expected[A] and lanes.dead == 0
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         worker.close()
 
