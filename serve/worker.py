@@ -258,7 +258,8 @@ class Worker:
         if not self.trees:
             return Decoder(target, None, None, work.sampling, accept=accept)
         corpus = self.pair.corpus_of(work.principal)
-        budget = SharedBudget(SHARED_NODES if self.budget in (None, "auto") else int(self.budget), self.lanes.running)
+        nodes = self.pair.budget if self.budget is None else self.budget  # --budget: the nodes of a pass in all
+        budget = SharedBudget(SHARED_NODES if nodes == "auto" else int(nodes), self.lanes.running)
         return Decoder(target, self._lane_drafters[lane], budget, work.sampling, accept=accept,
                        lookup=None if corpus is None else Lookup(corpus))
 
