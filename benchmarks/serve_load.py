@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import statistics
 import sys
 import threading
@@ -105,6 +106,8 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1024, help="context per request (each lane, each slot)")
     parser.add_argument("--peer", action="store_true", help="llama-server with -np CLIENTS too")
     parser.add_argument("--cap-mb", type=int, default=None, help="run each server under a memory cap of this size")
+    parser.add_argument("--server-args", default="", help="more arguments for edge-spec serve (e.g. \"--speculate on "
+                        "--budget 32\": the lanes keep the drafter and grow trees)")
     args = parser.parse_args()
     if args.clients < 1 or args.n < 1:
         parser.error("--clients and -n must be at least 1")
@@ -117,7 +120,7 @@ def main() -> None:
     cap = None if args.cap_mb is None else args.cap_mb << 20
     result: dict = {"pair": args.pair, "clients": args.clients, "max_tokens": args.n, "prompts": len(prompts),
                     "cap_mb": args.cap_mb}
-    server_args = [args.pair, "--parallel", str(args.clients), "--ctx", str(args.ctx)]
+    server_args = [args.pair, "--parallel", str(args.clients), "--ctx", str(args.ctx), *shlex.split(args.server_args)]
     with contextlib.ExitStack() as stack:
         wrapper: list[str] = []
         if cap is not None:

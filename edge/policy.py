@@ -77,8 +77,9 @@ class RoundPolicy:
                  max_lookup: int | None = None, choices: dict | None = None) -> None:
         """`drafts`: a drafter grows the trees; `lookup`: lookup's branches join them, and make trees of their own
         where the budget policy decodes plainly, of at most `max_lookup` nodes (a fixed budget's; None: as many as
-        pay). `choices`: the pair's measured yields by rule (RuleChoice), by sampling and budget, which every
-        decoder of the pair adds to (Pair.rule_choices): what one decoder measured, the next chooses by."""
+        pay). `choices`: the pair's measured yields by rule (RuleChoice), by sampling and budget, and when sampling
+        its acceptance rates by rule, which every decoder of the pair adds to (Pair.rule_choices): what one decoder
+        measured, the next chooses and grows by (a rule `--accept auto` runs seldom keeps what it learned)."""
         if accept not in ACCEPT_RULES:
             raise UserError(f"accept must be one of {', '.join(ACCEPT_RULES)} (got {accept!r})", "accept")
         self.budget, self.accept, self.drafts, self.uses_lookup = budget, accept, drafts, lookup
@@ -89,10 +90,13 @@ class RoundPolicy:
         self._reset_rates()
 
     def _reset_rates(self) -> None:
-        self.acceptances = {rule: Acceptance(greedy=self.sampling.greedy) for rule in RULES}
+        sampling = dataclasses.replace(self.sampling, seed=None)
+        if self.sampling.greedy:
+            self.acceptances = {rule: Acceptance(greedy=True) for rule in RULES}
+        else:  # sampled: every decoder sharing `choices` learns one table a rule, as `--accept auto` compares them
+            self.acceptances = self.choices.setdefault(("rates", sampling), {rule: Acceptance() for rule in RULES})
         # --accept auto's measured yields, for this sampling (its seed aside) and this budget policy
-        key = (dataclasses.replace(self.sampling, seed=None),
-               self.budget.config if isinstance(self.budget, FixedBudget) else "auto")
+        key = (sampling, self.budget.config if isinstance(self.budget, FixedBudget) else "auto")
         self.choice = self.choices.setdefault(key, RuleChoice())
         self.lookup_acceptance = Acceptance(greedy=self.sampling.greedy)
         self.lookup_yield = 1.0  # lookup trees' tokens beyond the target's own, measured / expected: _lookup_size
