@@ -167,3 +167,16 @@ def _ask(client: TestClient, key: str, prompt: str) -> dict:
                          json={"prompt": prompt, "max_tokens": 48, "temperature": 0})
     assert answer.status_code == 200, answer.text
     return answer.json()
+
+
+def test_a_shared_budget_shrinks_each_tree_as_requests_join() -> None:
+    """The nodes of a pass shared out among the requests that run now: 32 alone, 8 each for four, never past the
+    room a lane's pass has."""
+    from edge.budget import SharedBudget
+
+    running = [1]
+    budget = SharedBudget(32, lambda: running[0])
+    assert budget.choose(86).budget == 32
+    running[0] = 4
+    assert budget.choose(86).budget == 8
+    assert budget.choose(5).budget == 4 and budget.pass_s(1) is None

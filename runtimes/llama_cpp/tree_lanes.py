@@ -1,17 +1,19 @@
 """Several requests' trees verified in one pass: lanes (runtimes/llama_cpp/lanes.py) whose rounds grow trees.
 
-Every lane shares one unified KV cache and owns a block of its seq ids (MAX_SEQ // n of them: one per leaf of its
-tree, the first holding its committed tokens). A lane's cells are masked from every other lane's tokens, and on the
-CPU's flash attention a masked cell adds nothing, so a lane sums over its own cells only, in cell order. That order is
-position order as long as no lane's new cells land before its older ones, which the layout of a pass keeps:
+Every lane shares one unified KV cache and owns a block of its seq ids ((MAX_SEQ - 1) // n of them: one per leaf of its
+tree, the first holding its committed tokens; the last seq id holds the cells lanes let go of, TreeLanes.remove). A
+lane's cells are masked from every other lane's tokens, and on the CPU's flash attention a masked cell adds nothing, so
+a lane sums over its own cells only, in cell order. That order is position order as long as no lane's new cells land
+before its older ones, which the layout of a pass keeps:
 
     [lane a: pending + root] [lane b: pending + root] ... [lane a: the rest of its tree] [lane b: ...] ...
 
 Only the first part stays after the pass: every tree body lies at the cache's tail and is dropped as a whole, so the
-next pass fills from there again. The accepted nodes below a root run again at the front of the lane's next pass (as
-LlamaTarget's accepted nodes off its spine do): one streamed read of the weights carries them with the new trees.
-With the batch-invariant kernels, each lane's logits are then bit for bit those of its tree verified alone
-(tests/test_batching.py, `edge-spec check`'s "trees of 3 lanes in one pass").
+next pass fills from there again (llama.cpp puts a pass's tokens in the lowest free cells, in batch order). The
+accepted nodes below a root run again at the front of the lane's next pass (as LlamaTarget's accepted nodes off its
+spine do): one streamed read of the weights carries them with the new trees. With the batch-invariant kernels, each
+lane's logits are then bit for bit those of its tree verified alone (tests/test_tree_lanes.py, `edge-spec check`'s
+"trees of 3 lanes in one pass").
 """
 
 from __future__ import annotations
@@ -119,10 +121,11 @@ class TreeLanes(Lanes):
     def _fill(self) -> list[tuple[_Ask, int, int]]:
         """Every tree whole (the pending tokens and roots first, the bodies after them), then prompts in the room
         left; a tree that does not fit waits for the next pass. (ask, its rows here, -1)."""
-        batch, room, taken = self._batch, self._batch.capacity, []
-        trees = [ask for ask in self._asks if isinstance(ask, _TreeAsk)]
-        trees = [ask for ask in trees if (room := room - len(ask.tokens) - len(ask.body)) >= 0]
-        room = batch.capacity - sum(len(ask.tokens) + len(ask.body) for ask in trees)
+        batch, room, taken, trees = self._batch, self._batch.capacity, [], []
+        for ask in self._asks:
+            if isinstance(ask, _TreeAsk) and len(ask.tokens) + len(ask.body) <= room:
+                trees.append(ask)
+                room -= len(ask.tokens) + len(ask.body)
         n = 0
         for ask in trees:  # the part that stays: pending tokens and the root
             rows = len(ask.tokens)
