@@ -2,8 +2,9 @@
 
 With --parallel 1 (the default) one generation runs at a time, with the pair's trees: requests wait in a queue, first
 come first served, and the pair's decoder stays the same from job to job, so a prompt that extends the last one (a
-chat's next turn) runs only its new tokens. With --parallel N, up to N requests decode together, plainly, in lanes
-of one target pass (Pair.lanes: for a target read from the drive, the weights are read once for all of them); a lane
+chat's next turn) runs only its new tokens. With --parallel N, up to N requests decode together in lanes of one
+target pass (Pair.lanes: for a target read from the drive, the weights are read once for all of them), each growing
+its tree with a drafter of its own where the pair has one (runtimes/llama_cpp/tree_lanes.py), else plainly; a lane
 keeps its principal's last prompt and reply for the next request of the same principal. A job is cancelled when its
 client leaves: a waiting job is skipped, a running one stops after its current token, and its lane takes the next.
 Events go back to the asyncio side as Steps, then None.
