@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,6 @@ def lanes_run_on(target: Any) -> bool:
 def check_lanes(target: Any, tokens: list[int]) -> ShapeResult:
     """4 requests decoding together in one pass each step (runtimes/llama_cpp/lanes.py), each after its own
     context, against each decoded alone one token a pass: every step's logits, bit for bit."""
-    import threading
 
     from edge.runtimes.llama_cpp.lanes import Lanes
 
@@ -94,24 +94,13 @@ def check_lanes(target: Any, tokens: list[int]) -> ShapeResult:
     got: list[list[np.ndarray]] = [[] for _ in range(LANES)]
 
     def decode(lane: int) -> None:
-        lanes.busy(lane, True)
-        try:
-            lanes.run(lane, prefixes[lane], 0, output=False)
-            for i, token in enumerate(steps[lane]):
-                logits = lanes.run(lane, [token], len(prefixes[lane]) + i, output=True)
-                assert logits is not None
-                got[lane].append(logits)
-        finally:
-            lanes.busy(lane, False)
+        lanes.run(lane, prefixes[lane], 0, output=False)
+        for i, token in enumerate(steps[lane]):
+            logits = lanes.run(lane, [token], len(prefixes[lane]) + i, output=True)
+            assert logits is not None
+            got[lane].append(logits)
 
-    threads = [threading.Thread(target=decode, args=(lane,)) for lane in range(LANES)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        lanes.close()
+    in_lanes(lanes, decode)
     worst = max(float(np.abs(np.array(got[lane]) - expected[lane]).max()) for lane in range(LANES))
     flips = sum(int((np.array(got[lane]).argmax(1) != expected[lane].argmax(1)).sum()) for lane in range(LANES))
     return ShapeResult(f"{LANES} lanes in one pass", LANES, LANES * LANE_STEPS, worst, flips)
@@ -121,7 +110,6 @@ def check_tree_lanes(target: Any, drafter: Any, tokens: list[int]) -> ShapeResul
     """The trees of 3 requests verified together (runtimes/llama_cpp/tree_lanes.py), each after its own context:
     each lane checks its drafter-grown tree node by node against plain decoding (edge.invariance.compare) at the
     same time as the others, so tree passes and one-token passes of different lanes share passes."""
-    import threading
     from dataclasses import replace
 
     from edge.runtimes.llama_cpp.tree_lanes import TreeLanes
@@ -141,18 +129,33 @@ def check_tree_lanes(target: Any, drafter: Any, tokens: list[int]) -> ShapeResul
     target.truncate(0)
     lanes = TreeLanes(target, TREE_LANES, 256)
     results: list[tuple[int, float, int]] = [(0, 0.0, 0)] * TREE_LANES
-    errors: list[BaseException] = []
 
     def check(lane: int) -> None:
+        results[lane] = compare(lanes.target(lane), trees[lane], prefixes[lane], max_paths=20)
+
+    in_lanes(lanes, check)
+    return ShapeResult(f"trees of {TREE_LANES} lanes in one pass", sum(len(tree) for tree in trees),
+                       sum(checked for checked, _, _ in results), max(worst for _, worst, _ in results),
+                       sum(flips for _, _, flips in results))
+
+
+def in_lanes(lanes: Any, work: Callable[[int], None]) -> None:
+    """work(lane) for every lane at once, each on a thread of its own with its lane busy meanwhile (as the server's
+    worker runs requests); then the lanes close, and the first error raised in a thread is raised here."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(lane: int) -> None:
         lanes.busy(lane, True)
         try:
-            results[lane] = compare(lanes.target(lane), trees[lane], prefixes[lane], max_paths=20)
-        except BaseException as problem:  # raised below, in the caller's thread
+            work(lane)
+        except BaseException as problem:
             errors.append(problem)
         finally:
             lanes.busy(lane, False)
 
-    threads = [threading.Thread(target=check, args=(lane,)) for lane in range(TREE_LANES)]
+    threads = [threading.Thread(target=run, args=(lane,)) for lane in range(lanes.n)]
     try:
         for thread in threads:
             thread.start()
@@ -162,6 +165,3 @@ def check_tree_lanes(target: Any, drafter: Any, tokens: list[int]) -> ShapeResul
         lanes.close()
     if errors:
         raise errors[0]
-    return ShapeResult(f"trees of {TREE_LANES} lanes in one pass", sum(len(tree) for tree in trees),
-                       sum(checked for checked, _, _ in results), max(worst for _, worst, _ in results),
-                       sum(flips for _, _, flips in results))
