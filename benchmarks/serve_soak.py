@@ -21,7 +21,9 @@ under load must equal its single-client text. The report adds the server log's t
 
 With --keys K the server has K API keys (principals) and the clients take them in turn; afterwards the first key sends
 a prompt holding a PIN and the last sends guesses sharing its first digits: `isolation.b_cached_tokens_after_a` must
-be all 0 with two keys (with one key, one principal, it counts the matching digits: 13 / 12 / 11 / 10 / 9).
+be all 0 with two keys (with one key, one principal, it counts the matching digits: 9 / 10 / 11 / 12 / 13); with
+--parallel N a lane keeps B's own earlier guess, which each guess shares one digit fewer with than with the PIN
+(0 / 9 / 10 / 11 / 12: a leak would read 9 / 10 / 11 / 12 / 13).
 """
 
 from __future__ import annotations
@@ -229,7 +231,7 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
 
 def isolation_probe(url: str, keys: Sequence[str]) -> dict:
     """After the soak, two principals: A's prompt holds a PIN, then B sends guesses sharing its first digits. B's
-    cached_tokens (and prefill) must not count A's matching tokens: with one principal they did (13 / 12 / 11)."""
+    cached_tokens (and prefill) must not count A's matching tokens: with one principal they did (9 / 10 / 11 ...)."""
     def cached(key: str, prompt: str) -> int:
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=600)
         reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=1,
@@ -238,7 +240,10 @@ def isolation_probe(url: str, keys: Sequence[str]) -> dict:
 
     secret = "Customer 1182 PIN: 4821\nAnswer OK:"
     guesses = {}
-    for guess in ("4821", "4829", "4871", "4021", "9821"):
+    # each guess shares one more digit with the PIN than with any guess before it: with --parallel N, B's earlier
+    # guesses stay in B's lanes (its own prompt cache), so B's count is its shared prefix with them, one digit short
+    # of what A's prompt would give it
+    for guess in ("9821", "4021", "4871", "4829", "4821"):
         cached(keys[0], secret)
         guesses[guess] = cached(keys[-1], f"Customer 1182 PIN: {guess}Z")
     return {"principals": len(keys), "b_cached_tokens_after_a": guesses}
