@@ -120,7 +120,8 @@ class TreeLanes(Lanes):
 
     def _fill(self) -> list[tuple[_Ask, int, int]]:
         """Every tree whole (the pending tokens and roots first, the bodies after them), then prompts in the room
-        left; a tree that does not fit waits for the next pass. (ask, its rows here, -1)."""
+        left; a tree that does not fit waits for the next pass. (ask, its rows here, the row of its logits or -1:
+        a tree's root's; its body's come after every kept row, in _tree_logits)."""
         batch, room, taken, trees = self._batch, self._batch.capacity, [], []
         for ask in self._asks:
             if isinstance(ask, _TreeAsk) and len(ask.tokens) + len(ask.body) <= room:
