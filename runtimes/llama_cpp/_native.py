@@ -472,13 +472,14 @@ class Batch:
         self.output[n:rows] = 1
         self.struct.n_tokens = rows
 
-    def set_seqs(self, membership: np.ndarray) -> None:
-        """membership: [n_tokens, n_seqs] bool; token i belongs to every seq j where membership[i, j]."""
+    def set_seqs(self, membership: np.ndarray, at: int = 0, first_seq: int = 0) -> None:
+        """membership: [n_tokens, n_seqs] bool; token at + i belongs to every seq first_seq + j where
+        membership[i, j]."""
         rows, cols = np.nonzero(membership)
         counts = membership.sum(axis=1)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        self.n_seq_id[: len(counts)] = counts
-        self.seq_id[rows, np.arange(len(rows)) - starts[rows]] = cols
+        self.n_seq_id[at: at + len(counts)] = counts
+        self.seq_id[at + rows, np.arange(len(rows)) - starts[rows]] = first_seq + cols
 
 
 def quantize(src: Path, dest: Path, ftype: str, n_threads: int | None = None) -> None:

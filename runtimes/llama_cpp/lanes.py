@@ -64,8 +64,7 @@ class Lanes:
         self._thread = threading.Thread(target=self._run, name="edge-spec lanes", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _context(target: LlamaTarget, n: int, n_ctx: int) -> Context:
+    def _context(self, target: LlamaTarget, n: int, n_ctx: int) -> Context:
         """n KV streams of n_ctx cells, one a lane, over the target's weights and settings."""
         settings = target.ctx.settings
         return Context(target.model, n * n_ctx, n_batch=max(LANE_BATCH, n), kv_type=settings["kv_type"],
@@ -85,9 +84,9 @@ class Lanes:
             self._cond.notify_all()
 
     def running(self) -> int:
-        """Lanes whose request runs now."""
-        with self._cond:
-            return len(self._busy)
+        """Lanes whose request runs now (read without the lock, which a pass holds: a round's start does not wait
+        for another lane's pass)."""
+        return len(self._busy)
 
     def run(self, lane: int, tokens: Sequence[int], start: int, output: bool) -> np.ndarray | None:
         """Run `tokens` in `lane` at positions start..., in the batcher's passes; the last token's logits

@@ -73,7 +73,7 @@ class TreeLanes(Lanes):
             for target in self._targets.values():
                 target.n_past, target._pending = 0, []
 
-    def _context(self, target: LlamaTarget, n: int, n_ctx: int) -> Context:  # type: ignore[override]
+    def _context(self, target: LlamaTarget, n: int, n_ctx: int) -> Context:
         """One unified cache: every lane's n_ctx cells, and room for every lane's tree and pending tokens in flight."""
         settings = target.ctx.settings
         rows = n * (self.max_tree + PENDING_ROOM)
@@ -121,7 +121,7 @@ class TreeLanes(Lanes):
     def _fill(self) -> list[tuple[_Ask, int, int]]:
         """Every tree whole (the pending tokens and roots first, the bodies after them), then prompts in the room
         left; a tree that does not fit waits for the next pass. (ask, its rows here, the row of its logits or -1:
-        a tree's root's; its body's come after every kept row, in _tree_logits)."""
+        a tree's root's; its body's come after every kept row: _hand_back)."""
         batch, room, taken, trees = self._batch, self._batch.capacity, [], []
         for ask in self._asks:
             if isinstance(ask, _TreeAsk) and len(ask.tokens) + len(ask.body) <= room:
@@ -160,11 +160,7 @@ class TreeLanes(Lanes):
         batch, rows = self._batch, len(tokens)
         batch.token[at: at + rows] = tokens
         batch.pos[at: at + rows] = positions
-        counts = membership.sum(axis=1)
-        batch.n_seq_id[at: at + rows] = counts
-        row, column = np.nonzero(membership)
-        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        batch.seq_id[at + row, np.arange(len(row)) - starts[row]] = self.seq(lane) + column
+        batch.set_seqs(membership, at, self.seq(lane))
 
     def _decode(self, taken: list[tuple[_Ask, int, int]]) -> None:
         """The pass, each tree's branches seeing its lane's committed cells; after it, every body's cells dropped."""
@@ -174,7 +170,6 @@ class TreeLanes(Lanes):
                 self.ctx.seq_cp(self.seq(ask.lane), self.seq(ask.lane) + leaf)
         try:
             self.ctx.decode(self._batch)
-            self._tree_logits(trees, taken)
         finally:
             for ask in trees:
                 base = self.seq(ask.lane)
@@ -182,29 +177,22 @@ class TreeLanes(Lanes):
                     self.ctx.seq_rm(base + leaf)
                 self.ctx.seq_rm(base, ask.start + len(ask.tokens), -1)
 
-    def _tree_logits(self, trees: list[_TreeAsk], taken: list[tuple[_Ask, int, int]]) -> None:
-        """Each tree's logits, root then body, before the bodies' cells go (Lanes._hand_back does the rest)."""
-        rows = sum(row >= 0 for _, _, row in taken) + sum(len(ask.body) for ask in trees)
-        logits = self.ctx.logits(rows)
-        kept_output = {id(ask): index for index, (ask, _, _) in
-                       enumerate(a for a in taken if a[2] >= 0)}  # output rows come in batch order
-        body = sum(row >= 0 for _, _, row in taken)
-        for ask in trees:
-            out = np.empty((1 + len(ask.body), logits.shape[1]), np.float32)
-            out[0] = logits[kept_output[id(ask)]]
-            out[1:] = logits[body: body + len(ask.body)]
-            body += len(ask.body)
-            ask.logits = out
-
     def _hand_back(self, taken: list[tuple[_Ask, int, int]]) -> None:
-        plain = [(ask, count, row) for ask, count, row in taken if not isinstance(ask, _TreeAsk)]
-        n_outputs = sum(row >= 0 for _, _, row in taken)
-        outputs = {id(ask): index for index, (ask, _, _) in enumerate(a for a in taken if a[2] >= 0)}
-        logits = self.ctx.logits(n_outputs) if any(row >= 0 for _, _, row in plain) else None
-        for ask, count, row in taken:
+        """Each ask's logits (a copy): the pass outputs in batch order, the kept rows' (roots, prompts' last tokens)
+        first, then every tree's body, trees in the order of their roots."""
+        kept = [ask for ask, _, row in taken if row >= 0]
+        bodies = sum(len(ask.body) for ask in kept if isinstance(ask, _TreeAsk))
+        logits = self.ctx.logits(len(kept) + bodies) if kept else None
+        body = len(kept)
+        for index, ask in enumerate(kept):
+            assert logits is not None
+            if isinstance(ask, _TreeAsk):
+                ask.logits = np.concatenate([logits[index: index + 1], logits[body: body + len(ask.body)]])
+                body += len(ask.body)
+            else:
+                ask.logits = logits[index].copy()
+        for ask, count, _ in taken:
             ask.done += count
-            if row >= 0 and logits is not None and not isinstance(ask, _TreeAsk):
-                ask.logits = logits[outputs[id(ask)]].copy()
 
 
 class TreeLaneTarget(LaneTarget):
