@@ -8,7 +8,6 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-import numpy as np
 import pytest
 from edge.models.pair import Pair
 from edge.runtimes.llama_cpp.models import LlamaDrafter, LlamaTarget
@@ -113,7 +112,6 @@ def test_speculative_replies_decoded_together_equal_plain_decoding(smollm2: Pair
         assert target.n_past + len(target._pending) == len(decoder.context) - 1
         assert lanes.ctx.seq_pos_max(lanes.seq(lane)) == target.n_past - 1
         assert all(lanes.ctx.seq_pos_max(lanes.seq(lane) + j) == -1 for j in range(1, lanes.seqs))
-    assert not np.isnan(lanes.ctx.logits(1)).any()
 
 
 A, B = "key-of-a", "key-of-b"
