@@ -289,13 +289,14 @@ class AutoBudget:
                 self._observe_yield(config, result, rule)
             return
         if config is None:
-            predicted = self.costs.target_s(len(result.tokens))
+            predicted = self.costs.target_s(self.pass_tokens(len(result.tokens)))
             self.plain_ratios.append(result.verify_s / predicted)
             self._plain_scale = statistics.median(self.plain_ratios)
             return
         self.grow_scale = _blend(self.grow_scale, result.grow_s / self._grow_s(config, result.drafter_passes))
         verified = result.tree_size + len(result.tokens) - 1  # about: the previous round's accepted tokens ran too
-        self.verify_scale = _blend(self.verify_scale, result.verify_s / self._verify_s(verified, result.grow_s))
+        self.verify_scale = _blend(self.verify_scale,
+                                   result.verify_s / self._verify_s(self.pass_tokens(verified), result.grow_s))
         self._observe_yield(config, result, rule)
 
     def _observe_yield(self, config: GrowConfig, result: RoundResult, rule: str) -> None:
@@ -334,13 +335,17 @@ class AutoBudget:
     def round_s(self, budget: int, rule: str = "match") -> float:
         """Predicted seconds of one round: growth plus the target pass (plain: the pass alone)."""
         if budget == 0:
-            return self.plain_scale() * self.costs.target_s(1)
+            return self.plain_scale() * self.costs.target_s(self.pass_tokens(1))
         config = _config(budget)
         steps = self.passes.get(budget, config.max_steps)
         rerun = self.expected_tokens(budget, rule) - 1  # the previous round's accepted tokens run again
         grow_scale, verify_scale = (1.0, 1.0) if self.timing_held else (self.grow_scale, self.verify_scale)
         grow = grow_scale * self._grow_s(config, steps)
-        return grow + verify_scale * self._verify_s(budget + 1 + rerun, grow)
+        return grow + verify_scale * self._verify_s(self.pass_tokens(budget + 1 + rerun), grow)
+
+    def pass_tokens(self, tokens: float) -> float:
+        """The tokens of a target pass that carries a round of `tokens`: those alone (LaneBudget: every lane's)."""
+        return tokens
 
     def plain_scale(self) -> float:
         """Measured / predicted plain pass time: the median of the last PLAIN_WINDOW plain rounds (one stalled
@@ -361,6 +366,24 @@ def _config(budget: int) -> GrowConfig:
 
 def _blend(old: float | None, new: float) -> float:
     return float(new) if old is None else (1 - SMOOTHING) * old + SMOOTHING * float(new)
+
+
+@dataclass
+class LaneBudget(AutoBudget):
+    """`--budget auto` for a request whose target passes carry the other running requests' rounds too (serve
+    --parallel N with a drafter, runtimes/llama_cpp/tree_lanes.py): AutoBudget's choice, with each pass priced for the
+    `sharers()` requests that run now, each taken to grow a tree the size of this one's. Where a pass is bound by
+    reading the weights (streamed from the drive), four requests' trees cost about what one's does and each keeps
+    the tree it would grow alone; where the pass computes (in RAM on a CPU), each tree shrinks as more requests share
+    it, down to plain decoding. The times it learns from are its own rounds', which ran beside the others.
+
+    With timing held (a seeded reply) it prices a pass for this request alone, so that its trees, and the draws
+    that depend on them, do not depend on who else is being served."""
+
+    sharers: Callable[[], int] = lambda: 1
+
+    def pass_tokens(self, tokens: float) -> float:
+        return tokens if self.timing_held else tokens * max(1, self.sharers())
 
 
 class SharedBudget:

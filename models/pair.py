@@ -333,14 +333,27 @@ class Pair:
 
     def auto_budget(self) -> AutoBudget:
         """--budget auto's policy; its pass times are measured once per machine, placement and pair (cached)."""
+        from edge.budget import AutoBudget, budget_limit
+
+        costs = self.pass_costs()
+        limit = budget_limit(costs)  # the larger trees its measured flat passes allow, within the plan's bound
+        self.fit_budget(limit if self.max_tree is None else min(limit, self.max_tree - 1))
+        return AutoBudget(costs)
+
+    def pass_costs(self, large: bool = True) -> Costs:
+        """The target's and the drafter's measured pass times (edge.budget.Costs), once per machine, placement and
+        pair (cached). `large`: where the passes are flat, also passes of 1024 and 2048 tokens, for which the target
+        and the drafter are enlarged (not for lanes, whose trees are bounded by their seq ids)."""
         from edge.offload.tuning import measure_costs
 
-        from edge.budget import AutoBudget, Costs, budget_limit
+        from edge.budget import Costs
 
         if self.costs is None:
             with phase(self.load_seconds, "pass times (--budget auto)"):
                 key = self._costs_key()
                 known = pass_times()
+                if key is not None and not large and key not in known:  # lanes' costs: the large ones do as well
+                    key += " without large passes"
                 if key is not None and key in known:
                     try:
                         self.costs = Costs.from_json(known[key])
@@ -351,13 +364,11 @@ class Pair:
                                 "machine and pair; kept in the cache)")
                     prefix = self.target.tokenizer.tokenize(CALIBRATION_TEXT, add_special=True, parse_special=False)
                     started = time.perf_counter()
-                    self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree)
+                    self.costs = measure_costs(self.target, self.drafter, prefix, self.target.max_tree, large)
                     self.report(f"timed the passes in {time.perf_counter() - started:.1f} s")
                     if key is not None:
                         keep_pass_times(key, self.costs.to_json())
-        limit = budget_limit(self.costs)  # the larger trees its measured flat passes allow, within the plan's bound
-        self.fit_budget(limit if self.max_tree is None else min(limit, self.max_tree - 1))
-        return AutoBudget(self.costs)
+        return self.costs
 
     def swap_drafter(self, runtime_name: str | None = None, vocab: int | None = None, quantize: str | None = None,
                      report: Report = _quiet) -> Drafter:

@@ -25,10 +25,11 @@ LONG_PASS_S = 10.0  # pass_ms: after a pass this long, larger sizes are extrapol
 PASS_SIZES = (1, 16, 2, 4, 8, 32, 64, 256)
 
 
-def measure_costs(target: Target, drafter: Drafter | None, prefix: list[int], max_tree: int) -> Costs:
+def measure_costs(target: Target, drafter: Drafter | None, prefix: list[int], max_tree: int,
+                  large: bool = True) -> Costs:
     """Time the target (chains of 1..max_tree tokens) and the drafter (1, 8, 32 nodes; none: lookup drafting alone)
-    after `prefix`; where the target's passes are flat (is_flat), also chains of LARGE tokens, after enlarging both
-    (fit_trees)."""
+    after `prefix`; with `large`, where the target's passes are flat (is_flat), also chains of LARGE tokens, after
+    enlarging both (fit_trees)."""
     sizes = tuple(n for n in PASS_SIZES if n <= max_tree) or (1,)
     cold = pass_ms(target, prefix, sizes, repeats=3)
     drafter_ms = {} if drafter is None else expand_ms(drafter, prefix, repeats=3)
@@ -43,7 +44,7 @@ def measure_costs(target: Target, drafter: Drafter | None, prefix: list[int], ma
         window = None if streamer.window is None else round(
             1000 * read_ahead * min(streamer.window / max(target.path.stat().st_size, 1), 1.0), 3)
         costs = Costs(cold, drafter_ms, round(1000 * read_ahead, 3), warm, overlap, window)
-    if not is_flat(costs) or not fit_trees(target, drafter, LARGE[-1] + 1):
+    if not large or not is_flat(costs) or not fit_trees(target, drafter, LARGE[-1] + 1):
         return costs
     cold.update(pass_ms(target, prefix, LARGE, repeats=3))
     if drafter is not None:

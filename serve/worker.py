@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import edge
 from edge.api import reply_steps
-from edge.budget import SharedBudget
+from edge.budget import LaneBudget, SharedBudget
 from edge.errors import ModelFault, UserError
 from edge.generate import Decoder, Step, common_prefix
 from edge.lookup import Lookup
@@ -33,9 +33,6 @@ if TYPE_CHECKING:
     from edge.models.pair import Pair
 
 log = logging.getLogger("edge.serve")
-# tree lanes' nodes a pass, shared out among the requests that run (SharedBudget): about the tree --budget auto grows
-# for one request streamed from the drive, where a pass of 32 tokens costs about what one token's does
-SHARED_NODES = 32
 
 
 @dataclass(frozen=True)
@@ -97,6 +94,9 @@ class Worker:
         self.trees = parallel > 1 and speculate and pair.drafter is not None
         self.lanes = pair.lanes(parallel, self.trees) if parallel > 1 else None
         self._lane_drafters = [pair.lane_drafter() for _ in range(parallel)] if self.trees else []
+        nodes = pair.budget if budget is None else budget
+        # --budget auto: each lane's trees sized against the measured pass times, priced for the lanes that run
+        self._costs = pair.pass_costs(large=False) if self.trees and nodes == "auto" else None
         self._running: set[Job] = set()
         self._busy_lanes: set[int] = set()
         self._lane_used: dict[int, int] = {}  # when each lane last took a job (a count)
@@ -253,14 +253,16 @@ class Worker:
 
     def _lane_decoder(self, lane: int, work: Work) -> Decoder:
         """A lane's decoder for `work`'s principal: plain, or its trees drafted by the lane's own drafter (and lookup
-        over the principal's own replies), their size shared out among the lanes that run (SharedBudget)."""
+        over the principal's own replies), sized against the pass times for the lanes that run (LaneBudget), or
+        --budget N nodes a pass shared out among them (SharedBudget)."""
         assert self.lanes is not None
         target, accept = self.lanes.target(lane), self.pair.options.accept
         if not self.trees:
             return Decoder(target, None, None, work.sampling, accept=accept)
         corpus = self.pair.corpus_of(work.principal)
-        nodes = self.pair.budget if self.budget is None else self.budget  # --budget: the nodes of a pass in all
-        budget = SharedBudget(SHARED_NODES if nodes == "auto" else int(nodes), self.lanes.running)
+        nodes = self.pair.budget if self.budget is None else self.budget  # --budget N: the nodes of a pass in all
+        budget = (LaneBudget(self._costs, max_budget=self.lanes.max_tree - 1, sharers=self.lanes.running)
+                  if self._costs is not None else SharedBudget(int(nodes), self.lanes.running))
         return Decoder(target, self._lane_drafters[lane], budget, work.sampling, accept=accept,
                        lookup=None if corpus is None else Lookup(corpus))
 

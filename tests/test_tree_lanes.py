@@ -124,26 +124,26 @@ def lanes_pair() -> Iterator[Pair]:
         yield pair
 
 
-def test_the_server_verifies_two_principals_trees_in_one_pass(lanes_pair: Pair) -> None:
-    """`serve --parallel 2` with a drafter and two keys: A and B ask at once; each reply equals the plain one, the
-    passes carried both trees, and B's cached tokens are 0 after A sent the same prompt."""
+@pytest.fixture(scope="module")
+def plain_replies(lanes_pair: Pair) -> dict[str, str]:
+    """A's and B's replies from the plain lanes (`serve --parallel 2 --no-spec`)."""
     plain = Worker(lanes_pair, False, None, parallel=2)
     try:
         with TestClient(create_app(lanes_pair, plain, (A, B))) as client:
-            expected = {key: _ask(client, key, CHAT_PROMPTS[i])["choices"][0]["text"] for i, key in enumerate((A, B))}
+            return {key: _ask(client, key, CHAT_PROMPTS[i])["choices"][0]["text"] for i, key in enumerate((A, B))}
     finally:
         plain.close()
+
+
+def test_the_server_verifies_two_principals_trees_in_one_pass(lanes_pair: Pair, plain_replies: dict) -> None:
+    """`serve --parallel 2` with a drafter and two keys: A and B ask at once; each reply equals the plain one, the
+    passes carried both trees, and B's cached tokens are 0 after A sent the same prompt."""
+    expected = plain_replies
     worker = Worker(lanes_pair, True, 4, parallel=2)  # 4 nodes a pass in all: 2 each, so many passes to share
     assert worker.trees
     try:
         with TestClient(create_app(lanes_pair, worker, (A, B))) as client:
-            results: dict[str, dict] = {}
-            threads = [threading.Thread(target=lambda k=key, p=CHAT_PROMPTS[i]: results.__setitem__(
-                k, _ask(client, k, p))) for i, key in enumerate((A, B))]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(120)
+            results = _ask_together(client)
             assert {key: result["choices"][0]["text"] for key, result in results.items()} == expected
             lanes = worker.lanes
             assert lanes is not None and lanes.lane_passes >= 1.3 * lanes.passes, (lanes.passes, lanes.lane_passes)
@@ -160,11 +160,60 @@ def test_the_server_verifies_two_principals_trees_in_one_pass(lanes_pair: Pair) 
         worker.close()
 
 
+def test_the_servers_auto_budget_prices_the_shared_passes(lanes_pair: Pair, plain_replies: dict) -> None:
+    """`serve --parallel 2` with `--budget auto`: each lane's trees sized by LaneBudget over the pair's measured pass
+    times; A's and B's replies, asked at once, are still the plain ones."""
+    from edge.budget import LaneBudget
+
+    worker = Worker(lanes_pair, True, "auto", parallel=2)
+    try:
+        with TestClient(create_app(lanes_pair, worker, (A, B))) as client:
+            results = _ask_together(client)
+            assert {key: result["choices"][0]["text"] for key, result in results.items()} == plain_replies
+        budgets = [decoder.rounds.budget for _, decoder in worker._lane_decoders.values()]
+        assert len(budgets) == 2 and all(isinstance(budget, LaneBudget) for budget in budgets)
+        assert all(budget.chosen for budget in budgets)  # each chose its rounds' trees
+    finally:
+        worker.close()
+
+
+def _ask_together(client: TestClient) -> dict[str, dict]:
+    """A's and B's requests (the first two chat prompts), sent at once."""
+    results: dict[str, dict] = {}
+    threads = [threading.Thread(target=lambda k=key, p=CHAT_PROMPTS[i]: results.__setitem__(k, _ask(client, k, p)))
+               for i, key in enumerate((A, B))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
 def _ask(client: TestClient, key: str, prompt: str) -> dict:
     answer = client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
                          json={"prompt": prompt, "max_tokens": 48, "temperature": 0})
     assert answer.status_code == 200, answer.text
     return answer.json()
+
+
+def test_auto_prices_each_pass_for_every_request_that_rides_in_it() -> None:
+    """--budget auto in lanes: where a pass computes, a request's tree shrinks as more requests share the pass; where
+    it reads weights (about flat), each keeps the tree it grows alone; a seeded reply's trees do not depend on the
+    others (timing held: priced alone)."""
+    from edge.budget import Costs, LaneBudget
+
+    running = [1]
+    computing = Costs({1: 100, 16: 110, 64: 200, 256: 700}, {1: 3, 8: 5, 32: 10})
+    alone = LaneBudget(computing, max_budget=62, sharers=lambda: running[0]).choose(63).budget
+    running[0] = 4
+    shared = LaneBudget(computing, max_budget=62, sharers=lambda: running[0]).choose(63).budget
+    assert shared < alone
+    held = LaneBudget(computing, max_budget=62, sharers=lambda: running[0])
+    held.hold_timing(True)
+    assert held.choose(63).budget == alone
+    reading = Costs({1: 200, 256: 230}, {1: 3, 8: 5, 32: 10})
+    assert LaneBudget(reading, max_budget=62, sharers=lambda: 4).choose(63).budget == \
+        LaneBudget(reading, max_budget=62).choose(63).budget == 32
 
 
 def test_a_shared_budget_shrinks_each_tree_as_requests_join() -> None:
