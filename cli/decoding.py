@@ -29,7 +29,7 @@ from edge.serve.limits import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 from rich.markup import escape
 
 from edge.errors import UserError
-from edge.options import LoadOptions, check_max_tokens
+from edge.options import MAX_PARALLEL, LoadOptions, check_max_tokens
 from edge.sampling import SamplingConfig
 
 
@@ -146,9 +146,10 @@ def serve(
                             ] = HEAD_TIMEOUT_S,
     body_timeout: Annotated[float, typer.Option(help="seconds a request's body has to arrive whole (else 408)")
                             ] = BODY_TIMEOUT_S,
-    parallel: Annotated[int, typer.Option(
+    parallel: Annotated[str, typer.Option(
         help="requests decoded together: up to N at once, in one target pass for all, each with its tree where the "
-             "pair keeps its drafter, else plainly (1: one at a time)")] = 1,
+             "pair keeps its drafter, else plainly (1: one at a time; auto: 4 where the memory holds their KV caches "
+             "beside the target as one request has it, else 1)")] = "auto",
     *,
     load: LoadOptions,
 ) -> None:
@@ -166,17 +167,24 @@ def serve(
     for name, seconds in (("--head-timeout", head_timeout), ("--body-timeout", body_timeout)):
         if not 0 < seconds <= 3600:
             raise UserError(f"{name} must be more than 0 and at most 3600 seconds (got {seconds:g})")
-    load = replace(load, parallel=parallel)  # checked here, before the port
+    lanes = parallel_count(parallel)
+    load = replace(load, parallel=lanes or 1)  # checked here, before the port
     sock = bind(host, port)  # a port in use is said before a load of seconds
     try:
         if not is_loopback(host):
             warning(f"listening on {host}: other machines can reach this server"
                     + ("" if keys else "; anyone who can is able to use it (add --api-key KEY)"))
+        why = ""
+        if not lanes:  # auto: the plan's, from the models' headers (the model named is checked on the way)
+            from edge.models.loading import lanes_that_fit
+
+            lanes, why = lanes_that_fit(alone(load, no_spec))
+            load, why = replace(load, parallel=lanes), f"--parallel auto: {why}"
         with load_pair(alone(load, no_spec)) as loaded:
             loaded.shared_replies = share_replies
             if loaded.lossless_warning and not no_spec:
                 warning(loaded.lossless_warning)
-            if parallel == 1 and not no_spec and loaded.drafter is not None and loaded.budget == "auto":
+            if lanes == 1 and not no_spec and loaded.drafter is not None and loaded.budget == "auto":
                 loaded.auto_budget()  # the pass times, measured now (once per machine) rather than in a first request
             base = url(sock, host)
             chat_note = "" if loaded.template is not None else " (a base model: /v1/completions only)"
@@ -184,16 +192,30 @@ def serve(
             def ready() -> None:
                 who = principals(keys, share_replies)
                 trees = "each with its tree" if loaded.drafter is not None and not no_spec else "plainly"
-                how = ("one generation at a time, others queue" if parallel == 1 else
-                       f"up to {parallel} requests decoded together, {trees}, one pass for all; others queue")
+                how = ("one generation at a time, others queue" if lanes == 1 else
+                       f"up to {lanes} requests decoded together, {trees}, one pass for all; others queue")
+                how += f" ({why})" if why else ""
                 err.print(f"serving {escape(loaded.name)} at {base}/v1{chat_note} · {who} · {how} · Ctrl-C stops",
                           soft_wrap=True, highlight=False)
 
             serve(loaded, sock, api_keys=keys, cors_origins=cors_origin or (), speculate=not no_spec,
                   budget=None, log_level=log_level.lower(), ready=ready, head_timeout_s=head_timeout,
-                  body_timeout_s=body_timeout, parallel=parallel)
+                  body_timeout_s=body_timeout, parallel=lanes)
     finally:
         sock.close()
+
+
+def parallel_count(parallel: str) -> int:
+    """--parallel as a count of requests; 0 for auto (the plan's lanes that fit: models.loading.lanes_that_fit)."""
+    if parallel.strip().lower() == "auto":
+        return 0
+    try:
+        count = int(parallel)
+    except ValueError:
+        raise UserError(f"--parallel must be a number of requests or auto (got {parallel!r})") from None
+    if count < 1:
+        raise UserError(f"--parallel must be 1 to {MAX_PARALLEL} or auto (got {count})")
+    return count
 
 
 def alone(load: LoadOptions, no_spec: bool) -> LoadOptions:

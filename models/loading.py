@@ -39,6 +39,7 @@ from edge.protocols import Drafter, Target
 from edge.sampling import LLAMA_DEFAULTS, SamplingConfig
 
 Report = Callable[[str], None]
+MOST_LANES = 4  # serve --parallel auto: at most this many requests at once
 STOCK_KV = "f16"  # the KV cache a runtime's default gives (llama.cpp's), for a target decoding plainly alone
 
 
@@ -65,6 +66,40 @@ def planned_spec(spec: PairSpec, options: LoadOptions) -> PairSpec:
         return spec
     lanes = 2 * options.parallel if options.drafter_model else options.parallel
     return replace(spec, ctx=spec.ctx * (lanes + 1))
+
+
+def lanes_that_fit(options: LoadOptions, most: int = MOST_LANES, machine: str | None = None) -> tuple[int, str]:
+    """`serve --parallel auto`: the most lanes, up to `most` (ollama's and llama-server's four), whose KV caches the
+    memory holds beside the target as one request has it: the same placement, nothing more of it read from the
+    drive a pass (where it streams, every cell a lane takes is a byte of the target read again every pass, and a
+    lone client pays for it). With the reason, in words. `machine`: a described one (edge-spec plan --machine)."""
+    from edge.models.planning import make_plan
+    from edge.offload.plan import streamed_bytes
+
+    if str(options.drafter) == "lookup" and options.lookup_drafts:
+        return 1, "lanes decode plainly, and this pair drafts by lookup"
+    spec, models_file = resolve_spec(options)
+
+    def target_plan(n: int):
+        lanes = replace(options, parallel=n)
+        return make_plan(planned_spec(spec, lanes), machine, models_file, options.placement == "ssd",
+                         drafts=lanes.drafter_model, plain=_plain_lanes(lanes)).target
+
+    try:
+        alone = target_plan(1)
+    except UserError:  # no facts before the files are here, or the pair as named does not fit: loading says so
+        return 1, "the plan cannot place the pair as named yet"
+    for n in range(most, 1, -1):
+        try:
+            shared = target_plan(n)
+        except UserError:
+            continue
+        if shared.placement == alone.placement and streamed_bytes(shared) <= streamed_bytes(alone):
+            return n, f"the memory holds {n} requests' KV caches beside the target"
+    pushed = ("leave less of the target resident" if alone.placement == "ssd" else
+              "push the target's weights out to the drive")
+    return 1, (f"a second request's KV caches would {pushed}, read again every pass: --parallel N serves "
+               "several at a lone client's cost")
 
 
 def _plain_lanes(options: LoadOptions) -> bool:

@@ -16,7 +16,7 @@ MODEL = "smollm2-135m"
 PROMPT = "Name three colors."
 # The small pair with a fixed tree budget (so every request runs trees) and an API key; sample-and-match, so that a
 # seed gives plain sampling's exact text (greedy replies are the same under every rule).
-SERVER_ARGS = [MODEL, "--budget", "16", "--ctx", "1024", "--api-key", KEY, "--accept", "match"]
+SERVER_ARGS = [MODEL, "--budget", "16", "--ctx", "1024", "--api-key", KEY, "--accept", "match", "--parallel", "1"]
 
 
 def request(server: ServerProcess, method: str, path: str, body: bytes | None = None,

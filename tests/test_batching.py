@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 from edge.models.pair import Pair
@@ -16,6 +17,7 @@ from starlette.testclient import TestClient
 
 import edge
 from edge.generate import Decoder
+from edge.options import LoadOptions
 from edge.sampling import SamplingConfig
 from tests.cli_helpers import assert_one_line_error, run
 
@@ -163,3 +165,19 @@ def test_principals_share_a_pass_and_nothing_else(alone_pair: Pair) -> None:
 
 def test_serve_parallel_refusals_are_one_line() -> None:
     assert_one_line_error(run("serve", "smollm2-135m", "--port", "0", "--parallel", "0"), "--parallel must be 1 to 64")
+    assert_one_line_error(run("serve", "smollm2-135m", "--port", "0", "--parallel", "many"),
+                          "--parallel must be a number of requests or auto")
+
+
+def test_parallel_auto_takes_the_lanes_the_memory_holds_beside_the_target() -> None:
+    """`serve --parallel auto` (the default): four lanes where their KV caches fit beside the target as one request
+    has it; one where they would push its weights out to the drive (each pass would read them again)."""
+    from edge.models.loading import lanes_that_fit
+
+    options = LoadOptions(pair="qwen2.5-coder-1.5b")  # the plan works from models.toml's facts without the files
+    assert lanes_that_fit(options, machine="ram=32G") == (4, "the memory holds 4 requests' KV caches beside the target")
+    lanes, why = lanes_that_fit(options, machine="ram=3G")
+    assert lanes == 1 and "less of the target resident" in why
+    assert lanes_that_fit(replace(options, ctx=8192), machine="ram=4G")[1].startswith(
+        "a second request's KV caches would push the target's weights out to the drive")
+    assert lanes_that_fit(replace(options, ctx=16384), machine="ram=6G")[0] == 2

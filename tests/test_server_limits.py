@@ -80,7 +80,7 @@ def test_slow_and_idle_connections_are_closed(impatient: ServerProcess) -> None:
 def test_shutdown_answers_every_request_then_exits_130() -> None:
     """Ctrl-C with one stream running, one stream and one whole reply queued: the running stream and the queued one
     get an error event then [DONE], the queued whole reply a JSON 503; the server exits with 130, no traceback."""
-    with ServerProcess([MODEL, "--budget", "4", "--ctx", "1024", "--api-key", KEY]) as running:
+    with ServerProcess([MODEL, "--budget", "4", "--ctx", "1024", "--api-key", KEY, "--parallel", "1"]) as running:
         first = open_stream(running, "Write a very long story about a dragon.", 1000)
         first_reply = first.getresponse()
         assert first_reply.readline().startswith(b"data:")
