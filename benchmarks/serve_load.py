@@ -5,10 +5,13 @@ every reply equals the one the same server gives that request alone.
     python benchmarks/serve_load.py --clients 4                       # the default pair, 8 chat prompts x 64 tokens
     python benchmarks/serve_load.py --pair smollm2-135m --clients 4 -n 32 --peer
     python benchmarks/serve_load.py --clients 4 --peer --cap-mb 1049   # each server in a 1049 MiB memory cgroup
+    python benchmarks/serve_load.py --clients 4 --peer --peer-draft default,4   # llama-server's speculative slots too
 
 Each server runs two phases: the prompts one at a time (each reply alone, and the one-client rate), then the same
 prompts from K clients at once, each client taking every K-th prompt. Greedy, streamed. `--peer` adds llama-server
-(built as benchmarks/peer_llama_cpp.py builds it) with the target alone, plain, `-np K`. With `--cap-mb`, each server
+(built as benchmarks/peer_llama_cpp.py builds it) with the target alone, plain, `-np K`; `--peer-draft default,4` adds
+llama-server `-np K` with the pair's drafter (its default draft settings, and a draft-max of 4), and the JSON names
+the best of llama-server's rows and edge-spec's aggregate against it. With `--cap-mb`, each server
 runs in a memory cgroup of its own (benchmarks/memcap.py), the model files dropped from the page cache first.
 """
 
@@ -106,6 +109,9 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1024, help="context per request (each lane, each slot)")
     parser.add_argument("--peer", action="store_true", help="llama-server with -np CLIENTS too")
     parser.add_argument("--cap-mb", type=int, default=None, help="run each server under a memory cap of this size")
+    parser.add_argument("--peer-draft", default="", help="llama-server -np CLIENTS with the pair's drafter too "
+                        "(--spec-type draft-simple): 'default' for its draft settings, or draft-max values, comma "
+                        "separated (e.g. default,4)")
     parser.add_argument("--server-args", default="", help="more arguments for edge-spec serve (e.g. \"--speculate on "
                         "--budget 32\": the lanes keep the drafter and grow trees)")
     args = parser.parse_args()
@@ -136,18 +142,28 @@ def main() -> None:
             result["edge_spec"]["peak_mib"] = round(cgroup.peak_bytes() / 2**20)
     result["edge_spec"].update(server.faults())
     result["edge_spec"]["plan"] = [line.strip() for line in server.log.splitlines() if "plan" in line.lower()][:3]
-    if args.peer:
+    peers = ([("llama_server", [])] if args.peer else []) + [
+        (f"llama_server_draft_{n}", [] if n == "default" else ["--spec-draft-n-max", n])
+        for n in args.peer_draft.split(",") if n]
+    if peers:
         from peer_llama_cpp import amx_crashes, build, llama_server
 
         bin_dir = build(lambda message: print(message, file=sys.stderr))
         target = str(pair_files(args.pair)["target"])
         peer_args = ["-m", target, "-c", str(args.ctx * args.clients)] + (["--no-repack"] if amx_crashes() else [])
-        with llama_server(bin_dir, peer_args, cap, files, slots=args.clients) as url:
-            result["llama_server"] = {"args": [*peer_args, "-np", str(args.clients)],
-                                      **measure(url, args.pair, prompts, args.clients, args.n)}
-        result["edge_vs_llama_server_aggregate"] = round(
+        for name, draft in peers:
+            # --spec-type draft-simple: llama.cpp infers the kind of drafting from the draft file's metadata, and a
+            # plain model file names none (as benchmarks/peer_llama_cpp.py runs it)
+            extra = [] if name == "llama_server" else ["-md", str(pair_files(args.pair)["drafter"]), "--spec-type",
+                                                         "draft-simple", *draft]
+            with llama_server(bin_dir, peer_args + extra, cap, files, slots=args.clients) as url:
+                result[name] = {"args": [*peer_args, *extra, "-np", str(args.clients)],
+                                **measure(url, args.pair, prompts, args.clients, args.n)}
+        best = max((name for name, _ in peers), key=lambda name: result[name]["together"]["aggregate_tokens_per_s"])
+        result["llama_server_best"] = best
+        result["edge_vs_llama_server_best_aggregate"] = round(
             result["edge_spec"]["together"]["aggregate_tokens_per_s"]
-            / result["llama_server"]["together"]["aggregate_tokens_per_s"], 2)
+            / result[best]["together"]["aggregate_tokens_per_s"], 2)
     json.dump(result, sys.stdout, indent=2)
     print()
 
