@@ -381,6 +381,17 @@ class LaneBudget(AutoBudget):
     that depend on them, do not depend on who else is being served."""
 
     sharers: Callable[[], int] = lambda: 1
+    # the most nodes a pass may verify, root included, where the plan bounds one request's (their logits, under a
+    # memory limit; 0: no bound): its draft nodes are shared out among the requests (with timing held, among
+    # `lanes`, so that the bound does not vary with the load either)
+    pass_room: int = 0
+    lanes: int = 1
+
+    def choose(self, max_nodes: int, rule: str = "match") -> GrowConfig | None:
+        if self.pass_room:
+            sharing = self.lanes if self.timing_held else max(1, self.sharers())
+            max_nodes = min(max_nodes, max(1, (self.pass_room - 1) // sharing) + 1)
+        return super().choose(max_nodes, rule)
 
     def pass_tokens(self, tokens: float) -> float:
         return tokens if self.timing_held else tokens * max(1, self.sharers())

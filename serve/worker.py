@@ -261,7 +261,8 @@ class Worker:
             return Decoder(target, None, None, work.sampling, accept=accept)
         corpus = self.pair.corpus_of(work.principal)
         nodes = self.pair.budget if self.budget is None else self.budget  # --budget N: the nodes of a pass in all
-        budget = (LaneBudget(self._costs, max_budget=self.lanes.max_tree - 1, sharers=self.lanes.running)
+        budget = (LaneBudget(self._costs, max_budget=self.lanes.max_tree - 1, sharers=self.lanes.running,
+                             pass_room=self.pair.max_tree or 0, lanes=self.lanes.n)
                   if self._costs is not None else SharedBudget(int(nodes), self.lanes.running))
         return Decoder(target, self._lane_drafters[lane], budget, work.sampling, accept=accept,
                        lookup=None if corpus is None else Lookup(corpus))

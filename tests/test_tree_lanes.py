@@ -114,6 +114,28 @@ def test_speculative_replies_decoded_together_equal_plain_decoding(smollm2: Pair
         assert all(lanes.ctx.seq_pos_max(lanes.seq(lane) + j) == -1 for j in range(1, lanes.seqs))
 
 
+def test_a_prompt_rides_in_the_pass_of_its_first_tree(smollm2: Pair, lanes: TreeLanes, drafters: list[LlamaDrafter],
+                                                      greedy: GreedyReplies) -> None:
+    """A lane's prompt waits, pending, for its first round: its first token comes after one pass (the prompt's and
+    its first tree's), not two, and the reply is still the target's plain one."""
+    tokens = prompt_tokens(smollm2, CHAT_PROMPTS[0])
+    decoder = Decoder(lanes.target(0), drafters[0], replace(GrowConfig.for_budget(16), extend_prob=None))
+    passes_at_first: list[int] = []
+
+    def reply() -> list[int]:
+        replied = []
+        for step in decoder.reply(tokens, 24):
+            passes_at_first.append(lanes.passes)
+            if step.finish_reason is None:
+                replied.append(step.token)
+        return replied
+
+    assert together(lanes, [reply])[0] == greedy(smollm2, tokens, 24)
+    assert passes_at_first[0] == 1
+    target = lanes.target(0)
+    assert target.n_past + len(target._pending) == len(decoder.context) - 1
+
+
 A, B = "key-of-a", "key-of-b"
 
 
@@ -214,6 +236,13 @@ def test_auto_prices_each_pass_for_every_request_that_rides_in_it() -> None:
     reading = Costs({1: 200, 256: 230}, {1: 3, 8: 5, 32: 10})
     assert LaneBudget(reading, max_budget=62, sharers=lambda: 4).choose(63).budget == \
         LaneBudget(reading, max_budget=62).choose(63).budget == 32
+    # where the plan bounds a pass's nodes (33 under a memory limit), its 32 draft nodes are shared out
+    bounded = LaneBudget(reading, max_budget=62, sharers=lambda: running[0], pass_room=33, lanes=4)
+    assert bounded.choose(63).budget == 8
+    running[0] = 1
+    assert bounded.choose(63).budget == 32
+    bounded.hold_timing(True)
+    assert bounded.choose(63).budget == 8  # seeded: shared among every lane, whoever runs
 
 
 def test_a_shared_budget_shrinks_each_tree_as_requests_join() -> None:

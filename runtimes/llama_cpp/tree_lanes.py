@@ -201,21 +201,37 @@ class TreeLaneTarget(LaneTarget):
 
     def __init__(self, lanes: TreeLanes, lane: int, template: LlamaTarget):
         super().__init__(lanes, lane, template)
-        self.max_tree = lanes.max_tree
         self._pending: list[int] = []
+
+    @property
+    def max_tree(self) -> int:  # type: ignore[override]
+        """The largest tree the next pass holds beside the pending tokens (a prompt waiting for its first tree)."""
+        room = self.tree_lanes.max_tree
+        return max(1, min(room, room + PENDING_ROOM - len(self._pending)))
 
     @property
     def tree_lanes(self) -> TreeLanes:
         return self.lanes  # type: ignore[return-value]
 
     def prefill(self, tokens) -> None:
+        """Tokens the cache is to hold. As many as a pass has room for beside the lane's tree wait, pending, for the
+        next round's pass: a prompt then rides in the pass that verifies its first tree (one streamed read of the
+        weights fewer before the first token), read in the same cells as a pass of its own would."""
         tokens = [*self._pending, *tokens]
+        if len(tokens) < self.tree_lanes.max_tree + PENDING_ROOM:
+            self._pending = tokens
+            return
         self._pending = []
         super().prefill(tokens)
 
+    @property
+    def deferred(self) -> int:
+        return len(self._pending)
+
     def verify(self, tree: TokenTree) -> np.ndarray:
-        if len(self._pending) + len(tree) > self.max_tree + PENDING_ROOM:  # a pass holds a lane's tree and this many
-            self.prefill([])
+        if len(self._pending) + len(tree) > self.tree_lanes.max_tree + PENDING_ROOM:  # a lane's share of a pass
+            pending, self._pending = self._pending, []
+            super().prefill(pending)  # a pass of their own first
         tokens = [*self._pending, int(tree.tokens[0])]
         logits = self.tree_lanes.verify(self.lane, tokens, self.n_past, tree)
         self.n_past += len(self._pending)
@@ -233,4 +249,4 @@ class TreeLaneTarget(LaneTarget):
         self.n_past = min(self.n_past, n)
 
     def resize(self, size: int) -> bool:
-        return size <= self.max_tree
+        return size <= self.tree_lanes.max_tree
