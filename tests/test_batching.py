@@ -163,6 +163,25 @@ def test_principals_share_a_pass_and_nothing_else(alone_pair: Pair) -> None:
         worker.close()
 
 
+def test_passes_padded_for_a_gpu_backend_keep_each_reply(alone_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target whose passes are padded (a Vulkan backend's 9 rows: runtimes/llama_cpp/kernels.py MIN_ROWS) pads the
+    lanes' passes too, its rows in a stream of their own: on the CPU the padding changes no logit, so two requests
+    together still get what they get alone, and the padding left no cell behind."""
+    from edge.runtimes.llama_cpp.models import LlamaTarget
+
+    target = alone_pair.target
+    assert isinstance(target, LlamaTarget)
+    monkeypatch.setattr(target, "min_rows", 9)
+    padded = alone_pair.lanes(2)
+    try:
+        alone = [reply(padded, alone_pair, lane, PROMPTS[lane], 16, GREEDY) for lane in range(2)]
+        assert together(*(lambda lane=lane: reply(padded, alone_pair, lane, PROMPTS[lane], 16, GREEDY)
+                          for lane in range(2))) == alone
+        assert padded.padded > 0 and padded.ctx.seq_pos_max(padded.pad_seq) == -1
+    finally:
+        padded.close()
+
+
 def test_serve_parallel_refusals_are_one_line() -> None:
     assert_one_line_error(run("serve", "smollm2-135m", "--port", "0", "--parallel", "0"), "--parallel must be 1 to 64")
     assert_one_line_error(run("serve", "smollm2-135m", "--port", "0", "--parallel", "many"),

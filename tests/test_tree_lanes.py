@@ -136,6 +136,31 @@ def test_a_prompt_rides_in_the_pass_of_its_first_tree(smollm2: Pair, lanes: Tree
     assert target.n_past + len(target._pending) == len(decoder.context) - 1
 
 
+def test_padded_tree_passes_stay_exact(smollm2: Pair, drafters: list[LlamaDrafter], greedy: GreedyReplies,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target whose passes are padded (a Vulkan backend's 9 rows) pads the tree lanes' passes too, in a seq no lane
+    owns, at the cache's tail with the trees' bodies: on the CPU the padding changes no logit, so two speculative
+    replies of small trees decoded together are still the plain ones, and no padded cell stays."""
+    monkeypatch.setattr(smollm2.target, "min_rows", 9)
+    padded = TreeLanes(smollm2.target, 2, 512)
+    try:
+        prompts = [prompt_tokens(smollm2, text) for text in CHAT_PROMPTS[1:3]]
+        config = replace(GrowConfig.for_budget(2), extend_prob=None)
+        for drafter in drafters[:2]:
+            drafter.truncate(0)
+        decoders = [Decoder(padded.target(lane), drafters[lane], config) for lane in range(2)]
+
+        def decode(lane: int) -> list[int]:
+            return [step.token for step in decoders[lane].reply(prompts[lane], 16) if step.finish_reason is None]
+
+        assert together(padded, [lambda lane=lane: decode(lane) for lane in range(2)]) == \
+            [greedy(smollm2, tokens, 16) for tokens in prompts]
+        assert padded.padded > 0 and padded.pad_seq == 2 * padded.seqs < 255  # below DEAD
+        assert padded.ctx.seq_pos_max(padded.pad_seq) == -1
+    finally:
+        padded.close()
+
+
 A, B = "key-of-a", "key-of-b"
 
 

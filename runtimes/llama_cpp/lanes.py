@@ -49,8 +49,13 @@ class Lanes:
                  before_pass: Callable[[np.ndarray], None] | None = None, after_pass: Callable[[], None] | None = None):
         """`before_pass(tokens)` and `after_pass()` around each pass: a target streamed from the drive reads the
         tokens' embedding rows and drops its pages behind (offload/ssd.py SsdTarget does the same around its own)."""
+        # a target on a GPU backend whose kernels change below min_rows rows pads every pass (LlamaTarget._decode):
+        # the throwaway rows go in a sequence of their own (pad_seq), dropped after the pass
+        self.min_rows = target.min_rows
+        self.padded = 0  # passes padded
         self.ctx = self._context(target, n, n_ctx)
-        self.n, self.n_ctx, self.model, self._template = n, self.ctx.n_ctx // n, target.model, target
+        streams = n + (self.min_rows > 1)  # (a tree lanes' context is one stream: TreeLanes sets its own n_ctx)
+        self.n, self.n_ctx, self.model, self._template = n, self.ctx.n_ctx // streams, target.model, target
         self.gather_s = GATHER_S  # how long a pass waits for the busy lanes that have not asked yet
         self.passes = 0  # passes run, all lanes together
         self.lane_passes = 0  # lanes' passes, counted in each pass they rode in
@@ -65,11 +70,15 @@ class Lanes:
         self._thread.start()
 
     def _context(self, target: LlamaTarget, n: int, n_ctx: int) -> Context:
-        """n KV streams of n_ctx cells, one a lane, over the target's weights and settings."""
+        """n KV streams of n_ctx cells, one a lane, over the target's weights and settings; one more for a pass's
+        padding (pad_seq) where passes are padded."""
         settings = target.ctx.settings
-        return Context(target.model, n * n_ctx, n_batch=max(LANE_BATCH, n), kv_type=settings["kv_type"],
-                       n_threads=settings["n_threads"], flash_attn=settings["flash_attn"], n_outputs=n,
-                       on_layer=settings["on_layer"], sequences=n, unified=False)
+        streams = n + (self.min_rows > 1)
+        self.pad_seq = n
+        return Context(target.model, streams * n_ctx, n_batch=max(LANE_BATCH, n, self.min_rows),
+                       kv_type=settings["kv_type"], n_threads=settings["n_threads"],
+                       flash_attn=settings["flash_attn"], n_outputs=max(n, self.min_rows),
+                       on_layer=settings["on_layer"], sequences=streams, unified=False)
 
     def target(self, lane: int) -> LaneTarget:
         """The lane as a Target (the same object for a lane every time: it knows what the lane's cells hold)."""
@@ -156,7 +165,19 @@ class Lanes:
                         ask.finished.set()
 
     def _decode(self, taken: list[tuple[_Ask, int, int]]) -> None:
-        self.ctx.decode(self._batch)
+        self._pass()
+
+    def _pass(self) -> None:
+        """The batch's pass, padded to min_rows rows where the target's are (their outputs after the batch's own)."""
+        padded = self._batch.struct.n_tokens < self.min_rows
+        if padded:
+            self._batch.pad(self.min_rows, self.pad_seq)
+            self.padded += 1
+        try:
+            self.ctx.decode(self._batch)
+        finally:
+            if padded:
+                self.ctx.seq_rm(self.pad_seq)
 
     def _fill(self) -> list[tuple[_Ask, int, int]]:
         """The batch: each ask's next tokens, the shortest first so that every lane's one token rides before any

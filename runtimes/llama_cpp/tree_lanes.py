@@ -50,7 +50,8 @@ class TreeLanes(Lanes):
     """`n` lanes that verify trees of up to `max_tree` nodes each, all lanes' trees in one pass."""
 
     def __init__(self, target: LlamaTarget, n: int, n_ctx: int, *args, **kwargs):
-        self.seqs = (MAX_SEQ - 1) // n  # seq ids a lane owns: the leaves its tree may have (the last one is DEAD's)
+        # seq ids a lane owns: the leaves its tree may have (the last seq id is DEAD's, and one more a padded pass's)
+        self.seqs = (MAX_SEQ - 1 - (target.min_rows > 1)) // n
         self.max_tree = self.seqs  # nodes a lane's tree may have (so fewer leaves than its seqs)
         self.dead = 0  # cells lanes let go of, kept in DEAD's seq (remove) until the next reset
         self.dead_room = n * n_ctx  # cells set aside for them
@@ -76,10 +77,12 @@ class TreeLanes(Lanes):
     def _context(self, target: LlamaTarget, n: int, n_ctx: int) -> Context:
         """One unified cache: every lane's n_ctx cells, and room for every lane's tree and pending tokens in flight."""
         settings = target.ctx.settings
-        rows = n * (self.max_tree + PENDING_ROOM)
+        rows = n * (self.max_tree + PENDING_ROOM) + self.min_rows - 1  # (a padded pass's rows past a small batch)
+        self.pad_seq = n * self.seqs  # a seq no lane owns (below DEAD): a padded pass's rows, at the cache's tail
         return Context(target.model, n * n_ctx + self.dead_room + rows, n_batch=max(LANE_BATCH, rows),
                        kv_type=settings["kv_type"], n_threads=settings["n_threads"], flash_attn=settings["flash_attn"],
-                       n_outputs=n * self.max_tree, on_layer=settings["on_layer"], sequences=MAX_SEQ, unified=True)
+                       n_outputs=max(n * self.max_tree, self.min_rows), on_layer=settings["on_layer"],
+                       sequences=MAX_SEQ, unified=True)
 
     def target(self, lane: int) -> TreeLaneTarget:
         if lane not in self._targets:
@@ -169,7 +172,7 @@ class TreeLanes(Lanes):
             for leaf in range(1, ask.membership.shape[1]):
                 self.ctx.seq_cp(self.seq(ask.lane), self.seq(ask.lane) + leaf)
         try:
-            self.ctx.decode(self._batch)
+            self._pass()
         finally:
             for ask in trees:
                 base = self.seq(ask.lane)
