@@ -40,6 +40,7 @@ from edge.sampling import LLAMA_DEFAULTS, SamplingConfig
 
 Report = Callable[[str], None]
 MOST_LANES = 4  # serve --parallel auto: at most this many requests at once
+LANE_SLOWDOWN = 1.1  # ... and a request alone at most this much slower for the memory their KV caches take
 STOCK_KV = "f16"  # the KV cache a runtime's default gives (llama.cpp's), for a target decoding plainly alone
 
 
@@ -69,37 +70,43 @@ def planned_spec(spec: PairSpec, options: LoadOptions) -> PairSpec:
 
 
 def lanes_that_fit(options: LoadOptions, most: int = MOST_LANES, machine: str | None = None) -> tuple[int, str]:
-    """`serve --parallel auto`: the most lanes, up to `most` (ollama's and llama-server's four), whose KV caches the
-    memory holds beside the target as one request has it: the same placement, nothing more of it read from the
-    drive a pass (where it streams, every cell a lane takes is a byte of the target read again every pass, and a
-    lone client pays for it). With the reason, in words. `machine`: a described one (edge-spec plan --machine)."""
+    """`serve --parallel auto`: how many requests to decode together, with the reason in words. Lanes pay where a pass
+    is bound by moving the weights (read from the drive, or on a GPU): N requests' tokens then ride in one pass for
+    about the price of one. On a CPU with the target in RAM they do not: the batch-invariant kernels lanes need cost
+    about one pass a token there (four clients got 1.02x one alone, docs/server.md), and a request alone runs on
+    llama.cpp's faster kernels. So: the most lanes, up to `most` (ollama's and llama-server's four), whose KV caches
+    the memory holds with the target placed as for one request and its one-token pass at most LANE_SLOWDOWN slower
+    (the cells lanes take are weights read again every pass, which a lone client pays for); else 1. `machine`: a
+    described one (edge-spec plan --machine)."""
     from edge.models.planning import make_plan
-    from edge.offload.plan import streamed_bytes
+    from edge.offload.plan import pass_cost
 
     if str(options.drafter) == "lookup" and options.lookup_drafts:
         return 1, "lanes decode plainly, and this pair drafts by lookup"
     spec, models_file = resolve_spec(options)
 
-    def target_plan(n: int):
+    def plan(n: int):
         lanes = replace(options, parallel=n)
         return make_plan(planned_spec(spec, lanes), machine, models_file, options.placement == "ssd",
-                         drafts=lanes.drafter_model, plain=_plain_lanes(lanes)).target
+                         drafts=lanes.drafter_model, plain=_plain_lanes(lanes))
 
     try:
-        alone = target_plan(1)
+        alone = plan(1)
     except UserError:  # no facts before the files are here, or the pair as named does not fit: loading says so
         return 1, "the plan cannot place the pair as named yet"
+    if alone.target.placement == "ram":
+        return 1, ("the target's passes compute on the CPU, where a pass of several requests costs about as many "
+                   "passes, and one request alone runs on llama.cpp's faster kernels")
     for n in range(most, 1, -1):
         try:
-            shared = target_plan(n)
+            shared = plan(n)
         except UserError:
             continue
-        if shared.placement == alone.placement and streamed_bytes(shared) <= streamed_bytes(alone):
-            return n, f"the memory holds {n} requests' KV caches beside the target"
-    pushed = ("leave less of the target resident" if alone.placement == "ssd" else
-              "push the target's weights out to the drive")
-    return 1, (f"a second request's KV caches would {pushed}, read again every pass: --parallel N serves "
-               "several at a lone client's cost")
+        slower = pass_cost(shared.target, shared.machine, 1).seconds / alone.one_token.seconds
+        if shared.target.placement == alone.target.placement and slower <= LANE_SLOWDOWN:
+            return n, f"the memory holds {n} requests' KV caches beside the target, and they share its passes"
+    return 1, ("a second request's KV caches would leave less of the target in memory, read again every pass: "
+               "--parallel N serves several at a lone client's cost")
 
 
 def _plain_lanes(options: LoadOptions) -> bool:
