@@ -314,6 +314,11 @@ def pass_cost(plan: ModelPlan, machine: Machine, n_tokens: int,
             parts.append((source, n_bytes / (source_gbps * GB), "CPU compute", n_bytes * flops_per_byte / cpu_flops,
                           source == "disk"))
     seconds = sum(move + compute if serial else max(move, compute) for _, move, _, compute, serial in parts)
+    if plan.placement == "ssd" and from_disk and not plan.op_offload:
+        # the streamed part is read ahead from the moment the last pass ended (offload/window.py): up to a window of
+        # it is read while the resident layers compute, hidden behind them
+        resident = sum(max(move, compute) for source, move, _, compute, _ in parts if source == "RAM")
+        seconds -= min(resident, min(stream_room(shape), from_disk) / (machine.disk_gbps * GB))
     terms = [(move, label) for label, move, *_ in parts] + [(compute, label) for _, _, label, compute, _ in parts]
     return PassCost(n_tokens=n_tokens, seconds=seconds, bound=max(terms)[1])
 
