@@ -148,8 +148,8 @@ def serve(
                             ] = BODY_TIMEOUT_S,
     parallel: Annotated[str, typer.Option(
         help="requests decoded together: up to N at once, in one target pass for all, each with its tree where the "
-             "pair keeps its drafter, else plainly (1: one at a time; auto: 4 where the memory holds their KV caches "
-             "beside the target as one request has it, else 1)")] = "auto",
+             "pair keeps its drafter, else plainly (1: one at a time; auto: up to 4 where a pass moves the weights, "
+             "from the drive or on a GPU, and their KV caches cost a lone request at most 10%, else 1)")] = "auto",
     *,
     load: LoadOptions,
 ) -> None:
