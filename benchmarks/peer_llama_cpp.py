@@ -97,6 +97,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class PeerFailed(SystemExit):
+    """llama-server did not come up (it stopped, or did not answer in 10 minutes): a row of its own says so."""
+
+
 @contextlib.contextmanager
 def llama_server(bin_dir: Path, args: list[str], cap_bytes: int | None, drop: list[Path],
                  slots: int = 1) -> Iterator[str]:
@@ -122,12 +126,12 @@ def llama_server(bin_dir: Path, args: list[str], cap_bytes: int | None, drop: li
             deadline = time.monotonic() + 600
             while True:
                 if server.poll() is not None:
-                    raise SystemExit(f"llama-server stopped (exit {server.returncode}); see {log.name}")
+                    raise PeerFailed(f"llama-server stopped (exit {server.returncode}); see {log.name}")
                 with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as response:
                     if response.status == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"llama-server did not start in 10 minutes; see {log.name}")
+                    raise PeerFailed(f"llama-server did not start in 10 minutes; see {log.name}")
                 time.sleep(0.5)
             yield url
         finally:
@@ -362,8 +366,13 @@ def main() -> None:
     peer_tokens: dict[str, list[list[int]]] = {}
     for label, extra in configs:
         say(label)
-        with llama_server(bin_dir, common + extra, cap, files) as url:
-            rows = peer_rows(url, ours["prompts"], args.n, ours["stops"], args.temperature)
+        try:
+            with llama_server(bin_dir, common + extra, cap, files) as url:
+                rows = peer_rows(url, ours["prompts"], args.n, ours["stops"], args.temperature)
+        except PeerFailed as problem:  # (under a tight limit its drafter may not even load): the other rows stand
+            say(f"  it cannot run: {problem}")
+            results.append({"row": label, "error": str(problem)})
+            continue
         peer_tokens[label] = [r["tokens"] for r in rows]
         results.append(summary(label, rows, reference))
     if "llama.cpp plain" in peer_tokens and args.temperature == 0:
@@ -381,7 +390,7 @@ def main() -> None:
     for row in results:
         row["vs_edge_plain"] = round(row["decode_tokens_per_s"] / base, 3) if row.get("decode_tokens_per_s") and base \
             else None
-        if peer_plain is not None and row.get("decode_tokens_per_s") and peer_plain["decode_tokens_per_s"]:
+        if peer_plain is not None and row.get("decode_tokens_per_s") and peer_plain.get("decode_tokens_per_s"):
             row["vs_llama_plain"] = round(row["decode_tokens_per_s"] / peer_plain["decode_tokens_per_s"], 3)
     out = {"pair": args.pair, "prompts": str(args.prompts), "n": args.n, "threads": threads, "cap_mb": args.cap_mb,
            "gpu_layers": args.gpu_layers,
