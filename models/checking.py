@@ -82,7 +82,6 @@ def lanes_run_on(target: Any) -> bool:
 def check_lanes(target: Any, tokens: list[int]) -> ShapeResult:
     """4 requests decoding together in one pass each step (runtimes/llama_cpp/lanes.py), each after its own
     context, against each decoded alone one token a pass: every step's logits, bit for bit."""
-
     from edge.runtimes.llama_cpp.lanes import Lanes
 
     starts = [8 * lane for lane in range(LANES)]  # each lane a context of its own: the text from another token on

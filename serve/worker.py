@@ -94,9 +94,9 @@ class Worker:
         self.trees = parallel > 1 and speculate and pair.drafter is not None
         self.lanes = pair.lanes(parallel, self.trees) if parallel > 1 else None
         self._lane_drafters = [pair.lane_drafter() for _ in range(parallel)] if self.trees else []
-        nodes = pair.budget if budget is None else budget
+        self._nodes = pair.budget if budget is None else budget  # --budget N: the nodes of a pass in all
         # --budget auto: each lane's trees sized against the measured pass times, priced for the lanes that run
-        self._costs = pair.pass_costs(large=False) if self.trees and nodes == "auto" else None
+        self._costs = pair.pass_costs(large=False) if self.trees and self._nodes == "auto" else None
         self._running: set[Job] = set()
         self._busy_lanes: set[int] = set()
         self._lane_used: dict[int, int] = {}  # when each lane last took a job (a count)
@@ -260,10 +260,9 @@ class Worker:
         if not self.trees:
             return Decoder(target, None, None, work.sampling, accept=accept)
         corpus = self.pair.corpus_of(work.principal)
-        nodes = self.pair.budget if self.budget is None else self.budget  # --budget N: the nodes of a pass in all
         budget = (LaneBudget(self._costs, max_budget=self.lanes.max_tree - 1, sharers=self.lanes.running,
                              pass_room=self.pair.max_tree or 0, lanes=self.lanes.n)
-                  if self._costs is not None else SharedBudget(int(nodes), self.lanes.running))
+                  if self._costs is not None else SharedBudget(int(self._nodes), self.lanes.running))
         return Decoder(target, self._lane_drafters[lane], budget, work.sampling, accept=accept,
                        lookup=None if corpus is None else Lookup(corpus))
 

@@ -54,8 +54,7 @@ class Lanes:
         self.min_rows = target.min_rows
         self.padded = 0  # passes padded
         self.ctx = self._context(target, n, n_ctx)
-        streams = n + (self.min_rows > 1)  # (a tree lanes' context is one stream: TreeLanes sets its own n_ctx)
-        self.n, self.n_ctx, self.model, self._template = n, self.ctx.n_ctx // streams, target.model, target
+        self.n, self.n_ctx, self.model, self._template = n, self.ctx.n_ctx // self.streams, target.model, target
         self.gather_s = GATHER_S  # how long a pass waits for the busy lanes that have not asked yet
         self.passes = 0  # passes run, all lanes together
         self.lane_passes = 0  # lanes' passes, counted in each pass they rode in
@@ -73,12 +72,11 @@ class Lanes:
         """n KV streams of n_ctx cells, one a lane, over the target's weights and settings; one more for a pass's
         padding (pad_seq) where passes are padded."""
         settings = target.ctx.settings
-        streams = n + (self.min_rows > 1)
-        self.pad_seq = n
-        return Context(target.model, streams * n_ctx, n_batch=max(LANE_BATCH, n, self.min_rows),
+        self.streams, self.pad_seq = n + (self.min_rows > 1), n
+        return Context(target.model, self.streams * n_ctx, n_batch=max(LANE_BATCH, n, self.min_rows),
                        kv_type=settings["kv_type"], n_threads=settings["n_threads"],
                        flash_attn=settings["flash_attn"], n_outputs=max(n, self.min_rows),
-                       on_layer=settings["on_layer"], sequences=streams, unified=False)
+                       on_layer=settings["on_layer"], sequences=self.streams, unified=False)
 
     def target(self, lane: int) -> LaneTarget:
         """The lane as a Target (the same object for a lane every time: it knows what the lane's cells hold)."""

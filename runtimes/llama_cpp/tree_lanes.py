@@ -53,6 +53,7 @@ class TreeLanes(Lanes):
         # seq ids a lane owns: the leaves its tree may have (the last seq id is DEAD's, and one more a padded pass's)
         self.seqs = (MAX_SEQ - 1 - (target.min_rows > 1)) // n
         self.max_tree = self.seqs  # nodes a lane's tree may have (so fewer leaves than its seqs)
+        self.lane_rows = self.max_tree + PENDING_ROOM  # a lane's share of a pass: its tree and its pending tokens
         self.dead = 0  # cells lanes let go of, kept in DEAD's seq (remove) until the next reset
         self.dead_room = n * n_ctx  # cells set aside for them
         super().__init__(target, n, n_ctx, *args, **kwargs)
@@ -77,8 +78,9 @@ class TreeLanes(Lanes):
     def _context(self, target: LlamaTarget, n: int, n_ctx: int) -> Context:
         """One unified cache: every lane's n_ctx cells, and room for every lane's tree and pending tokens in flight."""
         settings = target.ctx.settings
-        rows = n * (self.max_tree + PENDING_ROOM) + self.min_rows - 1  # (a padded pass's rows past a small batch)
-        self.pad_seq = n * self.seqs  # a seq no lane owns (below DEAD): a padded pass's rows, at the cache's tail
+        rows = n * self.lane_rows + self.min_rows - 1  # (a padded pass's rows past a small batch)
+        # one stream; a padded pass's rows in a seq no lane owns (below DEAD), at the cache's tail
+        self.streams, self.pad_seq = 1, n * self.seqs
         return Context(target.model, n * n_ctx + self.dead_room + rows, n_batch=max(LANE_BATCH, rows),
                        kv_type=settings["kv_type"], n_threads=settings["n_threads"], flash_attn=settings["flash_attn"],
                        n_outputs=max(n * self.max_tree, self.min_rows), on_layer=settings["on_layer"],
@@ -209,8 +211,8 @@ class TreeLaneTarget(LaneTarget):
     @property
     def max_tree(self) -> int:  # type: ignore[override]
         """The largest tree the next pass holds beside the pending tokens (a prompt waiting for its first tree)."""
-        room = self.tree_lanes.max_tree
-        return max(1, min(room, room + PENDING_ROOM - len(self._pending)))
+        lanes = self.tree_lanes
+        return max(1, min(lanes.max_tree, lanes.lane_rows - len(self._pending)))
 
     @property
     def tree_lanes(self) -> TreeLanes:
@@ -221,7 +223,7 @@ class TreeLaneTarget(LaneTarget):
         next round's pass: a prompt then rides in the pass that verifies its first tree (one streamed read of the
         weights fewer before the first token), read in the same cells as a pass of its own would."""
         tokens = [*self._pending, *tokens]
-        if len(tokens) < self.tree_lanes.max_tree + PENDING_ROOM:
+        if len(tokens) < self.tree_lanes.lane_rows:
             self._pending = tokens
             return
         self._pending = []
@@ -232,7 +234,7 @@ class TreeLaneTarget(LaneTarget):
         return len(self._pending)
 
     def verify(self, tree: TokenTree) -> np.ndarray:
-        if len(self._pending) + len(tree) > self.tree_lanes.max_tree + PENDING_ROOM:  # a lane's share of a pass
+        if len(self._pending) + len(tree) > self.tree_lanes.lane_rows:
             pending, self._pending = self._pending, []
             super().prefill(pending)  # a pass of their own first
         tokens = [*self._pending, int(tree.tokens[0])]
