@@ -435,7 +435,7 @@ def streamed_in_window(target: Target, path: Path, report: Report = _quiet, resi
     now that both models are loaded; `plain`: it decodes plainly (one row of logits, no tree beside its pages)."""
     from edge.offload.window import WindowedTarget, free_memory, resident_room, window_bytes
 
-    room = free_memory()
+    room = free_memory(path)
     resident = resident_room(resident, room, plain)
     window = window_bytes(room - resident, plain)
     streamed = WindowedTarget(target, path, window, resident)

@@ -43,10 +43,6 @@ CAPPED_HEADROOM = 192 * MIB
 PLAIN_HEADROOM = 64 * MIB
 MAX_SEQUENCES = 256  # llama.cpp's sequences per context: its output buffer holds at least as many rows
 CAPPED_MIN_TREE = 17  # under a memory limit, auto's trees may be cut down to this many nodes to fit (budget 16)
-# Under a memory limit, a pass of a target with a resident set reads this much more than its streamed part: the
-# kernel reclaims some of the pages the pass still needs, and they are read again (Qwen2.5-Coder-1.5B: 1.13-1.23x
-# under 900 and 1049 MiB, docs/performance.md)
-CAPPED_REREAD = 1.2
 STREAM_ROOM_LAYERS = 4  # a streamed target's layers in memory at once: the one computed and those read ahead
 MIN_STREAM_ROOM = 128 * MIB  # ... and never less memory than this for its pages (a small model's layers are small)
 UNKNOWN_VOCAB = 262_144  # a vocabulary models.toml facts do not give: the largest of the common ones (Gemma's)
@@ -295,8 +291,6 @@ def pass_cost(plan: ModelPlan, machine: Machine, n_tokens: int,
     gpu_flops, cpu_flops = GPU_TFLOPS * 1e12, machine.cores * cpu_gflops_per_core * 1e9
     # (where the weights move from, seconds, where they are computed, seconds, whether the two add up)
     parts = [("VRAM", on_bytes / (VRAM_GBPS * GB), "GPU compute", on_bytes * flops_per_byte / gpu_flops, False)]
-    if machine.capped and plan.resident_bytes:  # the pages the kernel drops under the limit are read again
-        from_disk = round(from_disk * CAPPED_REREAD)
     for source, n_bytes, source_gbps in (("RAM", in_ram, machine.ram_gbps), ("disk", from_disk, machine.disk_gbps)):
         if n_bytes == 0 and (source == "disk" or from_disk > 0):
             continue

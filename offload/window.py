@@ -17,12 +17,13 @@ bytes past the layer the pass has computed last:
 A pass that was read ahead ends with its weights dropped (the next pass reads them again whatever happens: the file
 does not fit); a plain pass leaves them to the kernel, which keeps what the memory holds for the next one.
 
-Partial residency: where the memory holds part of the target beside everything else (the plan's `resident_bytes`),
-the first tensors in pass order, that many bytes, stay resident: locked (mlock) where the system allows, else read
-once and never dropped. Only the rest is streamed: read ahead, followed and dropped behind on every pass, plain ones
-too, so the kernel never has to reclaim anything to make room for it. The kernel's own LRU cannot do this: a pass
+Partial residency: where the memory holds part of the target beside everything else (the plan's `resident_bytes`), the
+head and the first tensors in pass order, that many bytes, stay resident: locked (mlock) where the system allows, else
+read once and never dropped. Only the rest is streamed: read ahead, followed and dropped behind on every pass, plain
+ones too, so the kernel never has to reclaim anything to make room for it. The kernel's own LRU cannot do this: a pass
 reads the weights in the same order every time, so the page it needs next is always the one it evicted longest ago.
-The resident part comes first so that the pass computes on it while the drive reads the streamed part ahead.
+The resident layers come first so that the pass computes on them while the drive reads the streamed ones ahead; the
+head, computed last in one matmul that no layer's progress can follow, stays too (`_resident_set`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ PASS_MARGIN = 96 << 20  # bytes a pass still allocates after loading (logits row
 # ... for a target decoding plainly (one row of logits): measured, 10.6 MiB more after 32 tokens than once loaded
 # (Qwen2.5-Coder-1.5B, benchmarks/load_memory.py)
 PLAIN_PASS_MARGIN = 16 << 20
+# Bytes a WILLNEED asks for at a time: Linux reads at most the device's largest request of a range it is advised of
+# (force_page_cache_ra), so one call for a whole 26 MB layer queued 8 MiB of it. Cold reads of 200 MiB here: one call,
+# 8 MiB read; in 2 MiB calls 1.45 GB/s, 8 MiB calls 1.78 GB/s, populating (MADV_POPULATE_READ) 1.72 GB/s.
+WILLNEED_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -61,13 +66,12 @@ class Span:
 
 class WindowedStreamer(SsdStreamer):
     """An SsdStreamer whose read-ahead stays `window` bytes ahead of the pass (on_layer says where the pass is); with
-    `resident` bytes, the first tensors in pass order stay in RAM (never dropped) and only the rest streams."""
+    `resident` bytes, the head and the first tensors in pass order stay in RAM (never dropped) and the rest streams."""
 
     def __init__(self, path: Path, window: int, resident: int = 0):
         super().__init__(path, readahead=True)
         self.window = window
-        self.spans = _split_at(self._spans(), resident)
-        self.resident = _resident_prefix(self.spans, resident)  # indices of the spans that stay
+        self.spans, self.resident = _resident_set(self._spans(), resident)  # self.resident: the spans that stay
         streamed = [span for index, span in enumerate(self.spans) if index not in self.resident]
         self._ranges = [(span.start, span.end) for span in streamed]  # what a whole read-ahead reads
         self.resident_bytes = sum(self.spans[index].size for index in self.resident)
@@ -84,6 +88,10 @@ class WindowedStreamer(SsdStreamer):
         self._read: set[int] = set()  # the spans asked for this pass and not dropped yet
         self._asked = 0  # spans asked for so far, in pass order (skipped ones included)
         self._following = False  # a read-ahead runs for this pass: its layers are dropped as it computes them
+        # with a resident set, the pass's last streamed layer: once it is computed (and dropped), the next pass's
+        # read-ahead starts, while this pass computes its resident head (`_early`: it has)
+        self._last_streamed = max((span.layer for span in streamed), default=-1) if self.resident else -1
+        self._early = False
 
     def _spans(self) -> list[Span]:
         order = readahead_order(pass_order(self.path))
@@ -141,14 +149,25 @@ class WindowedStreamer(SsdStreamer):
     def on_layer(self, layer: int) -> None:
         """From the pass (the target's runtime): `layer` is computed. Its pages go, and the read-ahead moves on."""
         with self._moved:
-            if not self.following():
+            if not self.following() or self._early:
                 return
             self._done = layer
             self._read = {index for index in self._read if self.spans[index].layer != layer}
-            for start, end, offset in self._regions.get(layer, ()):
-                self._drop(start, end, offset)
-            self._ask_ahead()
-            self._moved.notify_all()
+            self._moved.notify_all()  # the read-ahead asks for what the window now has room for
+        for start, end, offset in self._regions.get(layer, ()):
+            self._drop(start, end, offset)
+        if layer == self._last_streamed:
+            self._read_next_pass()
+
+    def _read_next_pass(self) -> None:
+        """The pass has computed (and dropped) its last streamed layer; what is left of it is resident (the head, in
+        one matmul). Start the next pass's read-ahead now, not after it: the drive would otherwise wait through the
+        head, the sampling and the round's own work (Qwen2.5-Coder-1.5B under 1049 MiB: about 20 ms a token)."""
+        super().after_pass(evict=True)  # (what is left of its stream: folios that straddle two layers)
+        with self._moved:
+            self._reset()
+            self._early = True
+        self.prefetch()
 
     def after_pass(self, evict: bool = True) -> None:
         """After a pass that was read ahead, its pages go (as in the SSD regime); after a plain one the kernel keeps
@@ -156,6 +175,10 @@ class WindowedStreamer(SsdStreamer):
         resident set, the next pass's streamed part is read ahead at once, plain pass or not: that pass starts on
         the resident layers, which need no reading, while the drive reads the window past them (Qwen2.5-Coder-1.5B
         under 900 MiB, plain: 2.3 tokens/s without, 2.8 with it and a core left to it, benchmarks/peer_llama_cpp.py)."""
+        with self._moved:
+            early, self._early = self._early, False
+        if early:  # the next pass's read-ahead runs already (_read_next_pass)
+            return
         self._cancel_readahead()
         with self._moved:
             followed = self.following()
@@ -181,48 +204,71 @@ class WindowedStreamer(SsdStreamer):
         super()._read_ahead()
 
     def _reset(self) -> None:
-        self._done, self._read, self._asked = -1, set(), 0
+        self._done, self._read, self._asked, self._early = -1, set(), 0, False
 
     def _held(self) -> int:
         """Bytes asked for ahead of the pass: for layers it has not computed yet (the caller holds _moved)."""
         return sum(self.spans[index].size for index in self._read if self.spans[index].layer > self._done)
 
-    def _ask_ahead(self) -> None:
-        """Ask the drive for the next spans in pass order (posix_fadvise WILLNEED: large reads, queued at once, no
-        waiting) while the window has room; the next layer the pass needs is asked for whatever the window (the pass
-        would fault it in anyway). The caller holds _moved."""
+    def _next_asks(self) -> list[Span]:
+        """The next spans in pass order the window has room for, now counted as asked for; the next layer the pass
+        needs is asked for whatever the window (the pass would fault it in anyway). The caller holds _moved, and
+        asks the drive for them (`_ask`) once it has let go of it."""
+        asks = []
         while self._asked < len(self.spans) and not self._stop.is_set():
             span = self.spans[self._asked]
             if span.layer > self._done and self._asked not in self.resident:
                 if span.layer > self._done + 1 and self._held() + span.size > self.window:
-                    return
+                    break
                 self._read.add(self._asked)
-                os.posix_fadvise(self._fd, span.offset, span.end - span.start, os.POSIX_FADV_WILLNEED)
+                asks.append(span)
             self._asked += 1
+        return asks
+
+    def _ask(self, spans: list[Span]) -> None:
+        """Ask the drive for these spans (posix_fadvise WILLNEED: their reads queued, no waiting for them), a chunk
+        at a time under _moved: never for a layer the pass got past (its pages dropped, they would stay), and never
+        a whole window's worth while the pass's on_layer waits for the lock (queueing that can take tens of ms:
+        Qwen2.5-Coder-1.5B under 1049 MiB, its first layer took 26 ms, the others 1.2)."""
+        for span in spans:
+            for offset in range(span.offset, span.offset + span.end - span.start, WILLNEED_CHUNK):
+                with self._moved:
+                    if self._stop.is_set():
+                        return
+                    if span.layer <= self._done:
+                        break
+                    length = min(WILLNEED_CHUNK, span.offset + span.end - span.start - offset)
+                    os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
 
     def _read_ahead(self, wait: bool = True) -> None:
-        """Ask for the spans the window has room for, then map each in pass order once it is read (so the pass
-        neither waits on the drive nor takes a fault per page), asking for more as the pass moves the window.
-        `wait`: a pass follows, whose progress moves the window; otherwise stop where it is full."""
-        for index, span in enumerate(self.spans):
+        """Ask the drive for the spans the window has room for, in pass order, and for more as the pass moves the
+        window (on_layer), until every streamed span is asked for. The pass maps the pages itself as it reaches
+        them: mapping them here too (MADV_POPULATE_READ) ran no faster under 1049 MiB (5.66-5.83 tokens/s with it,
+        5.78-5.82 without), and raced the pass to pages it had dropped. `wait`: a pass follows, whose progress moves
+        the window; otherwise (read_ahead_now) the window's worth is asked for and mapped, and this returns once it
+        is read."""
+        while not self._stop.is_set():
             with self._moved:
-                self._ask_ahead()
-                while index >= self._asked and not self._stop.is_set():
-                    if not wait:
+                asks = self._next_asks()
+                if not asks:
+                    if not wait or self._asked >= len(self.spans):
                         return
-                    self._moved.wait(0.05)
-                    self._ask_ahead()
-                if self._stop.is_set():
-                    return
-                if span.layer <= self._done or index in self.resident:  # past it already, or in RAM for good
+                    self._moved.wait(0.05)  # until the pass computes a layer and the window moves
                     continue
+            self._ask(asks)
+            if not wait:
+                self._map_in(asks)
+                return
+
+    def _map_in(self, spans: list[Span]) -> None:
+        """Map the spans' pages in (MADV_POPULATE_READ), waiting for whatever of them the drive has not read yet."""
+        for span in spans:
             for address in range(span.start, span.end, READAHEAD_CHUNK):
                 if self._stop.is_set():
                     return
                 try:
                     libc.madvise(address, min(READAHEAD_CHUNK, span.end - address), MADV_POPULATE_READ)
-                except OSError:
-                    self.readahead = False  # an older kernel: the pass reads the drive itself
+                except OSError:  # an older kernel: the pass reads what is not read yet itself
                     return
 
     def _drop(self, start: int, end: int, offset: int) -> None:
@@ -248,33 +294,36 @@ class WindowedTarget(SsdTarget):
         super().__init__(target, path, streamer=streamer)
 
 
-def _split_at(spans: list[Span], resident: int) -> list[Span]:
-    """The spans with the one the resident set ends in cut in two at a page (the resident set then holds exactly
-    what the memory has room for: a large tensor, such as the head read last, need not stream whole because all of
-    it does not fit)."""
-    total = 0
+def _resident_set(spans: list[Span], resident: int) -> tuple[list[Span], frozenset[int]]:
+    """The spans, and the indices of those that stay resident (up to `resident` bytes): the head first, then the
+    first spans in pass order, the one the set ends in cut in two at a page (the set then holds exactly what the
+    memory has room for). The rest, a contiguous sweep of the pass's last layers, streams.
+
+    The head (the spans past the last block: the output matrix, and a tied token table) is one matmul: it cannot be
+    dropped behind the pass as it goes, as a layer is, and where it is larger than the window its own read-ahead
+    evicts its first pages before the pass reads them. Streamed last, it read 1.19x its bytes a pass (Qwen2.5-Coder-
+    1.5B under 1049 MiB: a 191 MB head in a 134 MiB window); kept, the layers that stream instead go a layer at a
+    time. Where the head alone does not fit, the set is the first spans in pass order."""
+    last = max((span.layer for span in spans), default=0)
+    head = [index for index, span in enumerate(spans) if span.layer == last]
+    head_bytes = sum(spans[index].size for index in head)
+    if head_bytes > resident:
+        head, head_bytes = [], 0
+    kept, total = list(head), head_bytes
     for index, span in enumerate(spans):
+        if index in head:
+            continue
         if total + span.size > resident:
             cut = span.start + (resident - total) // mmap.PAGESIZE * mmap.PAGESIZE
-            if span.start < cut < span.end:
-                head = Span(span.start, cut, span.offset, cut - span.start, span.layer)
-                tail = Span(cut, span.end, span.offset + cut - span.start, span.end - cut, span.layer)
-                return [*spans[:index], head, tail, *spans[index + 1:]]
-            return spans
-        total += span.size
-    return spans
-
-
-def _resident_prefix(spans: list[Span], resident: int) -> frozenset[int]:
-    """The first spans in pass order whose bytes add up to at most `resident`: a pass computes on them while the
-    rest, a contiguous sweep of the file's pass, is read ahead."""
-    kept, total = [], 0
-    for index, span in enumerate(spans):
-        if total + span.size > resident:
+            if span.start < cut < span.end:  # the span the set ends in: its first pages stay
+                first = Span(span.start, cut, span.offset, cut - span.start, span.layer)
+                rest = Span(cut, span.end, span.offset + cut - span.start, span.end - cut, span.layer)
+                spans = [*spans[:index], first, rest, *spans[index + 1:]]
+                kept = [k + (k > index) for k in kept] + [index]
             break
         kept.append(index)
         total += span.size
-    return frozenset(kept)
+    return spans, frozenset(kept)
 
 
 def _runs(spans: list[Span]) -> list[tuple[int, int, int]]:
@@ -332,14 +381,29 @@ def resident_room(planned: int, room: int, plain: bool = False) -> int:
     return max(0, min(planned, room - (PLAIN_PASS_MARGIN if plain else PASS_MARGIN) - MIN_STREAM_ROOM))
 
 
-def free_memory() -> int:
+def free_memory(target: Path | None = None) -> int:
     """Memory this process may still fill now: under a memory cgroup's limit, the limit less what the kernel cannot
-    reclaim (offload/probe.py); otherwise the machine's available memory."""
+    reclaim (offload/probe.py); otherwise the machine's available memory. Less, with `target` (the file to be
+    streamed), the pages of the other files this process has mapped: its libraries' code. The kernel counts them as
+    reclaimable, but each one reclaimed is read again by the next pass that runs it, and a stream sized to use them
+    evicted its own read-ahead instead (Qwen2.5-Coder-1.5B under 1049 MiB: 28 MiB of them, 7% of a pass's reads
+    read again)."""
     import psutil
     from edge.offload.probe import free_bytes
 
     free = free_bytes()
-    return free if free is not None else int(psutil.virtual_memory().available)
+    free = free if free is not None else int(psutil.virtual_memory().available)
+    return free if target is None else max(0, free - mapped_files(exclude=target))
+
+
+def mapped_files(exclude: Path) -> int:
+    """Bytes of file pages mapped into this process and in RAM now, but for those of `exclude`."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error, OSError):
+        return sum(region.rss - region.anonymous for region in psutil.Process().memory_maps(grouped=True)
+                   if region.path.startswith("/") and Path(region.path) != Path(exclude))
+    return 0
 
 
 def _layer(name: str) -> int | None:

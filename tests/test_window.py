@@ -128,9 +128,9 @@ def _resident_share(spans, indices) -> float:
 
 
 def test_the_resident_set_stays_and_a_pass_reads_only_the_streamed_part(f16_file) -> None:
-    """Partial residency: the first tensors in pass order, half the file, stay in RAM (locked where allowed) through
-    evictions and passes, plain and read ahead; every pass reads only the rest from the drive (the next pass's window
-    read ahead as one ends), and its logits are those of the target in RAM."""
+    """Partial residency: the head and the first tensors in pass order, half the file, stay in RAM (locked where
+    allowed) through evictions and passes, plain and read ahead; every pass reads only the rest from the drive (the
+    next pass's window read ahead as one ends), and its logits are those of the target in RAM."""
     from edge.offload.ssd import read_bytes
 
     size = f16_file.stat().st_size
@@ -138,7 +138,10 @@ def test_the_resident_set_stays_and_a_pass_reads_only_the_streamed_part(f16_file
         streamer = target.streamer
         assert isinstance(streamer, WindowedStreamer)
         kept, rest = sorted(streamer.resident), [i for i in range(len(streamer.spans)) if i not in streamer.resident]
-        assert kept == list(range(len(kept))) and rest  # a prefix in pass order, and the rest
+        head = [i for i, span in enumerate(streamer.spans) if span.layer == streamer.spans[-1].layer]
+        body = [i for i in kept if i not in head]
+        assert set(head) <= set(kept) and body == list(range(body[0], body[0] + len(body))) and rest
+        assert max(streamer.spans[i].layer for i in rest) < streamer.spans[-1].layer  # the last layers stream
         assert size // 2 - max(s.size for s in streamer.spans) < streamer.resident_bytes <= size // 2
         assert streamer.streamed_bytes == sum(streamer.spans[i].size for i in rest)
         assert _resident_share(streamer.spans, kept) > 0.99  # read (and locked) at once
@@ -198,3 +201,63 @@ def test_the_resident_set_fits_what_the_memory_leaves_now() -> None:
     assert resident_room(500 << 20, 100 << 20) == 0
     # a target decoding plainly leaves a pass only its one row of logits (PLAIN_PASS_MARGIN)
     assert resident_room(500 << 20, 600 << 20, plain=True) == (600 << 20) - PLAIN_PASS_MARGIN - MIN_STREAM_ROOM
+
+
+def test_the_resident_set_is_the_head_then_the_first_layers() -> None:
+    """The head (computed last, in one matmul no layer's progress follows) stays first, then the first spans in pass
+    order, the one the set ends in cut at a page; where the head alone does not fit, the first spans alone."""
+    from edge.offload.window import Span, _resident_set
+
+    page = 4096
+    sizes = [(0, 10), (1, 10), (2, 10), (3, 10), (4, 30)]  # (layer, pages); layer 4: the head
+    spans, start = [], 0
+    for layer, pages in sizes:
+        spans.append(Span(start, start + pages * page, start, pages * page, layer))
+        start += pages * page
+    cut, kept = _resident_set(spans, 45 * page)
+    assert sorted(kept) == [0, 1, 5] and [s.size // page for s in cut] == [10, 5, 5, 10, 10, 30]
+    assert cut[1].start == spans[1].start and cut[2].offset == spans[1].offset + 5 * page  # layer 1: half stays
+    cut, kept = _resident_set(spans, 25 * page)  # the head alone does not fit: the first 25 pages
+    assert sorted(kept) == [0, 1, 2] and [s.size // page for s in cut] == [10, 10, 5, 5, 10, 30]
+    assert _resident_set(spans, 0)[1] == frozenset()
+
+
+def test_the_window_is_asked_for_in_chunks_the_kernel_reads_whole(f16_file, monkeypatch) -> None:
+    """Linux reads at most a device request's worth of a range it is advised of (WILLNEED): the read-ahead asks in
+    WILLNEED_CHUNK pieces, and the pieces cover the window's spans, each once."""
+    import os
+
+    from edge.offload import window as window_module
+
+    size = f16_file.stat().st_size
+    with windowed(f16_file, size // 4) as (target, _):
+        streamer = target.streamer
+        streamer.evict()
+        asked: list[tuple[int, int]] = []
+        advise = os.posix_fadvise
+
+        def record(fd: int, offset: int, length: int, advice: int) -> None:
+            if advice == os.POSIX_FADV_WILLNEED:
+                asked.append((offset, length))
+            advise(fd, offset, length, advice)
+
+        monkeypatch.setattr(window_module.os, "posix_fadvise", record)
+        streamer.read_ahead_now()  # the window's worth, asked and mapped in
+        assert asked and max(length for _, length in asked) <= window_module.WILLNEED_CHUNK
+        assert len(set(asked)) == len(asked)
+        largest = max(span.end - span.start for span in streamer.spans)
+        covered = sum(length for _, length in asked)  # spans up to the window (the one that would pass it waits)
+        assert streamer.window - largest <= covered <= streamer.window + largest
+
+
+def test_the_streams_room_leaves_out_the_processs_own_code() -> None:
+    """The pages of the libraries this process has mapped are not room for the stream (the kernel would reclaim them
+    and read them again on the next pass), but the target's own pages are."""
+    import sys
+
+    from edge.offload.window import free_memory, mapped_files
+
+    python = Path(sys.executable).resolve()
+    code = mapped_files(exclude=Path("/nonexistent"))
+    assert code > 0 and mapped_files(exclude=python) <= code
+    assert free_memory(Path("/nonexistent")) <= free_memory() - code + (64 << 20)  # (the machine's RAM moves)
