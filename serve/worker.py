@@ -93,6 +93,8 @@ class Worker:
         # with a drafter, each lane grows its trees with a drafter of its own and the pass verifies all of them
         self.trees = parallel > 1 and speculate and pair.drafter is not None
         self.lanes = pair.lanes(parallel, self.trees) if parallel > 1 else None
+        # lanes in one KV cache (tree lanes: trees, or plain over repacked weights) keep the cells a lane lets go of
+        self._shared_cells = self.lanes is not None and self.lanes.keeps_cells
         self._lane_drafters = [pair.lane_drafter() for _ in range(parallel)] if self.trees else []
         self._nodes = pair.budget if budget is None else budget  # --budget N: the nodes of a pass in all
         # --budget auto: each lane's trees sized against the measured pass times, priced for the lanes that run
@@ -168,7 +170,7 @@ class Worker:
         job's start could let go of more than they have room for, no job starts until the running ones end; then
         the lanes start over, empty (their prompts are not kept)."""
         lanes = self.lanes
-        if not self.trees or lanes.room_for_dead(lanes.n_ctx):  # type: ignore[union-attr]
+        if not self._shared_cells or lanes.room_for_dead(lanes.n_ctx):  # type: ignore[union-attr]
             return False
         if self._busy_lanes:
             return True
@@ -247,7 +249,7 @@ class Worker:
         finally:
             self.lanes.busy(lane, False)
             if ended in (None, "interrupted"):  # its client left: the lane's cells are not kept for its next turn
-                if not self.trees:  # (tree lanes let go of them when the lane's next job starts: _draining)
+                if not self._shared_cells:  # (tree lanes let go of them when the lane's next job starts: _draining)
                     decoder.target.truncate(0)
                 del self._lane_decoders[lane]
 

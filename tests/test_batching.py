@@ -19,6 +19,7 @@ from edge.generate import Decoder
 from edge.options import LoadOptions
 from edge.sampling import SamplingConfig
 from tests.cli_helpers import assert_one_line_error, run
+from tests.test_lossless import cut_qwen_target  # noqa: F401 (a fixture)
 
 PROMPTS = ["Write a Python function that reverses a string.", "Name three colors.",
            "What is the capital of France?", "def fibonacci(n):"]
@@ -200,3 +201,82 @@ def test_parallel_auto_takes_lanes_where_they_share_a_pass_that_moves_weights() 
     assert lanes == 1 and "compute on the CPU" in why
     lanes, why = lanes_that_fit(options, machine="ram=3G")
     assert lanes == 1 and "less of the target in memory" in why
+
+
+def step_logits(lanes: Lanes, prompts: list[list[int]], at_once: bool) -> list:
+    """Each lane's prompt, then its next token's logits: one pass a lane, or every lane's token in one pass; the
+    step's cell dropped after (the prompts stay)."""
+    import numpy as np
+
+    def step(lane: int) -> np.ndarray:
+        logits = lanes.run(lane, [prompts[lane][-1]], len(prompts[lane]) - 1, output=True)
+        assert logits is not None
+        return logits
+
+    for lane in range(len(prompts)):
+        lanes.busy(lane, at_once)
+    try:
+        if at_once:
+            out: list = [None] * len(prompts)
+            threads = [threading.Thread(target=lambda lane=lane: out.__setitem__(lane, step(lane)))
+                       for lane in range(len(prompts))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+        else:
+            out = [step(lane) for lane in range(len(prompts))]
+    finally:
+        for lane in range(len(prompts)):
+            lanes.busy(lane, False)
+            lanes.remove(lane, len(prompts[lane]) - 1)
+    return out
+
+
+def test_lanes_over_repacked_weights_pad_each_pass_to_their_gemm(cut_qwen_target) -> None:  # noqa: F811
+    """In RAM, lanes keep llama.cpp's repacked Q4_K buffers, whose x86 kernel takes a pass's rows in fours on a GEMM
+    and the rest on a GEMV: each pass is padded to multiples of 4 rows and outputs (kernels.REPACK_ROWS), so a token's
+    logits are bit for bit the same alone and beside three others (the real pair's target, cut to 2 layers: Q4_K and
+    Q6_K as shipped). Its twin, the same buffers unpadded, differs."""
+    import numpy as np
+    from edge.runtimes.llama_cpp import RunOptions, load_target
+    from edge.runtimes.llama_cpp._native import USE_EXTRA_BUFFERS
+    from edge.runtimes.llama_cpp.kernels import prefer_tiled
+    from edge.runtimes.llama_cpp.tree_lanes import TreeLanes
+
+    if not USE_EXTRA_BUFFERS:
+        pytest.skip("llama.cpp's repacked buffers are off on this CPU (AMX: runtimes/llama_cpp/_native.py)")
+    prefer_tiled(False)  # as lanes load (the Q6_K blocks on the dot-product kernels at every size)
+    for multiple, exact in ((4, True), (1, False)):
+        target = load_target(cut_qwen_target, RunOptions(n_ctx=256, kv_type="bf16", repack=True,
+                                                         row_multiple=multiple), 1, sequences=1)
+        lanes = TreeLanes(target, 4, 256)  # one KV cache: a pass is one micro-batch (Pair.lanes)
+        try:
+            prompts = [target.tokenizer.tokenize(prompt, add_special=False, parse_special=False)
+                       for prompt in PROMPTS]
+            for lane, tokens in enumerate(prompts):
+                lanes.run(lane, tokens[:-1], 0, output=False)
+            alone, at_once = step_logits(lanes, prompts, False), step_logits(lanes, prompts, True)
+            same = all(np.array_equal(a, b) for a, b in zip(alone, at_once, strict=True))
+            assert same == exact, max(float(np.abs(a - b).max()) for a, b in zip(alone, at_once, strict=True))
+            assert (lanes.padded > 0) == exact and lanes.ctx.seq_pos_max(lanes.pad_seq) == -1
+        finally:
+            lanes.close()
+            target.close()
+
+
+def test_a_pass_is_padded_to_whole_fours_of_rows_and_outputs() -> None:
+    from edge.runtimes.llama_cpp.kernels import lane_padding, padding_room
+
+    assert lane_padding(1, 1, 1, 4) == (4, 3)
+    assert lane_padding(4, 4, 1, 4) == (4, 0)
+    assert lane_padding(13, 4, 1, 4) == (16, 0)  # three lanes' tokens and a prompt's chunk: rows short, outputs not
+    assert lane_padding(12, 5, 1, 4) == (16, 3)  # rows whole, outputs short: four more rows, three of them outputs
+    assert lane_padding(5, 1, 1, 4) == (8, 3)
+    assert lane_padding(3, 1, 9, 1) == (9, 6)  # a GPU backend's 9 rows, each padding row an output
+    assert lane_padding(12, 2, 9, 1) == (12, 0)
+    for rows in range(1, 40):
+        for outputs in range(0, rows + 1):
+            padded, more = lane_padding(rows, outputs, 1, 4)
+            assert padded % 4 == 0 and (outputs + more) % 4 == 0 and more <= padded - rows
+            assert padded - rows <= padding_room(1, 4)

@@ -10,6 +10,7 @@ from edge.runtimes.gguf_file import check_gguf
 from edge.runtimes.llama_cpp._native import (
     KV_TYPES,
     MAX_SEQ,
+    USE_EXTRA_BUFFERS,
     Context,
     Model,
     default_threads,
@@ -23,6 +24,7 @@ from edge.runtimes.llama_cpp.kernels import (
     min_rows,
     prefer_stock,
     prefer_tiled,
+    repack_rows,
 )
 from edge.runtimes.llama_cpp.models import PENDING_ROOM, LayerListener, LlamaDrafter, LlamaTarget, PlainTarget
 
@@ -50,6 +52,7 @@ class RunOptions:
     layer_progress: bool = False
     flash_attn: bool | None = True  # None: llama.cpp's default (on where the backend has it)
     min_rows: int = 1  # a tree target's passes carry at least this many rows (kernels.MIN_ROWS)
+    row_multiple: int = 1  # lanes over it pad their passes' rows and outputs to multiples of this (kernels.REPACK_ROWS)
 
 
 def _load_model(path: Path, options: RunOptions) -> Model:
@@ -72,7 +75,7 @@ def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ, sequen
                   kv_type=options.kv_type, n_threads=options.n_threads, flash_attn=options.flash_attn,
                   n_outputs=max(max_tree, options.min_rows), on_layer=layers, sequences=sequences,
                   op_offload=False)
-    return LlamaTarget(model, ctx, max_tree, layers, options.min_rows)
+    return LlamaTarget(model, ctx, max_tree, layers, options.min_rows, options.row_multiple)
 
 
 def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ - 1) -> LlamaDrafter:
@@ -105,9 +108,15 @@ def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget
         return PlainTarget(model, ctx, 1, layers)
     # lanes' passes carry a few tokens each, where the dot-product kernels are the faster, streamed or not
     prefer_tiled(options.streamed and not options.lanes)
-    repack = not options.streamed and keeps_repacking(check_gguf(path).weight_types)
+    weight_types = check_gguf(path).weight_types
+    repack = not options.streamed and keeps_repacking(weight_types)
     if options.lanes:  # its passes run in a server's lanes (Pair.lanes): one token, one sequence of its own
-        return load_target(path, replace(_run_options(options), repack=repack), 1, sequences=1)
+        # In RAM on the CPU, with llama.cpp's repacked buffers where it has them, its GEMM taking every row: the
+        # lanes pad each pass to its rows (kernels.REPACK_ROWS); the other K-quants on the dot-product kernels.
+        repack = not options.streamed and not options.gpu_layers
+        multiple = repack_rows(weight_types) if repack and USE_EXTRA_BUFFERS else 1
+        return load_target(path, replace(_run_options(options), repack=repack, row_multiple=multiple), 1,
+                           sequences=1)
     backend = gpu_devices()[0].backend if options.gpu_layers and gpu_devices() else None
     return load_target(path, replace(_run_options(options), repack=repack,
                                      min_rows=min_rows(options.gpu_layers, backend)), max_tree)

@@ -460,16 +460,17 @@ class Batch:
         self.output[:n] = outputs
         self.struct.n_tokens = n
 
-    def pad(self, rows: int, seq: int) -> None:
-        """Rows past the batch's tokens up to `rows`, in `seq` (an empty sequence of their own, from position 0): a
-        pass of at least `rows` rows, for backends whose kernels change below it. Each outputs, after the batch's
-        own outputs, so that the output head too multiplies at least `rows` rows (a pass's last matmul)."""
+    def pad(self, rows: int, seq: int, outputs: int | None = None) -> None:
+        """Rows past the batch's tokens up to `rows`, in `seq` (an empty sequence of their own, from position 0), for
+        kernels that change with a pass's rows (kernels.lane_padding). The first `outputs` of them output (None:
+        each), after the batch's own outputs: the last layer and the head run on the output rows alone."""
         n = self.struct.n_tokens
         self.token[n:rows] = self.token[0]
         self.pos[n:rows] = np.arange(rows - n)
         self.n_seq_id[n:rows] = 1
         self.seq_id[n:rows, 0] = seq
-        self.output[n:rows] = 1
+        self.output[n:rows] = 0
+        self.output[n: n + (rows - n if outputs is None else outputs)] = 1
         self.struct.n_tokens = rows
 
     def set_seqs(self, membership: np.ndarray, at: int = 0, first_seq: int = 0) -> None:

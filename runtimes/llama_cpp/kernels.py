@@ -14,7 +14,9 @@ Either kernel alone is batch-invariant, so edge-spec runs one at every batch siz
   where trees pay.
 
 Repacked weights (use_extra_bufts) have the same problem on x86 for Q4_K: a GEMV kernel below 4 tokens, a 4-row GEMM
-from 4. A target with such weights loads without repacking. Q4_0's repacked kernels gave equal logits at every
+from 4. A target with such weights loads without repacking, but for a server's lanes in RAM: they keep the repacked
+buffers and pad each pass to multiples of 4 rows and outputs (REPACK_ROWS), in one KV cache (a pass one micro-batch),
+so that every row takes the GEMM. Q4_0's repacked kernels gave equal logits at every
 batch size (measured), so Q4_0 targets keep them.
 
 Both switches are process-wide, and ggml reads them once, at its first matmul. This runtime sets the dot-product
@@ -40,6 +42,10 @@ BATCH_INVARIANT_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q8_0"})
 TILED_INVARIANT_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 # Types whose repacked x86 kernels switch kernels with the batch size: a target holding any loads unrepacked.
 REPACK_VARIANT_TYPES = frozenset({"Q4_K", "Q2_K", "IQ4_NL", "MXFP4"})
+# x86 repacked kernels run a pass's rows in fours on a GEMM and the rest, one by one, on a GEMV (ggml-cpu repack.cpp,
+# forward_mul_mat_one_chunk), which sum a row differently. A pass whose rows are a multiple of 4, and whose outputs
+# too (its last layer runs on the output rows alone), runs every row on the GEMM: lanes pad theirs so (lane_padding).
+REPACK_ROWS = 4
 # KV cache types whose flash-attention path gave bit-identical logits for a token alone and inside a 256-node tree
 # (f16 and f32 KV switch kernels at 64-token batches and differ by ~1 logit).
 BATCH_INVARIANT_KV = frozenset({"bf16", "q8_0"})
@@ -101,6 +107,29 @@ def invariant_types() -> frozenset[str]:
 def keeps_repacking(weight_types: frozenset[str]) -> bool:
     """Whether a target with these weight types may use llama.cpp's repacked buffers and stay batch-invariant."""
     return not weight_types & REPACK_VARIANT_TYPES
+
+
+def repack_rows(weight_types: frozenset[str]) -> int:
+    """The multiple of rows (and of outputs) every pass of a target with these weight types, repacked, pads to so
+    that each row takes one kernel whatever the batch (1: none needed)."""
+    return REPACK_ROWS if weight_types & REPACK_VARIANT_TYPES else 1
+
+
+def lane_padding(rows: int, outputs: int, min_rows: int, multiple: int) -> tuple[int, int]:
+    """A pass of `rows` rows, `outputs` of them outputs, padded: (its rows, the padding rows that output). At least
+    `min_rows` rows (a GPU backend's, every padding row an output, so that the head too multiplies that many), or
+    rows and outputs each a multiple of `multiple` (repacked x86 kernels)."""
+    if multiple > 1:
+        padding, missing = -rows % multiple, -outputs % multiple
+        while padding < missing:
+            padding += multiple
+        return rows + padding, missing
+    return max(rows, min_rows), max(min_rows - rows, 0)
+
+
+def padding_room(min_rows: int, multiple: int) -> int:
+    """The most rows lane_padding adds to a pass (a context keeps that many rows and cells free for them)."""
+    return max(min_rows - 1, 2 * multiple if multiple > 1 else 0)
 
 
 def lossless_guarantee(weight_types: frozenset[str], kv_type: str, fix: str) -> str | None:

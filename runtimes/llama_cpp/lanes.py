@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from edge.runtimes.llama_cpp._native import Batch, Context
+from edge.runtimes.llama_cpp.kernels import lane_padding, padding_room
 from edge.runtimes.llama_cpp.models import LlamaTarget
 
 from edge.protocols import ModelDefaults
@@ -45,13 +46,16 @@ class _Ask:
 class Lanes:
     """`n` lanes over a target's weights, each of `n_ctx` tokens, and the thread that runs their passes."""
 
+    keeps_cells = False  # a lane's cells are freed as it lets go of them (TreeLanes keeps them until a reset)
+
     def __init__(self, target: LlamaTarget, n: int, n_ctx: int,
                  before_pass: Callable[[np.ndarray], None] | None = None, after_pass: Callable[[], None] | None = None):
         """`before_pass(tokens)` and `after_pass()` around each pass: a target streamed from the drive reads the
         tokens' embedding rows and drops its pages behind (offload/ssd.py SsdTarget does the same around its own)."""
         # a target on a GPU backend whose kernels change below min_rows rows pads every pass (LlamaTarget._decode):
         # the throwaway rows go in a sequence of their own (pad_seq), dropped after the pass
-        self.min_rows = target.min_rows
+        self.min_rows, self.row_multiple = target.min_rows, target.row_multiple  # (kernels.lane_padding)
+        self.pad_room = padding_room(self.min_rows, self.row_multiple)  # rows and cells a pass's padding may take
         self.padded = 0  # passes padded
         self.ctx = self._context(target, n, n_ctx)
         self.n, self.n_ctx, self.model, self._template = n, self.ctx.n_ctx // self.streams, target.model, target
@@ -72,10 +76,10 @@ class Lanes:
         """n KV streams of n_ctx cells, one a lane, over the target's weights and settings; one more for a pass's
         padding (pad_seq) where passes are padded."""
         settings = target.ctx.settings
-        self.streams, self.pad_seq = n + (self.min_rows > 1), n
-        return Context(target.model, self.streams * n_ctx, n_batch=max(LANE_BATCH, n, self.min_rows),
+        self.streams, self.pad_seq = n + (self.pad_room > 0), n
+        return Context(target.model, self.streams * n_ctx, n_batch=max(LANE_BATCH, n) + self.pad_room,
                        kv_type=settings["kv_type"], n_threads=settings["n_threads"],
-                       flash_attn=settings["flash_attn"], n_outputs=max(n, self.min_rows),
+                       flash_attn=settings["flash_attn"], n_outputs=max(n, self.min_rows) + self.row_multiple,
                        on_layer=settings["on_layer"], sequences=self.streams, unified=False)
 
     def target(self, lane: int) -> LaneTarget:
@@ -166,10 +170,14 @@ class Lanes:
         self._pass()
 
     def _pass(self) -> None:
-        """The batch's pass, padded to min_rows rows where the target's are (their outputs after the batch's own)."""
-        padded = self._batch.struct.n_tokens < self.min_rows
+        """The batch's pass, padded where the target's kernels change with its rows (kernels.lane_padding; the
+        padding's outputs after the batch's own)."""
+        batch = self._batch
+        n = batch.struct.n_tokens
+        rows, outputs = lane_padding(n, int(batch.output[:n].sum()), self.min_rows, self.row_multiple)
+        padded = rows > n
         if padded:
-            self._batch.pad(self.min_rows, self.pad_seq)
+            batch.pad(rows, self.pad_seq, outputs)
             self.padded += 1
         try:
             self.ctx.decode(self._batch)
@@ -180,7 +188,7 @@ class Lanes:
     def _fill(self) -> list[tuple[_Ask, int, int]]:
         """The batch: each ask's next tokens, the shortest first so that every lane's one token rides before any
         prompt fills the rest; (ask, its first token here, the row of its logits or -1)."""
-        room, taken, n = self._batch.capacity, [], 0
+        room, taken, n = self._batch.capacity - self.pad_room, [], 0
         for ask in sorted(self._asks, key=lambda a: len(a.tokens) - a.done):
             if room == 0:
                 break

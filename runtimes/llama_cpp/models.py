@@ -117,10 +117,11 @@ class LlamaTarget(_Runner):
     """
 
     def __init__(self, model: Model, ctx: Context, max_tree: int, layers: LayerListener | None = None,
-                 min_rows: int = 1):
+                 min_rows: int = 1, row_multiple: int = 1):
         super().__init__(model, ctx)
         # a pass's padding takes cells for its duration: the context holds min_rows - 1 cells past n_ctx
         self.min_rows, self.n_ctx = min_rows, ctx.n_ctx - (min_rows - 1)
+        self.row_multiple = row_multiple
         self.max_tree = min(max_tree, ctx.n_batch)
         self._layers = layers  # its context's passes call it as each layer is computed (RunOptions.layer_progress)
         self._n_leaves = 0

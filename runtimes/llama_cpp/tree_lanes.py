@@ -49,9 +49,11 @@ class _TreeAsk(_Ask):
 class TreeLanes(Lanes):
     """`n` lanes that verify trees of up to `max_tree` nodes each, all lanes' trees in one pass."""
 
+    keeps_cells = True  # in DEAD's seq until the next reset (remove)
+
     def __init__(self, target: LlamaTarget, n: int, n_ctx: int, *args, **kwargs):
         # seq ids a lane owns: the leaves its tree may have (the last seq id is DEAD's, and one more a padded pass's)
-        self.seqs = (MAX_SEQ - 1 - (target.min_rows > 1)) // n
+        self.seqs = (MAX_SEQ - 1 - (target.min_rows > 1 or target.row_multiple > 1)) // n
         self.max_tree = self.seqs  # nodes a lane's tree may have (so fewer leaves than its seqs)
         self.lane_rows = self.max_tree + PENDING_ROOM  # a lane's share of a pass: its tree and its pending tokens
         self.dead = 0  # cells lanes let go of, kept in DEAD's seq (remove) until the next reset
@@ -78,12 +80,13 @@ class TreeLanes(Lanes):
     def _context(self, target: LlamaTarget, n: int, n_ctx: int) -> Context:
         """One unified cache: every lane's n_ctx cells, and room for every lane's tree and pending tokens in flight."""
         settings = target.ctx.settings
-        rows = n * self.lane_rows + self.min_rows - 1  # (a padded pass's rows past a small batch)
+        rows = n * self.lane_rows + self.pad_room  # (a padded pass's rows past the batch's)
         # one stream; a padded pass's rows in a seq no lane owns (below DEAD), at the cache's tail
         self.streams, self.pad_seq = 1, n * self.seqs
         return Context(target.model, n * n_ctx + self.dead_room + rows, n_batch=max(LANE_BATCH, rows),
                        kv_type=settings["kv_type"], n_threads=settings["n_threads"], flash_attn=settings["flash_attn"],
-                       n_outputs=max(n * self.max_tree, self.min_rows), on_layer=settings["on_layer"],
+                       n_outputs=max(n * self.max_tree, self.min_rows) + self.row_multiple,
+                       on_layer=settings["on_layer"],
                        sequences=MAX_SEQ, unified=True)
 
     def target(self, lane: int) -> TreeLaneTarget:
@@ -127,7 +130,7 @@ class TreeLanes(Lanes):
         """Every tree whole (the pending tokens and roots first, the bodies after them), then prompts in the room
         left; a tree that does not fit waits for the next pass. (ask, its rows here, the row of its logits or -1:
         a tree's root's; its body's come after every kept row: _hand_back)."""
-        batch, room, taken, trees = self._batch, self._batch.capacity, [], []
+        batch, room, taken, trees = self._batch, self._batch.capacity - self.pad_room, [], []
         for ask in self._asks:
             if isinstance(ask, _TreeAsk) and len(ask.tokens) + len(ask.body) <= room:
                 trees.append(ask)
