@@ -290,10 +290,10 @@ class Pair:
                             "set `parallel` to 1", "parallel")
         from edge.offload.ssd import SsdTarget
 
-        # lanes over repacked weights pad each pass to the rows of their GEMM (kernels.REPACK_ROWS), which holds only
-        # where a pass is one micro-batch: one KV cache for every lane (tree lanes, plain or not), not a stream each
-        # (llama.cpp splits a pass over streams into micro-batches of equal counts per stream)
-        kind = TreeLanes if trees or inner.row_multiple > 1 else Lanes
+        # lanes whose passes are padded (repacked weights to their GEMM's rows, kernels.REPACK_ROWS; a GPU backend's
+        # min_rows) hold only where a pass is one micro-batch: one KV cache for every lane (tree lanes, plain or not),
+        # not a stream each (llama.cpp splits a pass over streams into micro-batches of equal counts per stream)
+        kind = TreeLanes if trees or inner.row_multiple > 1 or inner.min_rows > 1 else Lanes
         streamed = self.target if isinstance(self.target, SsdTarget) else None
         if streamed is None:
             return kind(inner, n, self.target.n_ctx)

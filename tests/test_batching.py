@@ -165,14 +165,17 @@ def test_principals_share_a_pass_and_nothing_else(alone_pair: Pair) -> None:
 
 def test_passes_padded_for_a_gpu_backend_keep_each_reply(alone_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """A target whose passes are padded (a Vulkan backend's 9 rows: runtimes/llama_cpp/kernels.py MIN_ROWS) pads the
-    lanes' passes too, its rows in a stream of their own: on the CPU the padding changes no logit, so two requests
-    together still get what they get alone, and the padding left no cell behind."""
+    lanes' passes too, in one KV cache (a padded pass must be one micro-batch: Pair.lanes), the padding in a seq of
+    its own: on the CPU it changes no logit, so two requests together still get what they get alone, and the padding
+    left no cell behind."""
     from edge.runtimes.llama_cpp.models import LlamaTarget
+    from edge.runtimes.llama_cpp.tree_lanes import TreeLanes
 
     target = alone_pair.target
     assert isinstance(target, LlamaTarget)
     monkeypatch.setattr(target, "min_rows", 9)
     padded = alone_pair.lanes(2)
+    assert isinstance(padded, TreeLanes)
     try:
         alone = [reply(padded, alone_pair, lane, PROMPTS[lane], 16, GREEDY) for lane in range(2)]
         assert together(*(lambda lane=lane: reply(padded, alone_pair, lane, PROMPTS[lane], 16, GREEDY)
