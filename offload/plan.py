@@ -41,6 +41,10 @@ CAPPED_HEADROOM = 192 * MIB
 # what Python allocates past the plan: measured, Qwen2.5-Coder-1.5B's process grew by 171 MiB from its plan to the end
 # of 32 tokens, 112 MiB of it the 4096-token f16 KV cache (benchmarks/load_memory.py --cap-mb 1300)
 PLAIN_HEADROOM = 64 * MIB
+# Under a memory limit, a target placed in RAM needs this much past its pages and KV cache, or the kernel's reclaim
+# evicts pages every pass reads: Qwen2.5-Coder-1.5B planned to fit with 25 MiB to spare under 1175 MiB (its Q4_K
+# weights repacked into 596 MiB of anonymous memory) read 742 MB a pass; with 150 MiB under 1300 MiB, 4-5 MB.
+CAPPED_PAGE_SLACK = 128 * MIB
 MAX_SEQUENCES = 256  # llama.cpp's sequences per context: its output buffer holds at least as many rows
 CAPPED_MIN_TREE = 17  # under a memory limit, auto's trees may be cut down to this many nodes to fit (budget 16)
 STREAM_ROOM_LAYERS = 4  # a streamed target's layers in memory at once: the one computed and those read ahead
@@ -195,7 +199,7 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
             draft = _place_drafter(pair, drafter, gpu, vram_left, ram_left, n_tree, room) if drafter is not None \
                 else _no_drafter(pair, target)
             main = _place_target(pair, target, gpu, vram_left - draft.vram_bytes, ram_left - draft.ram_bytes, n_tree,
-                                 room)
+                                 room, CAPPED_PAGE_SLACK if machine.capped else 0)
             break
         except UserError:
             if n_tree == sizes[-1]:
@@ -375,7 +379,9 @@ def _place_drafter(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_
 
 
 def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_left: int, n_tree: int,
-                  room: str) -> ModelPlan:
+                  room: str, page_slack: int = 0) -> ModelPlan:
+    """The target's placement: on the GPU as far as it fits, else in RAM where its pages, its KV cache and
+    `page_slack` fit (CAPPED_PAGE_SLACK under a memory limit), else streamed with a resident set."""
     model = pair.target
     kv_type = _kv_type(model, "target")
     kv = kv_bytes(shape, pair.ctx, kv_type)
@@ -410,7 +416,7 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
     resident = 0
     if with_head:
         placement, ram = "gpu", kv_ram + lookup
-    elif in_use <= ram_left - kv_ram:
+    elif in_use + page_slack <= ram_left - kv_ram:
         placement, ram = "ram", kv_ram + in_use
     else:
         # Mapped: what the memory holds past the KV cache and the stream's own room stays resident, the rest passes

@@ -384,26 +384,15 @@ def resident_room(planned: int, room: int, plain: bool = False) -> int:
 def free_memory(target: Path | None = None) -> int:
     """Memory this process may still fill now: under a memory cgroup's limit, the limit less what the kernel cannot
     reclaim (offload/probe.py); otherwise the machine's available memory. Less, with `target` (the file to be
-    streamed), the pages of the other files this process has mapped: its libraries' code. The kernel counts them as
-    reclaimable, but each one reclaimed is read again by the next pass that runs it, and a stream sized to use them
-    evicted its own read-ahead instead (Qwen2.5-Coder-1.5B under 1049 MiB: 28 MiB of them, 7% of a pass's reads
-    read again)."""
+    streamed), the pages of the other files this process has mapped (probe.mapped_file_bytes: its libraries' code, a
+    drafter's weights): a stream sized to use them evicted its own read-ahead instead (Qwen2.5-Coder-1.5B under 1049
+    MiB: 28 MiB of them, 7% of a pass's reads read again)."""
     import psutil
-    from edge.offload.probe import free_bytes
+    from edge.offload.probe import free_bytes, mapped_file_bytes
 
     free = free_bytes()
     free = free if free is not None else int(psutil.virtual_memory().available)
-    return free if target is None else max(0, free - mapped_files(exclude=target))
-
-
-def mapped_files(exclude: Path) -> int:
-    """Bytes of file pages mapped into this process and in RAM now, but for those of `exclude`."""
-    import psutil
-
-    with contextlib.suppress(psutil.Error, OSError):
-        return sum(region.rss - region.anonymous for region in psutil.Process().memory_maps(grouped=True)
-                   if region.path.startswith("/") and Path(region.path) != Path(exclude))
-    return 0
+    return free if target is None else max(0, free - mapped_file_bytes(exclude=target))
 
 
 def _layer(name: str) -> int | None:

@@ -120,3 +120,19 @@ def test_where_nothing_fits_the_plan_refuses_in_one_line() -> None:
     with pytest.raises(UserError) as refused:
         chosen(120)
     assert "\n" not in str(refused.value) and "cannot run here" in str(refused.value)
+
+
+def test_under_a_limit_a_target_in_ram_keeps_slack_for_its_pages() -> None:
+    """Under a memory limit a target is placed in RAM only with CAPPED_PAGE_SLACK to spare past its pages and KV cache
+    (the kernel's reclaim evicts pages every pass reads otherwise: 742 MB a pass under 1175 MiB); short of that, it
+    keeps all but the stream's room resident and streams the rest. Without a limit, no slack."""
+    from edge.offload.plan import CAPPED_PAGE_SLACK, PLAIN_HEADROOM, kv_bytes
+
+    in_use = plan_pair(QWEN, TARGET, None, machine(None), plain=True).target.ram_bytes  # pages and KV cache
+    logits = 4 * TARGET.n_vocab
+    just_fits = (in_use + PLAIN_HEADROOM + logits) // MIB + 8  # fits, with less than the slack to spare
+    tight = plan_pair(QWEN, TARGET, None, machine(just_fits), plain=True).target
+    assert tight.placement == "ssd" and tight.resident_bytes > 0.8 * TARGET.streamed_bytes
+    roomy = plan_pair(QWEN, TARGET, None, machine(just_fits + CAPPED_PAGE_SLACK // MIB), plain=True).target
+    assert roomy.placement == "ram" and roomy.ram_bytes == in_use
+    assert in_use > kv_bytes(TARGET, QWEN.ctx, "f16")

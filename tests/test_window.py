@@ -255,9 +255,10 @@ def test_the_streams_room_leaves_out_the_processs_own_code() -> None:
     and read them again on the next pass), but the target's own pages are."""
     import sys
 
-    from edge.offload.window import free_memory, mapped_files
+    from edge.offload.probe import mapped_file_bytes
+    from edge.offload.window import free_memory
 
     python = Path(sys.executable).resolve()
-    code = mapped_files(exclude=Path("/nonexistent"))
-    assert code > 0 and mapped_files(exclude=python) <= code
+    code = mapped_file_bytes(exclude=Path("/nonexistent"))
+    assert code > 0 and mapped_file_bytes(exclude=python) <= code and mapped_file_bytes() <= code
     assert free_memory(Path("/nonexistent")) <= free_memory() - code + (64 << 20)  # (the machine's RAM moves)
