@@ -52,8 +52,10 @@ class Lanes:
                  before_pass: Callable[[np.ndarray], None] | None = None, after_pass: Callable[[], None] | None = None):
         """`before_pass(tokens)` and `after_pass()` around each pass: a target streamed from the drive reads the
         tokens' embedding rows and drops its pages behind (offload/ssd.py SsdTarget does the same around its own)."""
-        # a target on a GPU backend whose kernels change below min_rows rows pads every pass (LlamaTarget._decode):
-        # the throwaway rows go in a sequence of their own (pad_seq), dropped after the pass
+        # a target whose kernels change with a pass's rows (a GPU backend's min_rows, repacked weights' row_multiple)
+        # pads every pass (kernels.lane_padding): the throwaway rows go in a sequence of their own (pad_seq), dropped
+        # after the pass. Exact only in one KV cache (TreeLanes: Pair.lanes picks it for such a target): over these
+        # per-lane streams llama.cpp splits a pass into micro-batches, each short of the padded rows.
         self.min_rows, self.row_multiple = target.min_rows, target.row_multiple  # (kernels.lane_padding)
         self.pad_room = padding_room(self.min_rows, self.row_multiple)  # rows and cells a pass's padding may take
         self.padded = 0  # passes padded
