@@ -72,9 +72,10 @@ def planned_spec(spec: PairSpec, options: LoadOptions) -> PairSpec:
 def lanes_that_fit(options: LoadOptions, most: int = MOST_LANES, machine: str | None = None) -> tuple[int, str]:
     """`serve --parallel auto`: how many requests to decode together, with the reason in words. Lanes pay where a pass
     is bound by moving the weights (read from the drive, or on a GPU): N requests' tokens then ride in one pass for
-    about the price of one. On a CPU with the target in RAM they do not: the batch-invariant kernels lanes need cost
-    about one pass a token there (four clients got 1.02x one alone, docs/server.md), and a request alone runs on
-    llama.cpp's faster kernels. So: the most lanes, up to `most` (ollama's and llama-server's four), whose KV caches
+    about the price of one. On a CPU with the target in RAM they pay only while several requests run: lanes there
+    pad every pass to the 4 rows of llama.cpp's repacked kernel (kernels.REPACK_ROWS: four clients got 3.23x one
+    alone, 0.85x llama-server's four, docs/server.md), so a lone request pays a 4-row pass, where alone it runs on
+    llama.cpp's kernels at one row. So: the most lanes, up to `most` (ollama's and llama-server's four), whose KV caches
     the memory holds with the target placed as for one request and its one-token pass at most LANE_SLOWDOWN slower
     (the cells lanes take are weights read again every pass, which a lone client pays for); else 1. `machine`: a
     described one (edge-spec plan --machine)."""
@@ -95,8 +96,8 @@ def lanes_that_fit(options: LoadOptions, most: int = MOST_LANES, machine: str | 
     except UserError:  # no facts before the files are here, or the pair as named does not fit: loading says so
         return 1, "the plan cannot place the pair as named yet"
     if alone.target.placement == "ram":
-        return 1, ("the target's passes compute on the CPU, where a pass of several requests costs about as many "
-                   "passes, and one request alone runs on llama.cpp's faster kernels")
+        return 1, ("the target's passes compute on the CPU, where lanes pad a lone request's pass to 4 rows (about "
+                   "twice its time), and one request alone runs on llama.cpp's kernels at one row")
     for n in range(most, 1, -1):
         try:
             shared = plan(n)
