@@ -1,5 +1,6 @@
 """What a run keeps in edge-spec's cache for the next one: `--budget auto`'s pass times (pass-times.json, one entry
-per machine, placement and file) and lookup keep's earlier replies (lookup/<target>-<size>.npy).
+per machine, placement and file; a plainly decoding target's one-token pass in RAM too) and lookup keep's earlier
+replies (lookup/<target>-<size>.npy).
 
 Each is read whole and written whole (a crash leaves the old file), and a damaged one is said in one line and
 started over: neither is more than a measurement or a convenience.
@@ -52,6 +53,19 @@ def pass_times_key(target: Path, drafter: str, placement: str, readahead: str, d
     return (f"{machine_key(target)}|{target.name}|{stat.st_size}|{stat.st_mtime_ns}|{drafter}|{placement}|"
             f"readahead {readahead}|drafter threads {drafter_threads}|{COSTS_VERSION}"
             + ("" if max_tree is None else f"|trees up to {max_tree}"))
+
+
+PLAIN_PASSES_KEPT = 16  # a run keeps its stock target's one-token pass time once it ran at least this many
+
+
+def keep_plain_pass(target: Path, seconds: float, passes: int) -> None:
+    """Keep the mean one-token pass of a target decoding plainly in RAM on llama.cpp's own kernels (a run of at least
+    PLAIN_PASSES_KEPT passes): the plan's RAM rate is fitted to it (models.planning.measured_rates), where nothing
+    else timed this file's passes in RAM here."""
+    if passes < PLAIN_PASSES_KEPT or not target.is_file():
+        return
+    key = pass_times_key(target, "stock", "ram", "None", None, None)
+    keep_pass_times(key, {"target_ms": {"1": round(seconds / passes * 1000, 3)}, "passes": passes})
 
 
 def target_entries(target: Path) -> dict[str, Any]:

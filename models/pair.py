@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from edge.models import mapped
 from edge.models.cache import file_stamp
-from edge.models.kept import keep_pass_times, pass_times, pass_times_key, save_corpus
+from edge.models.kept import keep_pass_times, keep_plain_pass, pass_times, pass_times_key, save_corpus
 from edge.models.opening import drafter_model, head_ids, open_drafter, phase
 from edge.models.registry import PairSpec
 from edge.models.sources import model_path
@@ -130,6 +130,7 @@ class Pair:
                 self._state.wait()
         if self.corpus is not None and self.options.lookup == "keep":
             save_corpus(self.corpus, self.target.path, self.report)
+        self._keep_plain_pass()
         for model in (self.drafter, self.target):
             if model is not None:
                 model.close()
@@ -137,6 +138,16 @@ class Pair:
             mapped.forget(path)
         self.drafter = None
         self._decoders.clear()
+
+    def _keep_plain_pass(self) -> None:
+        """A target that decoded plainly in RAM on llama.cpp's own kernels leaves its one-token pass time for the
+        next plan (models.kept.keep_plain_pass): the plan's RAM rate is otherwise assumed."""
+        if self.placement != "ram" or self.options.gpu_layers:
+            return
+        from edge.runtimes.llama_cpp.models import PlainTarget
+
+        if isinstance(self.target, PlainTarget):
+            keep_plain_pass(self.target.path, self.target.one_token_s, self.target.one_token_passes)
 
     def check_open(self) -> None:
         """Refuse a closed pair, and one whose model files changed on disk since they loaded (their weights are

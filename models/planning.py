@@ -51,12 +51,17 @@ def _machine(pair: PairSpec, machine: str | None) -> Machine:
 def measured_rates(machine: Machine, target: Path) -> Machine:
     """The machine with the RAM rate and CPU compute its own passes of this target showed, in RAM, where `--budget
     auto` has timed them (pass-times.json: once per machine, placement and file), in place of the assumed ones
-    (offload.plan.fit_constants: the one-token pass reads the weights, the largest computes)."""
+    (offload.plan.fit_constants: the one-token pass reads the weights, the largest computes); else the RAM rate alone
+    that its plain decoding's one-token passes showed (models.kept.keep_plain_pass)."""
     from edge.models.kept import target_entries
     from edge.offload.plan import ModelPlan, fit_constants
 
-    for key, entry in target_entries(target).items():
-        if "|ram|" not in key:
+    entries = target_entries(target)
+    # timed passes of several sizes first (they give the compute rate too), then the newest
+    for key, entry in sorted(entries.items(), key=lambda item: (len(_sizes(item[1])) > 1, _measured(item[1])),
+                             reverse=True):
+        # one size alone only from plain decoding (a server's lanes time passes padded to their GEMM's rows)
+        if "|ram|" not in key or (len(_sizes(entry)) < 2 and "|stock|" not in key):
             continue
         try:
             passes = {int(n): [float(ms) / 1000] for n, ms in entry["target_ms"].items()}
@@ -66,11 +71,22 @@ def measured_rates(machine: Machine, target: Path) -> Machine:
                          placement="ram", n_gpu_layers=0, op_offload=False, n_ubatch=0, use_mmap=True,
                          use_mlock=False, repack=False, ram_bytes=0, vram_bytes=0)
         fit = fit_constants(plan, machine, passes)
-        if fit is None or not (fit["ram_gbps"] > 0 and fit["cpu_gflops_per_core"] > 0):
+        if fit is None or not all(value > 0 for value in fit.values()):
             continue
-        return replace(machine, ram_gbps=fit["ram_gbps"], cpu_gflops_per_core=fit["cpu_gflops_per_core"],
+        return replace(machine, ram_gbps=fit["ram_gbps"],
+                       cpu_gflops_per_core=fit.get("cpu_gflops_per_core", machine.cpu_gflops_per_core),
                        assumed=tuple(name for name in machine.assumed if name != "rambw"))
     return machine
+
+
+def _sizes(entry: object) -> dict:
+    sizes = entry.get("target_ms") if isinstance(entry, dict) else None
+    return sizes if isinstance(sizes, dict) else {}
+
+
+def _measured(entry: object) -> float:
+    when = entry.get("measured") if isinstance(entry, dict) else None
+    return float(when) if isinstance(when, int | float) else 0.0
 
 
 def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) -> Shape:

@@ -9,6 +9,7 @@ llama.cpp's 256 sequences, not its nodes: those are bounded by the batch and the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -213,6 +214,9 @@ class PlainTarget(LlamaTarget):
     def resize(self, size: int) -> bool:
         return size <= 1
 
+    one_token_s = 0.0  # the time of its one-token passes (a prompt's excluded), and their count: what the plan's
+    one_token_passes = 0  # rate for a target in RAM is fitted to (models.kept.keep_plain_pass)
+
     def _drop_branches(self) -> None:
         pass  # one sequence: no branch to drop
 
@@ -221,6 +225,13 @@ class PlainTarget(LlamaTarget):
             raise ValueError(f"a plain target verifies one token a pass, not a tree of {len(tree)}")
         tokens = [*self._pending, int(tree.tokens[0])]
         self._pending = []
+        if len(tokens) == 1:
+            started = time.perf_counter()
+            self.batch.fill(tokens, self.n_past, outputs=True)
+            self._decode()
+            self.one_token_s += time.perf_counter() - started
+            self.one_token_passes += 1
+            return self._logits()
         capacity = self.batch.capacity
         for start in range(0, len(tokens), capacity):
             chunk = tokens[start : start + capacity]
@@ -229,6 +240,9 @@ class PlainTarget(LlamaTarget):
             self.batch.fill(chunk, self.n_past, outputs=outputs)
             self._decode()
             self.n_past += len(chunk) - (1 if last else 0)  # the token itself is counted as commit keeps it
+        return self._logits()
+
+    def _logits(self) -> np.ndarray:
         self._n_leaves = 1
         self._place = np.zeros(1, np.int64)
         return self.ctx.logits(1)
