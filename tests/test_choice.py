@@ -48,12 +48,11 @@ def test_what_fits_beside_the_rest_stays_resident_and_only_the_rest_streams(ram_
     assert plan.ssd_bytes == shape.streamed_bytes - target.resident_bytes
     assert target.ram_bytes == target.kv_bytes + target.resident_bytes <= ram_gib * GIB - RAM_HEADROOM
     compute = 2 * shape.n_params / (8 * 135e9)
-    # the resident part at RAM speed (or its arithmetic, the longer), the streamed part read and computed in turn,
-    # less the window of it read ahead while the resident part computes
+    # the resident part at RAM speed (or its arithmetic, the longer), the streamed part read and computed in turn
+    # (the read-ahead's overlap did not show in measured passes: docs/plan.md)
     resident_s = max(target.resident_bytes / 20e9, compute * target.resident_bytes / shape.streamed_bytes)
     streamed_s = plan.ssd_bytes / 3e9 + compute * plan.ssd_bytes / shape.streamed_bytes
-    ahead_s = min(resident_s, stream_room(shape) / 3e9)
-    assert plan.one_token.seconds == pytest.approx(resident_s + streamed_s - ahead_s, rel=1e-6)
+    assert plan.one_token.seconds == pytest.approx(resident_s + streamed_s, rel=1e-6)
     assert plan.one_token.seconds < plan_on("ram=6G,disk=3GB/s").one_token.seconds
     assert plan.as_dict()["memory"]["resident_gib"] == pytest.approx(target.resident_bytes / GIB, abs=1e-3)
     note = next(note for note in plan.notes if "does not fit" in note)
