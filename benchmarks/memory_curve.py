@@ -8,6 +8,12 @@ configurations, each side in its own memory cgroup (benchmarks/peer_llama_cpp.py
 Writes one JSON file (every row of every limit, the plan's choice, bytes read per pass) and a PNG: tokens/s against
 the limit, a line per row kind ("edge-spec auto", "edge-spec plain", "llama.cpp plain", "llama.cpp best
 speculative"). A limit where a side could not run gives no point for it (its error is in the JSON).
+
+    python benchmarks/memory_curve.py --from RUN1.json,RUN2.json --out docs/memory-curve.json \\
+        --png docs/memory-curve.png
+
+runs nothing: it joins the limits of earlier runs (a later file's limit replacing an earlier one's; each limit
+keeps the commit it ran at) into one JSON file and picture.
 """
 
 from __future__ import annotations
@@ -23,6 +29,21 @@ LINES = ("edge-spec auto", "edge-spec plain", "llama.cpp plain", "llama.cpp best
 NAMES = {"edge-spec plain": "edge-spec, drafter kept (plain decoding)"}  # the row's name in the picture
 
 
+def commit() -> str | None:
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or None
+
+
+def joined(files: list[Path]) -> dict:
+    """The limits of earlier runs' JSON files in one, largest limit first; a later file's limit replaces an earlier
+    one's."""
+    runs = [json.loads(path.read_text()) for path in files]
+    limits = {result["limit_mib"]: result for run in runs for result in run["limits"]}
+    first = runs[0]
+    return {"pair": first["pair"], "n": first["n"], "prompts": first["prompts"], "from": [str(f) for f in files],
+            "limits": sorted(limits.values(), key=lambda r: -(r["limit_mib"] or 1 << 40))}
+
+
 def run_limit(args: argparse.Namespace, limit: int | None) -> dict:
     command = [sys.executable, str(REPO / "benchmarks" / "peer_llama_cpp.py"), "-m", args.pair, "-n", str(args.n),
                "--prompts", str(args.prompts), "--draft-max", args.draft_max, "--json"]
@@ -30,8 +51,9 @@ def run_limit(args: argparse.Namespace, limit: int | None) -> dict:
         command += ["--cap-mb", str(limit)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        return {"limit_mib": limit, "error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
-    return {"limit_mib": limit, **json.loads(done.stdout)}
+        return {"limit_mib": limit, "commit": commit(),
+                "error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+    return {"limit_mib": limit, "commit": commit(), **json.loads(done.stdout)}
 
 
 def points(result: dict) -> dict[str, float]:
@@ -82,7 +104,17 @@ def main() -> None:
     parser.add_argument("--draft-max", default="4,8", help="llama.cpp's draft lengths besides its default")
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument("--png", type=Path, default=None, help="the PNG to draw")
+    parser.add_argument("--from", dest="runs", default=None,
+                        help="comma-separated JSON files of earlier runs to join (nothing runs)")
     args = parser.parse_args()
+    if args.runs:
+        import psutil
+
+        out = joined([Path(name) for name in args.runs.split(",") if name])
+        args.out.write_text(json.dumps(out, indent=2))
+        if args.png is not None:
+            plot(out["limits"], args.png, psutil.virtual_memory().total >> 20)
+        return
     limits = [None if text == "none" else int(text) for text in args.limits.split(",") if text]
     results = []
     for limit in limits:
