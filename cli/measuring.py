@@ -162,7 +162,7 @@ def plan(
     choice = make_choice(spec, machine, models_file, load.lookup_drafts, stream=load.placement == "ssd") \
         if load.drafter_model else None
     try:
-        result = make_plan(spec, machine, models_file, stream=load.placement == "ssd")
+        result = make_plan(spec, machine, models_file, stream=load.placement == "ssd", drafts=load.drafter_model)
     except UserError as refusal:
         if choice is None:
             raise

@@ -514,3 +514,15 @@ def test_plain_decoding_in_ram_leaves_its_pass_time_for_the_next_plan(tmp_path: 
     assert "rambw" not in measured.assumed and measured.cpu_gflops_per_core == machine.cpu_gflops_per_core
     plan = plan_pair(load_registry().pair("smollm2-135m"), Shape.from_gguf(target_file), None, measured, plain=True)
     assert plan.one_token.seconds == pytest.approx(0.026, rel=0.05)
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_a_file_planned_without_a_drafter_model(drafter: str) -> None:
+    """`edge-spec plan FILE --drafter none` (or lookup) plans the target alone: it once asked the traits of the
+    drafter runtime chosen at load ("unknown runtime 'by-architecture'")."""
+    from edge.models.opening import materialize
+
+    target = materialize(load_registry().pair("smollm2-135m").target, lambda message: None)
+    result = CliRunner().invoke(app, ["plan", str(target), "--drafter", drafter, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["drafter"]["placement"] == "none"
