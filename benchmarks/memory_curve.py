@@ -40,7 +40,7 @@ def joined(files: list[Path]) -> dict:
     runs = [json.loads(path.read_text()) for path in files]
     limits = {result["limit_mib"]: result for run in runs for result in run["limits"]}
     first = runs[0]
-    return {"pair": first["pair"], "n": first["n"], "prompts": first["prompts"], "from": [str(f) for f in files],
+    return {"pair": first["pair"], "n": first["n"], "prompts": first["prompts"], "from": [f.name for f in files],
             "limits": sorted(limits.values(), key=lambda r: -(r["limit_mib"] or 1 << 40))}
 
 
