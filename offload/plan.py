@@ -47,8 +47,11 @@ PLAIN_HEADROOM = 64 * MIB
 CAPPED_PAGE_SLACK = 128 * MIB
 MAX_SEQUENCES = 256  # llama.cpp's sequences per context: its output buffer holds at least as many rows
 CAPPED_MIN_TREE = 17  # under a memory limit, auto's trees may be cut down to this many nodes to fit (budget 16)
-STREAM_ROOM_LAYERS = 4  # a streamed target's layers in memory at once: the one computed and those read ahead
-MIN_STREAM_ROOM = 128 * MIB  # ... and never less memory than this for its pages (a small model's layers are small)
+# A streamed target's layers in memory at once (the one computed, the one read ahead), and never less memory than
+# MIN_STREAM_ROOM for its pages: the real pair under 1049 MiB ran 5.79 / 7.66 / 7.10 tok/s with 128 / 64 / 32 MiB of
+# it (docs/plan.md): what the stream does not need stays resident, and 8 MiB asks keep the drive busy in 64.
+STREAM_ROOM_LAYERS = 2
+MIN_STREAM_ROOM = 64 * MIB
 UNKNOWN_VOCAB = 262_144  # a vocabulary models.toml facts do not give: the largest of the common ones (Gemma's)
 GPU_RESERVE = 3 * GIB // 2  # llama.cpp's CUDA context and compute buffers for a batch of a few hundred tokens
 OP_OFFLOAD_MIN_BATCH = 32  # from this batch size llama.cpp computes CPU-resident layers on the GPU (uploading them)

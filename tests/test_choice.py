@@ -39,11 +39,11 @@ def chosen(room_mib: int | None, disk_gbps: float = 1.2, lookup: bool = True):
 @pytest.mark.parametrize("ram_gib", [16, 24, 32])
 def test_what_fits_beside_the_rest_stays_resident_and_only_the_rest_streams(ram_gib: int) -> None:
     """A 40 GB target with 16-32 GiB free: everything but the headroom, the drafter, the KV cache and the stream's
-    own room (4 layers in flight) stays resident; a pass reads only the rest from the drive."""
+    own room (2 layers in flight) stays resident; a pass reads only the rest from the drive."""
     plan = plan_on(f"ram={ram_gib}G,disk=3GB/s")
     target, shape = plan.target, plan.target.shape
     room = ram_gib * GIB - RAM_HEADROOM - plan.drafter.ram_bytes - target.kv_bytes
-    assert stream_room(shape) == pytest.approx(4 * shape.layer_bytes / 80, abs=1)
+    assert stream_room(shape) == pytest.approx(2 * shape.layer_bytes / 80, abs=1)
     assert target.placement == "ssd" and target.resident_bytes == pytest.approx(room - stream_room(shape), abs=4096)
     assert plan.ssd_bytes == shape.streamed_bytes - target.resident_bytes
     assert target.ram_bytes == target.kv_bytes + target.resident_bytes <= ram_gib * GIB - RAM_HEADROOM
