@@ -82,8 +82,8 @@ def test_full_shapes_have_the_published_parameter_counts() -> None:
 
 def test_the_plan_streams_a_70b_shaped_file_from_the_ssd_on_24_gb(tmp_path: Path, tokenizer_file: Path) -> None:
     """The full 70B layout as a sparse file (its header and a hole: 2 MB on disk) is what `edge-spec plan` sizes:
-    on a 24 GB machine 21.2 GB of its 38.7 GB of layers and head stay resident and every pass reads the other 17.5 GB from the
-    drive; with 64 GB it fits in RAM."""
+    on a 24 GB machine 21.2 GB of its 38.7 GB of layers and head stay resident and every pass reads the other 17.5
+    GB from the drive; with 64 GB it fits in RAM."""
     from edge.models.registry import load_registry
     from edge.offload.machine import parse_machine
     from edge.offload.plan import plan_pair
