@@ -77,13 +77,15 @@ def target_entries(target: Path) -> dict[str, Any]:
     return {key: entry for key, entry in pass_times().items() if key.startswith(prefix) and isinstance(entry, dict)}
 
 
-def _newest(entries: dict[str, Any]) -> dict[str, Any]:
-    """The PASS_TIMES_KEPT most recently measured entries (entries without a date count as oldest)."""
-    def measured(item: tuple[str, Any]) -> float:
-        value = item[1].get("measured") if isinstance(item[1], dict) else None
-        return float(value) if isinstance(value, int | float) else 0.0
+def measured_at(entry: Any) -> float:
+    """When a kept entry was measured (time.time()); 0 for one without a date (the oldest)."""
+    value = entry.get("measured") if isinstance(entry, dict) else None
+    return float(value) if isinstance(value, int | float) else 0.0
 
-    return dict(sorted(entries.items(), key=measured)[-PASS_TIMES_KEPT:])
+
+def _newest(entries: dict[str, Any]) -> dict[str, Any]:
+    """The PASS_TIMES_KEPT most recently measured entries."""
+    return dict(sorted(entries.items(), key=lambda item: measured_at(item[1]))[-PASS_TIMES_KEPT:])
 
 
 def corpus_path(target: Path) -> Path:

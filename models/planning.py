@@ -53,15 +53,19 @@ def measured_rates(machine: Machine, target: Path) -> Machine:
     auto` has timed them (pass-times.json: once per machine, placement and file), in place of the assumed ones
     (offload.plan.fit_constants: the one-token pass reads the weights, the largest computes); else the RAM rate alone
     that its plain decoding's one-token passes showed (models.kept.keep_plain_pass)."""
-    from edge.models.kept import target_entries
+    from edge.models.kept import measured_at, target_entries
     from edge.offload.plan import ModelPlan, fit_constants
 
-    entries = target_entries(target)
-    # timed passes of several sizes first (they give the compute rate too), then the newest
-    for key, entry in sorted(entries.items(), key=lambda item: (len(_sizes(item[1])) > 1, _measured(item[1])),
-                             reverse=True):
+    def sizes(entry: dict) -> int:
+        timed = entry.get("target_ms")
+        return len(timed) if isinstance(timed, dict) else 0
+
+    def rank(item: tuple[str, dict]) -> tuple[bool, float]:  # several sizes first (the compute rate too), then newest
+        return sizes(item[1]) > 1, measured_at(item[1])
+
+    for key, entry in sorted(target_entries(target).items(), key=rank, reverse=True):
         # one size alone only from plain decoding (a server's lanes time passes padded to their GEMM's rows)
-        if "|ram|" not in key or (len(_sizes(entry)) < 2 and "|stock|" not in key):
+        if "|ram|" not in key or (sizes(entry) < 2 and "|stock|" not in key):
             continue
         try:
             passes = {int(n): [float(ms) / 1000] for n, ms in entry["target_ms"].items()}
@@ -77,16 +81,6 @@ def measured_rates(machine: Machine, target: Path) -> Machine:
                        cpu_gflops_per_core=fit.get("cpu_gflops_per_core", machine.cpu_gflops_per_core),
                        assumed=tuple(name for name in machine.assumed if name != "rambw"))
     return machine
-
-
-def _sizes(entry: object) -> dict:
-    sizes = entry.get("target_ms") if isinstance(entry, dict) else None
-    return sizes if isinstance(sizes, dict) else {}
-
-
-def _measured(entry: object) -> float:
-    when = entry.get("measured") if isinstance(entry, dict) else None
-    return float(when) if isinstance(when, int | float) else 0.0
 
 
 def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) -> Shape:

@@ -225,13 +225,7 @@ class PlainTarget(LlamaTarget):
             raise ValueError(f"a plain target verifies one token a pass, not a tree of {len(tree)}")
         tokens = [*self._pending, int(tree.tokens[0])]
         self._pending = []
-        if len(tokens) == 1:
-            started = time.perf_counter()
-            self.batch.fill(tokens, self.n_past, outputs=True)
-            self._decode()
-            self.one_token_s += time.perf_counter() - started
-            self.one_token_passes += 1
-            return self._logits()
+        started = time.perf_counter()
         capacity = self.batch.capacity
         for start in range(0, len(tokens), capacity):
             chunk = tokens[start : start + capacity]
@@ -240,9 +234,9 @@ class PlainTarget(LlamaTarget):
             self.batch.fill(chunk, self.n_past, outputs=outputs)
             self._decode()
             self.n_past += len(chunk) - (1 if last else 0)  # the token itself is counted as commit keeps it
-        return self._logits()
-
-    def _logits(self) -> np.ndarray:
+        if len(tokens) == 1:  # a prompt's pass is not a one-token pass
+            self.one_token_s += time.perf_counter() - started
+            self.one_token_passes += 1
         self._n_leaves = 1
         self._place = np.zeros(1, np.int64)
         return self.ctx.logits(1)
