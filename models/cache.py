@@ -62,6 +62,7 @@ def atomic_path(dest: Path, size: int = 0) -> Iterator[Path]:
     tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        _sync(tmp)
         os.replace(tmp, dest)
     except OSError as error:
         if error.errno != errno.ENOSPC:
@@ -70,6 +71,19 @@ def atomic_path(dest: Path, size: int = 0) -> Iterator[Path]:
                         "drive) and run again") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _sync(path: Path) -> None:
+    """Write the file's pages to the drive before it takes its name: a crash after the rename leaves the whole file
+    or none, and its pages are clean, so a streamed model's eviction (posix_fadvise DONTNEED, which leaves dirty
+    pages) drops them from its first pass on."""
+    if path.is_dir():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def ensure_space(dest: Path, size: int) -> None:

@@ -170,7 +170,12 @@ def test_the_resident_set_stays_and_a_pass_reads_only_the_streamed_part(f16_file
 def test_a_replys_bytes_read_per_pass_count_the_prompts_pass(f16_file) -> None:
     """bench's bytes_read_per_pass over a reply: the bytes read while it ran over every pass it ran, the prompt's
     included (it reads the streamed part like any other). Counted over the decoding passes alone, a reply of n passes
-    after its prompt's came out (n + 1) / n times the streamed bytes."""
+    after its prompt's came out (n + 1) / n times the streamed bytes (here two passes after the prompt's: 1.5 times).
+
+    A pass's read is the streamed part give or take the page cache's folios (of up to some hundred KB): one that
+    holds locked resident pages is never dropped, so its streamed pages are never read again (0.1% of this file's
+    streamed part a pass), and one that straddles two layers is read again when the first layer's drop takes it (up
+    to 5% more a pass in 12 runs here; which folios straddle changes run to run)."""
     from edge.models.bench import _row
     from edge.offload.ssd import read_bytes
 
@@ -181,15 +186,15 @@ def test_a_replys_bytes_read_per_pass_count_the_prompts_pass(f16_file) -> None:
         streamer = target.streamer
         passes = target.passes
         before = read_bytes()
-        steps = list(Decoder(target).reply([1, 2, 3, 4, 5, 6], 4))
+        steps = list(Decoder(target).reply([1, 2, 3, 4, 5, 6], 2))
         streamer.wait_evicted()
         streamer._cancel_readahead()  # the next pass's window, read ahead as the last one ended
         read = read_bytes() - before
         stats = steps[-1].stats
-        assert stats.prefill_passes == 1 and stats.prefill_passes + stats.target_passes == target.passes - passes
+        assert stats.prefill_passes == 1 and stats.target_passes == 2 == target.passes - passes - 1
         per_pass = _row("plain", None, stats, None, read)["bytes_read_per_pass"]
-        all_passes = stats.prefill_passes + stats.target_passes
-        assert streamer.streamed_bytes <= per_pass <= streamer.streamed_bytes * 1.1 + streamer.window / all_passes
+        streamed = streamer.streamed_bytes
+        assert 0.95 * streamed <= per_pass <= 1.25 * streamed + streamer.window / 3  # counted over two: >= 1.4x
 
 
 def test_the_resident_set_fits_what_the_memory_leaves_now() -> None:
