@@ -23,7 +23,20 @@ RUN_CACHE = pytest.StashKey[RunCache]()
 CHANGED = pytest.StashKey[str]()  # the line that fails a run which changed the user's cache
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (the default, pyproject.toml): a worker a core, at most four and one per 4 GB of memory (each loads
+    the pairs its tests need: the real pair's files take 1.6 GB)."""
+    import psutil
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 4, psutil.virtual_memory().total // (4 << 30)))
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...: a worker of a run with -n
+    if worker and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})  # one core each: its runtimes' threads
     if USER_CACHE not in os.environ:  # else a worker of a run (pytest-xdist), which shares the run's cache
         config.stash[RUN_CACHE] = RunCache.start()
 

@@ -101,7 +101,7 @@ def test_a_gguf_alone_drafts_by_lookup_in_chat_generate_and_serve(files: dict[st
     model = str(files["smol"])
     plain = greedy_text(SMALL)
     assert greedy_text(model, "--drafter", "lookup", "--budget", "8") == plain
-    chat = run("chat", model, "--drafter", "lookup", "--temperature", "0", "-n", "24",
+    chat = run("chat", model, "--drafter", "lookup", "--budget", "8", "--temperature", "0", "-n", "24",
                input="Name three colors.\nSay that again, word for word.\n")
     assert chat.exit_code == 0, chat.output
     assert plain.strip() in chat.stdout
