@@ -28,6 +28,14 @@ def test_times(report: Path) -> dict[str, float]:
     return times
 
 
+def wall_time(report: Path) -> float | None:
+    """The run's own seconds, start to end (the report's testsuite time): with workers (pytest-xdist), less than the
+    sum of its tests' times, which each worker's tests add to."""
+    root = ElementTree.parse(report).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    return None if suite is None or suite.get("time") is None else round(float(suite.get("time", 0.0)), 1)
+
+
 def compare(old: dict[str, float], new: dict[str, float]) -> dict:
     both = sorted(set(old) & set(new))
     modules: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -59,11 +67,13 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     result = compare(test_times(args.old), test_times(args.new))
+    result["old_wall_s"], result["new_wall_s"] = wall_time(args.old), wall_time(args.new)
     if args.json:
         print(json.dumps(result, indent=2))
         return
     both = result["both"]
-    print(f"whole suite: {result['old_total_s']} s -> {result['new_total_s']} s")
+    print(f"the run, start to end: {result['old_wall_s']} s -> {result['new_wall_s']} s")
+    print(f"whole suite, its tests' times added up: {result['old_total_s']} s -> {result['new_total_s']} s")
     print(f"the {both['tests']} tests both runs have: {both['old_s']} s -> {both['new_s']} s")
     print(f"added since: {result['added']['tests']} tests, {result['added']['s']} s; "
           f"removed: {result['removed']['tests']} tests, {result['removed']['s']} s")

@@ -9,7 +9,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -71,6 +71,33 @@ def atomic_path(dest: Path, size: int = 0) -> Iterator[Path]:
                         "drive) and run again") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def one_at_a_time(key: str, what: str, report: Callable[[str], None]) -> Iterator[None]:
+    """Hold the cache's lock for `key` through the block: a second process that fetches or prepares the same model
+    (a `serve` and a `chat` started together on a new machine, two test workers) waits for the first, saying so once,
+    then finds the file there, where it would have downloaded and written the same gigabytes beside it. A cache that
+    cannot hold the lock file (read-only) runs the block unlocked, as it runs without one."""
+    from filelock import FileLock, Timeout
+
+    folder = cache_dir() / "locks"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", key)[-80:] + "-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(folder / f"{name}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            report(f"waiting for another edge-spec process, which is preparing {what}")
+            lock.acquire()
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _sync(path: Path) -> None:

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from edge.models.cache import atomic_path, cache_dir, clean_stale, ensure_space
+from edge.models.cache import atomic_path, cache_dir, clean_stale, ensure_space, one_at_a_time
 from edge.models.registry import ModelSpec, PairSpec
 from edge.models.sources import download_folder, fetch, prepared_path, source_path, vocab_path
 from edge.runtimes import ModelOptions, names, runtime, tools, traits
@@ -57,6 +57,11 @@ def materialize(spec: ModelSpec, report: Report = _quiet) -> Path:
     (temporary files, half-built graphs) is cleaned first."""
     for folder in ("models", "prepared"):
         clean_stale(cache_dir() / folder)
+    with one_at_a_time(spec.source.describe(), spec.source.describe(), report):
+        return _materialize(spec, report)
+
+
+def _materialize(spec: ModelSpec, report: Report) -> Path:
     here = source_path(spec.source)
     if spec.facts is not None and (here is None or not here.exists()):  # a download whose size models.toml gives
         name = Path(spec.source.describe()).name  # "model.gguf", or "repo-GGUF:Q4_0" for a hub quant

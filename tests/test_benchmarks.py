@@ -180,15 +180,18 @@ def test_lookup_peer_runs(tmp_path: Path) -> None:
 
 
 def test_suite_times_compares_the_tests_both_runs_have(tmp_path: Path) -> None:
-    """Two JUnit reports: the tests both have are compared one to one; a test only the newer has counts as added."""
-    def report(name: str, cases: dict[str, float]) -> Path:
+    """Two JUnit reports: the tests both have are compared one to one; a test only the newer has counts as added. The
+    run's own time (with workers, less than its tests' added up) where the report has it."""
+    def report(name: str, cases: dict[str, float], wall: str = "") -> Path:
         rows = "".join(f'<testcase classname="tests.test_a" name="{test}" time="{t}"/>' for test, t in cases.items())
         path = tmp_path / name
-        path.write_text(f'<testsuites><testsuite name="pytest">{rows}</testsuite></testsuites>')
+        path.write_text(f'<testsuites><testsuite name="pytest"{wall}>{rows}</testsuite></testsuites>')
         return path
 
     result = json.loads(run_script("suite_times.py", str(report("old.xml", {"one": 2.0, "two[x]": 3.0})),
-                                   str(report("new.xml", {"one": 1.5, "two[x]": 3.0, "three": 4.0})), "--json"))
+                                   str(report("new.xml", {"one": 1.5, "two[x]": 3.0, "three": 4.0}, ' time="5.31"')),
+                                   "--json"))
+    assert result["old_wall_s"] is None and result["new_wall_s"] == 5.3  # (rounded to a tenth)
     assert result["both"] == {"tests": 2, "old_s": 5.0, "new_s": 4.5}
     assert result["added"]["tests"] == 1 and result["added"]["s"] == 4.0 and result["new_total_s"] == 8.5
     assert result["modules"] == {"test_a": [5.0, 4.5]}

@@ -369,6 +369,39 @@ def test_prepared_path(cache: Path) -> None:
     assert hf is not None and hf.name.startswith("Model-GGUF-Q4_K_M-")
 
 
+def test_one_process_at_a_time_prepares_a_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second process asking for the model another is fetching waits for it, saying so once; a cache where no lock
+    file can be made runs unlocked."""
+    from edge.models.cache import one_at_a_time
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path / "cache"))
+    code = ("import time\nfrom edge.models.cache import one_at_a_time\n"
+            "with one_at_a_time('pypi m==1: a.gguf', 'a.gguf', print):\n    print('held', flush=True)\n"
+            "    time.sleep(1.5)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        said: list[str] = []
+        started = time.monotonic()
+        with one_at_a_time("pypi m==1: a.gguf", "a.gguf", said.append):
+            waited = time.monotonic() - started
+        assert said == ["waiting for another edge-spec process, which is preparing a.gguf"] and waited > 0.5
+        assert holder.wait(10) == 0
+        with (one_at_a_time("pypi m==1: b.gguf", "b.gguf", said.append),  # another model: nothing to wait for
+              one_at_a_time("pypi m==1: a.gguf", "a.gguf", said.append)):
+            pass
+        assert len(said) == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path / "file" / "cache"))  # no folder can be made there
+    ran = []
+    with one_at_a_time("pypi m==1: a.gguf", "a.gguf", said.append):
+        ran.append(True)
+    assert ran and len(said) == 1
+
+
 def test_atomic_path(tmp_path: Path) -> None:
     dest = tmp_path / "sub" / "out.bin"
     with atomic_path(dest) as tmp:
