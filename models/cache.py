@@ -74,22 +74,22 @@ def atomic_path(dest: Path, size: int = 0) -> Iterator[Path]:
 
 
 @contextmanager
-def one_at_a_time(key: str, what: str, report: Callable[[str], None]) -> Iterator[None]:
-    """Hold the cache's lock for `key` through the block: a second process that fetches or prepares the same model
-    (a `serve` and a `chat` started together on a new machine, two test workers) waits for the first, saying so once,
-    then finds the file there, where it would have downloaded and written the same gigabytes beside it. A cache that
-    cannot hold the lock file (read-only) runs the block unlocked, as it runs without one."""
+def one_at_a_time(key: str, report: Callable[[str], None]) -> Iterator[None]:
+    """Hold the cache's lock for `key` (a model's source) through the block: a second process that fetches or
+    prepares the same model (a `serve` and a `chat` started together on a new machine, two test workers) waits for
+    the first, saying so once, then finds the file there, where it would have downloaded and written the same
+    gigabytes beside it. A cache that cannot hold the lock file (read-only) runs the block unlocked."""
     from filelock import FileLock, Timeout
 
     folder = cache_dir() / "locks"
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", key)[-80:] + "-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    lock = FileLock(folder / f"{name}.lock")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(folder / f"{name}.lock")
         try:
             lock.acquire(timeout=0)
         except Timeout:
-            report(f"waiting for another edge-spec process, which is preparing {what}")
+            report(f"waiting for another edge-spec process, which is preparing {key}")
             lock.acquire()
     except OSError:
         yield
@@ -104,8 +104,6 @@ def _sync(path: Path) -> None:
     """Write the file's pages to the drive before it takes its name: a crash after the rename leaves the whole file
     or none, and its pages are clean, so a streamed model's eviction (posix_fadvise DONTNEED, which leaves dirty
     pages) drops them from its first pass on."""
-    if path.is_dir():
-        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

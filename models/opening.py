@@ -57,7 +57,7 @@ def materialize(spec: ModelSpec, report: Report = _quiet) -> Path:
     (temporary files, half-built graphs) is cleaned first."""
     for folder in ("models", "prepared"):
         clean_stale(cache_dir() / folder)
-    with one_at_a_time(spec.source.describe(), spec.source.describe(), report):
+    with one_at_a_time(spec.source.describe(), report):
         return _materialize(spec, report)
 
 

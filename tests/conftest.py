@@ -27,9 +27,9 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (the default, pyproject.toml): a worker a core, at most four and one per 4 GB of memory (each loads
     the pairs its tests need: the real pair's files take 1.6 GB)."""
     import psutil
+    from edge.runtimes import default_threads
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, 4, psutil.virtual_memory().total // (4 << 30)))
+    return max(1, min(default_threads(), 4, psutil.virtual_memory().total // (4 << 30)))
 
 
 def pytest_configure(config: pytest.Config) -> None:
