@@ -17,7 +17,7 @@ from edge.errors import ContextFull, Interrupted, UserError
 from edge.grow import GrowConfig
 from edge.lookup import Lookup
 from edge.overlap import Overlap
-from edge.policy import LOOKUP_BRANCHES, BudgetPolicy, FixedBudget, RoundPolicy
+from edge.policy import LOOKUP_BRANCHES, BudgetPolicy, FixedBudget, Measured, RoundPolicy
 from edge.protocols import Drafter, Target
 from edge.rules import Reply
 from edge.sampling import SamplingConfig
@@ -160,7 +160,7 @@ class Decoder:
     def __init__(self, target: Target, drafter: Drafter | None = None,
                  rounds: RoundPolicy | BudgetPolicy | GrowConfig | None = None, sampling: SamplingConfig | None = None,
                  accept: str = "match", *, lookup: Lookup | None = None, overlap: bool = False,
-                 choices: dict | None = None):
+                 choices: Measured | None = None):
         self.target = target
         speculates = rounds is not None
         self.drafter = drafter if speculates else None  # not run at all when every round is plain

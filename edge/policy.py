@@ -14,6 +14,7 @@ carries all of it: the tree's shape, the rule, lookup's branches and the rates t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,36 +69,84 @@ class FixedBudget:
         pass  # no time chooses a fixed tree
 
 
+class Measured:
+    """What a pair's sampled decoders have measured, shared by them all (and so by `--accept auto`'s choice): by
+    sampling (its seed aside) and budget, each rule's tokens a pass (RuleChoice); by sampling, each rule's acceptance
+    rates. `kept`: what an earlier run measured for a key (RuleChoice.to_json's), where the pair keeps it between runs
+    (models/kept.py); None keeps nothing. A server's principals each measure their own, kept by none.
+
+    A seeded reply starts from the kept yields but keeps none: what it measured would change the next run's choices,
+    and so the text the same seed gives there (as its trees hold to the kept pass times: AutoBudget.hold_timing)."""
+
+    def __init__(self, kept: Callable[[str], object] | None = None) -> None:
+        self.kept = kept
+        self.choices: dict[str, RuleChoice] = {}
+        self.rates: dict[SamplingConfig, dict[str, Acceptance]] = {}
+        self.held: set[str] = set()  # keys a seeded reply measured: not kept
+
+    def choice(self, sampling: SamplingConfig, budget: BudgetPolicy) -> RuleChoice:
+        """The rules' yields for this sampling and budget policy, from the kept ones where this run has none."""
+        key = _choice_key(sampling, budget)
+        if sampling.seed is not None:
+            self.held.add(key)
+        if key not in self.choices:
+            self.choices[key] = RuleChoice() if self.kept is None else RuleChoice.kept(self.kept(key))
+        return self.choices[key]
+
+    def rates_of(self, sampling: SamplingConfig) -> dict[str, Acceptance]:
+        """Each rule's acceptance rates when the target samples so (its seed aside)."""
+        return self.rates.setdefault(dataclasses.replace(sampling, seed=None),
+                                     {rule: Acceptance() for rule in RULES})
+
+    def afresh(self) -> Measured:
+        """An empty measurement over the same kept one (a benchmark's row, measured apart from the others)."""
+        return Measured(self.kept)
+
+    def take(self, other: Measured) -> None:
+        """`other`'s yields where they rest on more rounds than this one's (RuleChoice.take), to keep whether or not
+        seeded replies measured them (a benchmark's rows: a measurement made to be kept)."""
+        for key, choice in other.choices.items():
+            self.choices.setdefault(key, RuleChoice()).take(choice)
+
+    def to_json(self) -> dict[str, dict[str, list[float]]]:
+        """The yields measured, by key, for the next run (none a seeded reply measured)."""
+        kept = {key: choice.to_json() for key, choice in self.choices.items() if key not in self.held}
+        return {key: value for key, value in kept.items() if value}
+
+
+def _choice_key(sampling: SamplingConfig, budget: BudgetPolicy) -> str:
+    """A measurement's key, the same in the next run: how the target samples (the seed aside) and the tree shape."""
+    shape = budget.config if isinstance(budget, FixedBudget) else "auto"
+    return f"{dataclasses.replace(sampling, seed=None)!r}|{shape!r}"
+
+
 class RoundPolicy:
     """The Decoder's one source of each round's plan. `budget` chooses trees; `accept` is the rule when sampling:
     "match", "residual", "coupled" or "auto" (the residual rule or coupled sampling, whichever has yielded more
     tokens a pass on this pair at this temperature: edge.rules.RuleChoice)."""
 
     def __init__(self, budget: BudgetPolicy, accept: str = "match", drafts: bool = True, lookup: bool = True,
-                 max_lookup: int | None = None, choices: dict | None = None) -> None:
+                 max_lookup: int | None = None, choices: Measured | None = None) -> None:
         """`drafts`: a drafter grows the trees; `lookup`: lookup's branches join them, and make trees of their own
         where the budget policy decodes plainly, of at most `max_lookup` nodes (a fixed budget's; None: as many as
         pay). `choices`: the pair's measured yields by rule (RuleChoice), by sampling and budget, and when sampling
-        its acceptance rates by rule, which every decoder of the pair adds to (Pair.rule_choices): what one decoder
-        measured, the next chooses and grows by (a rule `--accept auto` runs seldom keeps what it learned)."""
+        its acceptance rates by rule, which every decoder of the pair adds to (Measured, Pair.rule_choices): what one
+        decoder measured, the next chooses and grows by (a rule `--accept auto` runs seldom keeps what it learned)."""
         if accept not in ACCEPT_RULES:
             raise UserError(f"accept must be one of {', '.join(ACCEPT_RULES)} (got {accept!r})", "accept")
         self.budget, self.accept, self.drafts, self.uses_lookup = budget, accept, drafts, lookup
         self.max_lookup = max_lookup
-        self.choices = {} if choices is None else choices
+        self.choices = Measured() if choices is None else choices
         self._price: float | None = None  # _node_price()
         self.sampling = SamplingConfig()
         self._reset_rates()
+        self.choice = self.choices.choice(self.sampling, self.budget)
 
     def _reset_rates(self) -> None:
-        sampling = dataclasses.replace(self.sampling, seed=None)
         if self.sampling.greedy:
             self.acceptances = {rule: Acceptance(greedy=True) for rule in RULES}
         else:  # sampled: every decoder sharing `choices` learns one table a rule, as `--accept auto` compares them
-            self.acceptances = self.choices.setdefault(("rates", sampling), {rule: Acceptance() for rule in RULES})
-        # --accept auto's measured yields, for this sampling (its seed aside) and this budget policy
-        key = (sampling, self.budget.config if isinstance(self.budget, FixedBudget) else "auto")
-        self.choice = self.choices.setdefault(key, RuleChoice())
+            self.acceptances = self.choices.rates_of(self.sampling)
         self.lookup_acceptance = Acceptance(greedy=self.sampling.greedy)
         self.lookup_yield = 1.0  # lookup trees' tokens beyond the target's own, measured / expected: _lookup_size
 
@@ -108,6 +157,8 @@ class RoundPolicy:
         self.sampling = sampling
         if not unchanged:
             self._reset_rates()
+        # --accept auto's measured yields, for this sampling (its seed aside) and this budget policy
+        self.choice = self.choices.choice(sampling, self.budget)
         # a seeded sampled reply's trees shape its draws (the residual rule draws the drafter's children): trees chosen
         # by how long rounds took on a busy machine would make the same seed give another text
         self.budget.hold_timing(sampling.seed is not None and not sampling.greedy)

@@ -157,6 +157,11 @@ EXPLORE_ROUNDS = 2  # tree rounds each candidate runs before auto compares them
 # of the mean runs about 2.25 ln(rounds of all) rounds in all: some 10 of the first hundred, 16 of the first thousand.
 BONUS = 0.5
 YIELD_WEIGHT = 0.05  # the newest round's weight in a candidate's mean, once it has run 1 / YIELD_WEIGHT rounds
+# What an earlier run measured counts as at most this many rounds of a rule: enough that a run starts on the rule that
+# yielded more (a round's yield varies as much as its mean, so a run's first few dozen rounds cannot tell two rules
+# apart by less than a third), few enough that this run's own rounds soon outweigh it.
+KEPT_ROUNDS = 16
+MAX_KEPT_YIELD = 1e4  # tokens a pass: more than any tree holds (a kept file is read as untrusted)
 
 
 class RuleChoice:
@@ -184,6 +189,33 @@ class RuleChoice:
             return
         self.rounds[rule] += 1
         self.mean[rule] += max(1.0 / self.rounds[rule], YIELD_WEIGHT) * (tokens - self.mean[rule])
+
+    def to_json(self) -> dict[str, list[float]]:
+        """Each candidate measured: [tokens a pass, rounds], for the next run (RuleChoice.kept)."""
+        return {name: [round(self.mean[name], 4), self.rounds[name]] for name in self.candidates if self.rounds[name]}
+
+    @classmethod
+    def kept(cls, entry: object) -> RuleChoice:
+        """A choice that starts from what an earlier run measured (to_json's), each candidate's rounds counted as at
+        most KEPT_ROUNDS. The entry comes from a file anyone who could write the cache made: what is not a
+        candidate's [tokens a pass, rounds] is left out."""
+        choice = cls()
+        for name in choice.candidates:
+            value = entry.get(name) if isinstance(entry, dict) else None
+            if not (isinstance(value, list) and len(value) == 2 and
+                    all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)):
+                continue
+            mean, rounds = value
+            if math.isfinite(mean) and 0 <= mean <= MAX_KEPT_YIELD and math.isfinite(rounds) and rounds >= 1:
+                choice.mean[name], choice.rounds[name] = float(mean), min(int(rounds), KEPT_ROUNDS)
+        return choice
+
+    def take(self, other: RuleChoice) -> None:
+        """Each candidate's measurement from `other` where it ran more rounds there (a benchmark's rows, each run
+        apart, join the pair's measurements)."""
+        for name in self.candidates:
+            if other.rounds.get(name, 0) > self.rounds[name]:
+                self.mean[name], self.rounds[name] = other.mean[name], other.rounds[name]
 
     def described(self) -> str:
         """Each candidate's measured tokens a pass (and rounds), for the chat's /show."""

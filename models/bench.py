@@ -123,7 +123,9 @@ def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_t
     quantization; lookup drafting alone, or beside a drafter: each row with its own index of its earlier replies).
     `progress(done, total)` hears of each prompt decoded by each row. A sampled row whose rule is not
     sample-and-match is not checked against plain decoding's text (it keeps the distribution, not the seed's text):
-    its matches_plain is None."""
+    its matches_plain is None. Each row learns its rules' acceptance rates (and `--accept auto` its yields) from its
+    own rounds alone (and from what an earlier run kept: models/kept.py), as a pair that runs only that row's settings
+    would: rows run side by side do not teach each other. What they measured joins the pair's, kept for the next run."""
     from edge.offload.probe import probe_machine
     from edge.offload.tuning import measure_costs
 
@@ -163,8 +165,7 @@ def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_t
             lookup = Lookup(Corpus()) if looks else None
             runs.append((method, budget, accept, Decoder(pair.target, drafter, policy or grow, sampling, accept,
                                                          lookup=lookup, overlap=pair.overlaps,
-                                                         choices=pair.rule_choices if drafter is pair.drafter else
-                                                         None)))
+                                                         choices=pair.rule_choices.afresh())))
         report(f"{label}: {', '.join(_label(m, b, a, accepts) for m, b, a, _ in runs)}; "
                f"{len(prompts)} prompts, each through every row in turn")
         results = _decode_interleaved([decoder for *_, decoder in runs], prompt_tokens, max_tokens, sampling, tick)
@@ -177,6 +178,9 @@ def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_t
                 row = _row(method, budget, stats, outputs == reference if checked else None, read)
                 rows.append({"drafter": label, "vocab": None if drafter is None else drafter.vocab, "lookup": looks,
                              "accept": accept, **row})
+        if drafter is not None and drafter is pair.drafter:  # what each row measured, for the runs after this one
+            for *_, decoder in runs:
+                pair.rule_choices.take(decoder.rounds.choices)
     plain = rows[0]
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0

@@ -1,6 +1,7 @@
 """What a run keeps in edge-spec's cache for the next one: `--budget auto`'s pass times (pass-times.json, one entry
-per machine, placement and file; a plainly decoding target's one-token pass in RAM too) and lookup keep's earlier
-replies (lookup/<target>-<size>.npy).
+per machine, placement and file; a plainly decoding target's one-token pass in RAM too), the tokens a pass each
+acceptance rule yielded when sampling (rule-yields.json, one entry per target and drafter file: `--accept auto` starts
+on the rule that yielded more) and lookup keep's earlier replies (lookup/<target>-<size>.npy).
 
 Each is read whole and written whole (a crash leaves the old file), and a damaged one is said in one line and
 started over: neither is more than a measurement or a convenience.
@@ -55,6 +56,35 @@ def pass_times_key(target: Path, drafter: str, placement: str, readahead: str, d
             + ("" if max_tree is None else f"|trees up to {max_tree}"))
 
 
+RULE_YIELDS = "rule-yields.json"
+RULE_YIELDS_KEPT = 32  # rule-yields.json keeps the newest entries: one a pair of files
+
+
+def rule_yields_key(target: Path, drafter: Path, drafter_kind: str) -> str:
+    """The entry of a pair's rule yields: the target and drafter files as they are now, and how the drafter runs
+    (its runtime and head: what its trees are grown from). The machine does not change them."""
+    stamps = [f"{path.name}|{path.stat().st_size}|{path.stat().st_mtime_ns}" for path in (target, drafter)]
+    return f"{stamps[0]}|{stamps[1]}|{drafter_kind}"
+
+
+def rule_yields(key: str) -> dict[str, Any]:
+    """The yields an earlier run kept for this pair, by measurement (edge.policy.Measured's keys); empty where none
+    were kept. Each is checked where it is read (RuleChoice.kept)."""
+    entry = JsonFile(cache_dir() / RULE_YIELDS).read().get(key)
+    yields = entry.get("yields") if isinstance(entry, dict) else None
+    return yields if isinstance(yields, dict) else {}
+
+
+def keep_rule_yields(key: str, yields: dict[str, Any]) -> None:
+    """Keep a pair's yields (dated now) over what was kept for it, and the RULE_YIELDS_KEPT newest pairs."""
+    if not yields:
+        return
+    store = JsonFile(cache_dir() / RULE_YIELDS)
+    kept = store.read()
+    entry = {"yields": {**rule_yields(key), **yields}, "measured": time.time()}
+    store.write(_newest({**kept, key: entry}, RULE_YIELDS_KEPT))
+
+
 PLAIN_PASSES_KEPT = 16  # a run keeps its stock target's one-token pass time once it ran at least this many
 
 
@@ -83,9 +113,9 @@ def measured_at(entry: Any) -> float:
     return float(value) if isinstance(value, int | float) else 0.0
 
 
-def _newest(entries: dict[str, Any]) -> dict[str, Any]:
-    """The PASS_TIMES_KEPT most recently measured entries."""
-    return dict(sorted(entries.items(), key=lambda item: measured_at(item[1]))[-PASS_TIMES_KEPT:])
+def _newest(entries: dict[str, Any], most: int = PASS_TIMES_KEPT) -> dict[str, Any]:
+    """The `most` most recently measured entries."""
+    return dict(sorted(entries.items(), key=lambda item: measured_at(item[1]))[-most:])
 
 
 def corpus_path(target: Path) -> Path:

@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from edge.models import mapped
 from edge.models.cache import file_stamp
-from edge.models.kept import keep_pass_times, keep_plain_pass, pass_times, pass_times_key, save_corpus
+from edge.models.kept import (
+    keep_pass_times,
+    keep_plain_pass,
+    keep_rule_yields,
+    pass_times,
+    pass_times_key,
+    rule_yields,
+    rule_yields_key,
+    save_corpus,
+)
 from edge.models.opening import drafter_model, head_ids, open_drafter, phase
 from edge.models.registry import PairSpec
 from edge.models.sources import model_path
@@ -29,6 +38,7 @@ from edge.generate import Decoder
 from edge.grow import MAX_LEAVES, GrowConfig
 from edge.lookup import Corpus, Lookup
 from edge.options import LoadOptions
+from edge.policy import Measured
 from edge.protocols import Drafter, Target
 from edge.sampling import LLAMA_DEFAULTS, SamplingConfig
 
@@ -75,15 +85,15 @@ class Pair:
     plan_use: str = "drafter"  # that use: "drafter" (the pair as named), "plain" or "lookup" (the target alone)
     plan_rates: dict[str, float] = field(default_factory=dict)  # where the plan chose: tokens/s it predicted, by use
     # each acceptance rule's measured tokens a pass, by sampling and budget: every decoder of the pair adds to it, and
-    # --accept auto chooses by it (edge.rules.RuleChoice)
-    rule_choices: dict = field(default_factory=dict, repr=False)
+    # --accept auto chooses by it (edge.rules.RuleChoice); kept between runs (models/kept.py)
+    rule_choices: Measured = field(default_factory=Measured, repr=False)
     # Principals (a server's API keys): each has its own decoder (so its own acceptance tables and rule measurements,
     # and no prompt cache reuse across principals) and its own earlier replies for lookup, unless shared_replies.
     shared_replies: bool = False
     closed: bool = False
     _decoders: dict[str | None, tuple[tuple, Decoder]] = field(default_factory=dict, repr=False)  # by principal
     _corpora: dict[str, Corpus] = field(default_factory=dict, repr=False)  # named principals' earlier replies
-    _choices: dict[str, dict] = field(default_factory=dict, repr=False)  # named principals' rule measurements
+    _choices: dict[str, Measured] = field(default_factory=dict, repr=False)  # named principals' rule measurements
     # One generation at a time (generating) and no model closed under a running step (stepping, close).
     _turn: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _turn_thread: int | None = field(default=None, repr=False)
@@ -96,6 +106,22 @@ class Pair:
             if model is not None and model.path.is_file():
                 self._stamps[model.path] = file_stamp(model.path)[:3]
                 mapped.watch(model.path)
+        self.rule_choices = self._measured()
+
+    def _yields_key(self) -> str | None:
+        """Where this pair's rule yields are kept (models.kept.rule_yields_key); None without a drafter file."""
+        if self.drafter is None or not self.target.path.exists() or not self.drafter.path.exists():
+            return None
+        kind = f"{type(self.drafter).__name__}:{self.drafter.vocab}"
+        return rule_yields_key(self.target.path, self.drafter.path, kind)
+
+    def _measured(self) -> Measured:
+        """What the pair's decoders measure, starting from what an earlier run kept for this pair."""
+        key = self._yields_key()
+        if key is None:
+            return Measured()
+        kept = rule_yields(key)
+        return Measured(kept.get)
 
     @property
     def placement(self) -> str:
@@ -131,6 +157,8 @@ class Pair:
         if self.corpus is not None and self.options.lookup == "keep":
             save_corpus(self.corpus, self.target.path, self.report)
         self._keep_plain_pass()
+        if (key := self._yields_key()) is not None:
+            keep_rule_yields(key, self.rule_choices.to_json())
         for model in (self.drafter, self.target):
             if model is not None:
                 model.close()
@@ -231,7 +259,7 @@ class Pair:
         budget = self.budget if budget is None else budget
         corpus = self.corpus_of(principal)
         proposer = None if corpus is None else Lookup(corpus)
-        choices = self.rule_choices if principal is None else self._choices.setdefault(principal, {})
+        choices = self.rule_choices if principal is None else self._choices.setdefault(principal, Measured())
         if not speculate or (self.drafter is None and proposer is None):
             # the rule still says how a sampled reply draws (coupled: as the pair's trees would)
             return Decoder(self.target, None, None, sampling, accept=self.options.accept, choices=choices)
@@ -399,6 +427,7 @@ class Pair:
         self.drop_drafter()
         self.drafter = open_drafter(self.spec, model, self.target.path, self.drafter_threads, 0, report,
                                     max_tree=self.target.max_tree)
+        self.rule_choices = self._measured()
         return self.drafter
 
     def drop_drafter(self) -> None:
@@ -408,7 +437,7 @@ class Pair:
             self.drafter = None
         self._decoders.clear()
         self.costs = None
-        self.rule_choices = {}  # what the rules yielded was the old drafter's
+        self.rule_choices = Measured()  # what the rules yielded was the old drafter's
         self._choices.clear()
 
     def _costs_key(self) -> str | None:

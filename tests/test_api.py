@@ -300,6 +300,26 @@ def test_lookup_keep_carries_past_replies_to_the_next_run() -> None:
         saved.unlink(missing_ok=True)
 
 
+def test_a_pairs_rule_yields_carry_to_the_next_run(fresh_cache: Path) -> None:
+    """What each acceptance rule yielded when sampling is kept when the pair closes (rule-yields.json, one entry a
+    pair of files) and starts the next load's measurements: `--accept auto` begins on the rule that yielded more. A
+    seeded reply keeps nothing."""
+    import json
+
+    with edge.load("smollm2-135m", budget=8, accept="auto") as pair:
+        edge.generate(pair, "Name three colors.", max_tokens=32, temperature=0.8, seed=1)
+        assert pair.rule_choices.to_json() == {}  # a seeded reply keeps nothing: the next run's same seed repeats it
+        edge.generate(pair, "Name three colors.", max_tokens=32, temperature=0.7)  # (what a seed measured: held)
+        measured = pair.rule_choices.to_json()
+    [(key, yields)] = measured.items()
+    assert set(yields) == {"residual", "coupled"}, yields  # auto tried both
+    [entry] = json.loads((fresh_cache / "rule-yields.json").read_text()).values()
+    assert entry["yields"] == measured
+    with edge.load("smollm2-135m", budget=8, accept="auto") as pair:
+        assert pair.rule_choices.kept(key) == yields
+        assert pair.rule_choices.afresh().kept(key) == yields  # a benchmark's rows start from it too
+
+
 def test_the_readme_python_example_runs() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     example = re.search(r"## Python\n.*?```python\n(.*?)```", readme, re.DOTALL)

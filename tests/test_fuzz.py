@@ -1,7 +1,7 @@
 """Property-based fuzzing of what edge-spec reads from files and requests a stranger may have written: GGUF headers,
-models.toml pairs files, the cache's pass times, MODEL references, the server's request bodies and the chat templates
-a model file carries. Every input must end as a parsed value or one clear refusal (UserError, or an OpenAI error body),
-never another exception.
+models.toml pairs files, the cache's pass times and rule yields, MODEL references, the server's request bodies and the
+chat templates a model file carries. Every input must end as a parsed value or one clear refusal (UserError, or an
+OpenAI error body), never another exception.
 
 Bounded for the suite (EDGE_SPEC_FUZZ_EXAMPLES inputs per property, 150 by default, derandomized so CI is
 repeatable); docs/security.md gives the figures of a longer run.
@@ -205,6 +205,44 @@ def test_cached_pass_times_are_read_or_refused(data: st.DataObject) -> None:
     for n in (1, 8, 64):
         assert 0 < costs.target_s(n) < float("inf")
     OUTCOMES["pass times read"] += 1
+
+
+@FUZZ
+@given(data=st.data())
+def test_kept_rule_yields_are_read_or_left_out(tmp_path: Path, data: st.DataObject,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """rule-yields.json, a valid file with values replaced by any JSON (or not JSON at all): what auto starts from is
+    each rule's finite yield with at most KEPT_ROUNDS rounds, the rest left out, never an exception."""
+    from edge.models.kept import RULE_YIELDS, rule_yields
+
+    from edge.policy import Measured
+    from edge.rules import KEPT_ROUNDS, MAX_KEPT_YIELD, RuleChoice
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))
+    document: dict = {"pair": {"yields": {"key": {"residual": [12.5, 40], "coupled": [9.0, 30]}}, "measured": 1.0}}
+    for _ in range(data.draw(st.integers(1, 3))):
+        where = data.draw(st.sampled_from(["entry", "yields", "key", "rule", "value"]))
+        value = data.draw(JSON_VALUES)
+        if where == "entry":
+            document["pair"] = value
+        elif where == "yields" and isinstance(document["pair"], dict):
+            document["pair"]["yields"] = value
+        elif where == "key" and isinstance(document["pair"], dict) and isinstance(document["pair"].get("yields"), dict):
+            document["pair"]["yields"]["key"] = value
+        elif where in ("rule", "value"):
+            with suppress(AttributeError, TypeError, KeyError):
+                rules = document["pair"]["yields"]["key"]
+                name = data.draw(st.sampled_from(["residual", "coupled", "match"]))
+                rules[name] = value if where == "rule" else [value, data.draw(JSON_VALUES)]
+    text = json.dumps(document) if data.draw(st.integers(0, 3)) else data.draw(st.text(max_size=40))
+    (tmp_path / RULE_YIELDS).write_text(text)
+    choice = RuleChoice.kept(Measured(rule_yields("pair").get).kept("key"))
+    for name in choice.candidates:
+        assert 0 <= choice.rounds[name] <= KEPT_ROUNDS
+        assert 0 <= choice.mean[name] <= MAX_KEPT_YIELD
+        assert choice.rounds[name] or choice.mean[name] == 0
+    choice.pick()
+    OUTCOMES["rule yields kept" if any(choice.rounds.values()) else "rule yields left out"] += 1
 
 
 @FUZZ

@@ -11,7 +11,9 @@ import pytest
 
 from edge.generate import Decoder
 from edge.grow import GrowConfig
+from edge.policy import Measured
 from edge.residual import Proposal, Proposer, _draw_without_replacement, residual_draw
+from edge.rules import KEPT_ROUNDS, RuleChoice
 from edge.sampling import SamplingConfig, distribution
 from edge.tree import TokenTree
 from tests.oracles import chi_square, first_tokens_distribution
@@ -113,7 +115,7 @@ def test_auto_runs_the_rule_that_yields_more_and_greedy_stays_match() -> None:
     Greedy decoding is sample-and-match."""
     target = TinyModel(n_vocab=40, seed=3, scale=2.0)
     sampling = SamplingConfig(temperature=1.0, seed=5)
-    choices: dict = {}
+    choices = Measured()
     figures, rounds = {}, {}
     for rule in ("residual", "coupled", "auto"):
         decoder = Decoder(target, target.noisy(0.2, seed=4), GrowConfig.for_budget(16), sampling, accept=rule,
@@ -134,3 +136,33 @@ def test_auto_runs_the_rule_that_yields_more_and_greedy_stays_match() -> None:
     assert alone.rounds.rule().name == "match" and not alone.rounds.coupled
 
 
+
+
+def test_auto_starts_on_the_rule_an_earlier_run_kept_and_a_hostile_entry_is_left_out() -> None:
+    """What a run measured of each rule (Measured.to_json) starts the next run's choice (RuleChoice.kept), each rule's
+    rounds counted as at most KEPT_ROUNDS: auto's first rounds go to the rule kept as yielding more, not to trying
+    both. A kept file anyone could write: entries that are not [tokens a pass, rounds] are left out."""
+    target = TinyModel(n_vocab=40, seed=3, scale=2.0)
+    sampling = SamplingConfig(temperature=1.0, seed=5)
+    first = Measured()
+    decoder = Decoder(target, target.noisy(0.2, seed=4), GrowConfig.for_budget(16), sampling, accept="auto",
+                      choices=first)
+    decoder.load([1, 2, 3])
+    *_, last = decoder.generate(300)
+    kept = first.to_json()
+    [(key, yields)] = kept.items()
+    best = max(yields, key=lambda name: yields[name][0])
+    assert sum(last.stats.rule_rounds.values()) == sum(rounds for _, rounds in yields.values())
+    second = Measured(kept.get)
+    again = Decoder(target, target.noisy(0.2, seed=4), GrowConfig.for_budget(16), sampling, accept="auto",
+                    choices=second)
+    again.load([1, 2, 3])
+    *_, last = again.generate(40)
+    assert set(last.stats.rule_rounds) == {best}, last.stats.rule_rounds  # no rounds spent trying the other
+    assert all(rounds <= KEPT_ROUNDS + last.stats.rounds for _, rounds in second.to_json()[key].values())
+    # a kept yield's rounds are capped; what is not a rule's [tokens a pass, rounds] is left out
+    choice = RuleChoice.kept({"residual": [9.5, 10**9], "coupled": ["7", 3], "match": [1.0, 5]})
+    assert choice.rounds == {"residual": KEPT_ROUNDS, "coupled": 0} and choice.mean["residual"] == 9.5
+    for hostile in (None, [], {"residual": [float("nan"), 4]}, {"residual": [-1, 4]}, {"residual": [3.0, 0]},
+                    {"residual": [1e300, 4]}, {"residual": [True, 4]}, {"residual": [3.0, 4, 5]}):
+        assert RuleChoice.kept(hostile).rounds == {"residual": 0, "coupled": 0}, hostile
