@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--splits", default="half,all", help="the target's layers on the GPU: half, all, or counts")
     parser.add_argument("--no-peer", action="store_true", help="leave out llama.cpp's own binaries")
+    parser.add_argument("--lanes", action="store_true", help="check serve --parallel's lanes on a software device too")
     parser.add_argument("--out", type=Path, default=Path("gpu-check.json"))
     args = parser.parse_args()
 
@@ -104,6 +105,10 @@ def main() -> None:
         # libvulkan_lvp.so); unfused, every batch runs
         env["GGML_VK_DISABLE_FUSION"] = "1"
         out["env"] = {"GGML_VK_DISABLE_FUSION": "1"}
+    # a software device runs the three tree shapes in minutes, serve --parallel's lanes (a reference pass per path)
+    # in far more: left out there unless asked for
+    lanes = args.lanes or not any("llvmpipe" in device["description"] for device in out["devices"])
+    out["lanes_checked"] = lanes
     say(f"llama.cpp runs layers on: {out['backend']}")
     layers = target_layers(args.pair, env)
     prompts = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-check-prompts-{os.getpid()}.txt"
@@ -114,7 +119,8 @@ def main() -> None:
         gpu_layers = {"half": layers // 2, "all": layers + 1}.get(split) or int(split)
         say(f"--- {gpu_layers} of {layers + 1} target layers (the output head counts one) on the GPU")
         run: dict = {"gpu_layers": gpu_layers}
-        run["check"] = run_json([edge, "check", args.pair, "--gpu-layers", str(gpu_layers), "--json"], env, 3600)
+        run["check"] = run_json([edge, "check", args.pair, "--gpu-layers", str(gpu_layers), "--json",
+                                 *([] if lanes else ["--no-lanes"])], env, 3600)
         run["bench"] = run_json([edge, "bench", "--pair", args.pair, "--methods", "plain,tree", "--budgets", "16",
                                  "--gpu-layers", str(gpu_layers), "-n", str(args.n), "--temperature", "0",
                                  "--lookup", "off", "--prompts", str(prompts), "--json"], env, 3600)

@@ -97,6 +97,9 @@ def check(
     threads: ThreadsOpt = None,
     gpu_layers: Annotated[int, typer.Option(
         "--gpu-layers", help="target layers on the GPU for the check (all of them: its layer count + 1)")] = 0,
+    lanes: Annotated[bool, typer.Option(
+        "--lanes/--no-lanes", help="also check several requests in one pass, as serve --parallel runs them (the "
+                                   "slowest part on a software GPU)")] = True,
 ) -> None:
     """Measure whether a model's target is batch-invariant here (the condition for bit-exact lossless
     speculation)."""
@@ -109,7 +112,7 @@ def check(
     with working("preparing the target") as said:
         target = materialize(named(ctx, model)[0].target, said)
     with working(f"checking {target.name} under tree batching") as said:
-        result = run_check(target, kv_type, threads, said, gpu_layers)
+        result = run_check(target, kv_type, threads, said, gpu_layers, lanes)
     if as_json:
         print(json.dumps(result, indent=2))
         return

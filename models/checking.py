@@ -20,8 +20,10 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "more than two hundred cities across Europe, and the price of books fell sharply. ") * 3
 
 
-def run_check(path: Path, kv_type: str, threads: int | None, report, gpu_layers: int = 0) -> dict[str, Any]:
-    """`gpu_layers`: the target's layers on the GPU (llama.cpp's count: its layers + 1 puts them all there)."""
+def run_check(path: Path, kv_type: str, threads: int | None, report, gpu_layers: int = 0,
+              lanes: bool = True) -> dict[str, Any]:
+    """`gpu_layers`: the target's layers on the GPU (llama.cpp's count: its layers + 1 puts them all there).
+    `lanes`: also several requests' tokens in one pass, as `serve --parallel` runs them (on llama.cpp)."""
     from edge.models.planning import check_gpu_layers
     from edge.models.registry import KV_TYPES
     from edge.runtimes import DEFAULT, ModelOptions, runtime
@@ -48,7 +50,7 @@ def run_check(path: Path, kv_type: str, threads: int | None, report, gpu_layers:
                                                                             if done < total else ")"))
 
         results = check_batch_invariance(target, drafter, tokens, progress)
-        if lanes_run_on(target):  # several requests' tokens in one pass (serve --parallel)
+        if lanes and lanes_run_on(target):  # several requests' tokens in one pass (serve --parallel)
             results.append(check_lanes(target, tokens))
             report("checked 4 lanes in one pass")
             results.append(check_tree_lanes(target, drafter, tokens))
