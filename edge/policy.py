@@ -89,6 +89,9 @@ class Measured:
         key = _choice_key(sampling, budget)
         if sampling.seed is not None:
             self.held.add(key)
+        return self._choice(key)
+
+    def _choice(self, key: str) -> RuleChoice:
         if key not in self.choices:
             self.choices[key] = RuleChoice() if self.kept is None else RuleChoice.kept(self.kept(key))
         return self.choices[key]
@@ -106,7 +109,7 @@ class Measured:
         """`other`'s yields where they rest on more rounds than this one's (RuleChoice.take), to keep whether or not
         seeded replies measured them (a benchmark's rows: a measurement made to be kept)."""
         for key, choice in other.choices.items():
-            self.choices.setdefault(key, RuleChoice()).take(choice)
+            self._choice(key).take(choice)  # over the kept one: a rule `other` did not run stays kept
 
     def to_json(self) -> dict[str, dict[str, list[float]]]:
         """The yields measured, by key, for the next run (none a seeded reply measured)."""

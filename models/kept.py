@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from edge.models.cache import JsonFile, cache_dir, clean_stale
+from edge.models.cache import JsonFile, cache_dir, clean_stale, file_stamp
 
 from edge.lookup import MAX_CORPUS, Corpus
 
@@ -63,14 +63,15 @@ RULE_YIELDS_KEPT = 32  # rule-yields.json keeps the newest entries: one a pair o
 def rule_yields_key(target: Path, drafter: Path, drafter_kind: str) -> str:
     """The entry of a pair's rule yields: the target and drafter files as they are now, and how the drafter runs
     (its runtime and head: what its trees are grown from). The machine does not change them."""
-    stamps = [f"{path.name}|{path.stat().st_size}|{path.stat().st_mtime_ns}" for path in (target, drafter)]
+    stamps = ["{}|{}|{}".format(path.name, *file_stamp(path)[:2]) for path in (target, drafter)]
     return f"{stamps[0]}|{stamps[1]}|{drafter_kind}"
 
 
-def rule_yields(key: str) -> dict[str, Any]:
-    """The yields an earlier run kept for this pair, by measurement (edge.policy.Measured's keys); empty where none
-    were kept. Each is checked where it is read (RuleChoice.kept)."""
-    entry = JsonFile(cache_dir() / RULE_YIELDS).read().get(key)
+def rule_yields(key: str, kept: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The yields an earlier run kept for this pair (in `kept`, rule-yields.json as read; None: read it), by
+    measurement (edge.policy.Measured's keys); empty where none were kept. Each is checked where it is read
+    (RuleChoice.kept)."""
+    entry = (JsonFile(cache_dir() / RULE_YIELDS).read() if kept is None else kept).get(key)
     yields = entry.get("yields") if isinstance(entry, dict) else None
     return yields if isinstance(yields, dict) else {}
 
@@ -81,7 +82,7 @@ def keep_rule_yields(key: str, yields: dict[str, Any]) -> None:
         return
     store = JsonFile(cache_dir() / RULE_YIELDS)
     kept = store.read()
-    entry = {"yields": {**rule_yields(key), **yields}, "measured": time.time()}
+    entry = {"yields": {**rule_yields(key, kept), **yields}, "measured": time.time()}
     store.write(_newest({**kept, key: entry}, RULE_YIELDS_KEPT))
 
 

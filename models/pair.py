@@ -115,6 +115,11 @@ class Pair:
         kind = f"{type(self.drafter).__name__}:{self.drafter.vocab}"
         return rule_yields_key(self.target.path, self.drafter.path, kind)
 
+    def _keep_rule_yields(self) -> None:
+        """Keep what the drafter's rules yielded for the next run (on closing, and before the drafter is swapped)."""
+        if (key := self._yields_key()) is not None:
+            keep_rule_yields(key, self.rule_choices.to_json())
+
     def _measured(self) -> Measured:
         """What the pair's decoders measure, starting from what an earlier run kept for this pair."""
         key = self._yields_key()
@@ -157,8 +162,7 @@ class Pair:
         if self.corpus is not None and self.options.lookup == "keep":
             save_corpus(self.corpus, self.target.path, self.report)
         self._keep_plain_pass()
-        if (key := self._yields_key()) is not None:
-            keep_rule_yields(key, self.rule_choices.to_json())
+        self._keep_rule_yields()
         for model in (self.drafter, self.target):
             if model is not None:
                 model.close()
@@ -433,6 +437,7 @@ class Pair:
     def drop_drafter(self) -> None:
         """Close the drafter: the target decodes alone, or drafts by lookup (benchmarks compare the two)."""
         if self.drafter is not None:
+            self._keep_rule_yields()
             self.drafter.close()
             self.drafter = None
         self._decoders.clear()

@@ -163,6 +163,17 @@ def test_auto_starts_on_the_rule_an_earlier_run_kept_and_a_hostile_entry_is_left
     *_, last = again.generate(40)
     assert set(last.stats.rule_rounds) == {best}, last.stats.rule_rounds  # no rounds spent trying the other
     assert all(rounds <= KEPT_ROUNDS + last.stats.rounds for rounds in second.choices[key].rounds.values())
+    # a benchmark row's rounds join the pair's over the kept ones: a rule the row did not run stays kept
+    row = Measured()
+    for tokens in (10, 12, 11):
+        row._choice(key).observe("residual", tokens)
+    pair = Measured({key: {"residual": [9.0, 40], "coupled": [7.0, 30]}}.get)
+    pair.take(row)
+    assert pair.to_json()[key] == {"residual": [9.0, KEPT_ROUNDS], "coupled": [7.0, KEPT_ROUNDS]}  # 3 < 16 rounds
+    for _ in range(KEPT_ROUNDS):
+        row._choice(key).observe("residual", 11)
+    pair.take(row)
+    assert pair.to_json()[key] == {"residual": [11.0, KEPT_ROUNDS + 3], "coupled": [7.0, KEPT_ROUNDS]}
     # a kept yield's rounds are capped; what is not a rule's [tokens a pass, rounds] is left out
     choice = RuleChoice.kept({"residual": [9.5, 10**9], "coupled": ["7", 3], "match": [1.0, 5]})
     assert choice.rounds == {"residual": KEPT_ROUNDS, "coupled": 0} and choice.mean["residual"] == 9.5
