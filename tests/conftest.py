@@ -5,6 +5,7 @@ for the run, and nothing is written under the user's cache; the run fails if tha
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,13 +162,21 @@ def prompt_tokens(pair: Pair, text: str) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def f16_file() -> Path:
-    """SmolLM2-135M's target rewritten to F16 (cached beside it): a file whose passes read every byte from the mapping
-    (no repacked copy), for the streaming tests."""
+def f16_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M's target rewritten to F16 (cached beside it, copied for the worker): a file whose passes read every
+    byte from the mapping (no repacked copy), for the streaming tests."""
     from dataclasses import replace
 
     from edge.models.opening import materialize
     from edge.models.registry import load_registry
 
     spec = load_registry().pair("smollm2-135m")
-    return materialize(replace(spec.target, quantize="f16"), lambda message: None)
+    shared = materialize(replace(spec.target, quantize="f16"), lambda message: None)
+    # A copy of the worker's own: these tests measure the page cache of the file (what a pass reads from the drive,
+    # what stays resident), and a test on another worker holding the same file mapped or locked keeps its pages in.
+    own = tmp_path_factory.mktemp("f16") / shared.name
+    with shared.open("rb") as source, own.open("wb") as copy:
+        shutil.copyfileobj(source, copy, 16 << 20)
+        copy.flush()
+        os.fsync(copy.fileno())  # clean pages, which a test's eviction can drop
+    return own
