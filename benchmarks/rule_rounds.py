@@ -1,6 +1,7 @@
 """Each acceptance rule's rounds, one by one: how much a round's yield varies, how the prompts differ, and what share
 of the better rule `--accept auto`'s choice (edge.rules.RuleChoice, as shipped) reaches when each round's yield is
-drawn from the rounds measured here (docs/performance.md, "`--accept auto` against each rule").
+drawn from the rounds measured here, fresh and started from what an earlier run of 100 rounds a rule kept
+(docs/performance.md, "`--accept auto` against each rule").
 
     python benchmarks/rule_rounds.py --pair smollm2-135m --budget 64 --temperature 0.8 --seed 0 --json
 """
@@ -38,13 +39,17 @@ def round_yields(decoder: Decoder, prompts: list[list[int]], max_tokens: int,
     return replies
 
 
-def simulated_share(yields: dict[str, list[int]], rounds: int, runs: int, rng: random.Random) -> list[float]:
+def simulated_share(yields: dict[str, list[int]], rounds: int, runs: int, rng: random.Random,
+                    kept: int = 0) -> list[float]:
     """RuleChoice over `rounds` rounds whose yields are drawn from each rule's measured ones: each run's mean yield
-    over the better rule's."""
+    over the better rule's. `kept`: each run starts from what an earlier run kept of each rule, its mean over `kept`
+    rounds drawn alike (as a benchmark's rows keep theirs)."""
     best = max(statistics.fmean(values) for values in yields.values())
     shares = []
     for _ in range(runs):
-        choice, total = RuleChoice(), 0
+        start = {rule: [statistics.fmean(rng.choice(values) for _ in range(kept)), kept]
+                 for rule, values in yields.items()} if kept else {}
+        choice, total = RuleChoice.kept(start), 0
         for _ in range(rounds):
             rule = choice.pick().name
             tokens = rng.choice(yields[rule])
@@ -81,10 +86,11 @@ def main() -> None:
             "first_half_prompts": round(statistics.fmean(y for r in replies[:half] for y in r), 2),
             "second_half_prompts": round(statistics.fmean(y for r in replies[half:] for y in r), 2)}
     rng = random.Random(0)
-    for rounds in (50, 150, 500):
-        shares = sorted(simulated_share(yields, rounds, 2000, rng))
-        out[f"auto_share_{rounds}_rounds"] = {"mean": round(statistics.fmean(shares), 3),
-                                              "p10": round(shares[len(shares) // 10], 3)}
+    for kept, runs in ((0, (50, 150, 500)), (100, (60, 100))):
+        for rounds in runs:
+            shares = sorted(simulated_share(yields, rounds, 2000, rng, kept))
+            name = f"auto_share_{rounds}_rounds" + (f"_kept_{kept}" if kept else "")
+            out[name] = {"mean": round(statistics.fmean(shares), 3), "p10": round(shares[len(shares) // 10], 3)}
     pair.close()
     print(json.dumps(out, indent=2 if args.json else None))
 

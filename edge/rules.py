@@ -156,11 +156,18 @@ EXPLORE_ROUNDS = 2  # tree rounds each candidate runs before auto compares them
 # as much as its mean): BONUS x the candidates' mean x sqrt(ln(rounds of all) / its rounds). A rule behind by a third
 # of the mean runs about 2.25 ln(rounds of all) rounds in all: some 10 of the first hundred, 16 of the first thousand.
 BONUS = 0.5
-YIELD_WEIGHT = 0.05  # the newest round's weight in a candidate's mean, once it has run 1 / YIELD_WEIGHT rounds
-# What an earlier run measured counts as at most this many rounds of a rule: enough that a run starts on the rule that
-# yielded more (a round's yield varies as much as its mean, so a run's first few dozen rounds cannot tell two rules
-# apart by less than a third), few enough that this run's own rounds soon outweigh it.
-KEPT_ROUNDS = 16
+# The newest round's weight in a candidate's mean once it has run 1 / YIELD_WEIGHT rounds; before, every round weighs
+# alike. A round's yield varies about as much as its mean, so a mean over the last twenty rounds moves by a fifth, and a
+# few poor rounds of the better rule sent the choice to the other (the real pair at budget 255: 92% of the residual
+# rule's yield, docs/performance.md); weighing 128 rounds it moves by about 5%, and a rule whose yield falls from ten
+# to three (the texts changed) is left within some 170 rounds (tests/test_residual.py).
+YIELD_WEIGHT = 1 / 128
+# What an earlier run measured counts as at most this many rounds of a rule: enough that a run's own first rounds do
+# not overturn it by chance, few enough that a run whose rounds yield otherwise turns the choice within about as many
+# rounds of its own. RuleChoice on rounds drawn from SmolLM2's at budget 64, started from 100 kept rounds a rule,
+# reaches 100% of the better rule over 60 and 100 rounds; with 16 kept rounds and a mean of the last twenty
+# (YIELD_WEIGHT 0.05) it reached 98% and 97% (benchmarks/rule_rounds.py).
+KEPT_ROUNDS = 64
 MAX_KEPT_YIELD = 1e4  # tokens a pass: more than any tree holds (a kept file is read as untrusted)
 
 
@@ -172,7 +179,7 @@ class RuleChoice:
     def __init__(self, candidates: Sequence[str] = AUTO_RULES) -> None:
         self.candidates = tuple(candidates)
         self.rounds = dict.fromkeys(self.candidates, 0)
-        self.mean = dict.fromkeys(self.candidates, 0.0)  # the recent rounds' (what the choice follows)
+        self.mean = dict.fromkeys(self.candidates, 0.0)  # the last 128 rounds' or so (what the choice follows)
         self.average = dict.fromkeys(self.candidates, 0.0)  # every round's alike (what the next run starts from)
 
     def pick(self) -> Rule:
@@ -194,8 +201,7 @@ class RuleChoice:
 
     def to_json(self) -> dict[str, list[float]]:
         """Each candidate measured: [tokens a pass over all its rounds, rounds], for the next run (RuleChoice.kept).
-        Not the recent rounds' mean the choice follows: over the twenty or so rounds it mostly weighs, a rule's
-        yield varies by a fifth (the real pair's residual rule: 4.35 there, 4.83 over its 104 rounds)."""
+        Not the recent rounds' mean the choice follows, which a long conversation has moved to its last texts."""
         return {name: [round(self.average[name], 4), self.rounds[name]] for name in self.candidates
                 if self.rounds[name]}
 
