@@ -106,10 +106,10 @@ class Measured:
         return Measured(self.kept)
 
     def take(self, other: Measured) -> None:
-        """`other`'s yields where they rest on more rounds than this one's (RuleChoice.take), to keep whether or not
-        seeded replies measured them (a benchmark's rows: a measurement made to be kept)."""
+        """The rounds `other` measured join this one's (RuleChoice.take), to keep whether or not seeded replies
+        measured them (a benchmark's rows: a measurement made to be kept)."""
         for key, choice in other.choices.items():
-            self._choice(key).take(choice)  # over the kept one: a rule `other` did not run stays kept
+            self._choice(key).take(choice)  # over the kept one: a rule `other` did not run stays as kept
 
     def to_json(self) -> dict[str, dict[str, list[float]]]:
         """The yields measured, by key, for the next run (none a seeded reply measured)."""

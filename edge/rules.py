@@ -181,6 +181,7 @@ class RuleChoice:
         self.rounds = dict.fromkeys(self.candidates, 0)
         self.mean = dict.fromkeys(self.candidates, 0.0)  # the last 128 rounds' or so (what the choice follows)
         self.average = dict.fromkeys(self.candidates, 0.0)  # every round's alike (what the next run starts from)
+        self.start: dict[str, tuple[float, int]] = {}  # what it started from (kept): [tokens a pass, rounds]
 
     def pick(self) -> Rule:
         least = min(self.candidates, key=lambda name: self.rounds[name])
@@ -220,15 +221,23 @@ class RuleChoice:
             if math.isfinite(mean) and 0 <= mean <= MAX_KEPT_YIELD and math.isfinite(rounds) and rounds >= 1:
                 choice.rounds[name] = min(int(rounds), KEPT_ROUNDS)
                 choice.mean[name] = choice.average[name] = float(mean)
+                choice.start[name] = (float(mean), choice.rounds[name])
         return choice
 
+    def own(self, name: str) -> tuple[float, int]:
+        """The tokens and rounds of `name` this choice measured itself, past what it started from."""
+        start_mean, start_rounds = self.start.get(name, (0.0, 0))
+        return self.average[name] * self.rounds[name] - start_mean * start_rounds, self.rounds[name] - start_rounds
+
     def take(self, other: RuleChoice) -> None:
-        """Each candidate's measurement from `other` where it ran more rounds there (a benchmark's rows, each run
-        apart, join the pair's measurements)."""
+        """The rounds `other` measured itself join this one's, each rule's averaged over both (a benchmark's rows,
+        each run apart from the same kept start, join the pair's measurements; the start is counted once)."""
         for name in self.candidates:
-            if other.rounds.get(name, 0) > self.rounds[name]:
-                self.rounds[name] = other.rounds[name]
-                self.mean[name], self.average[name] = other.mean[name], other.average[name]
+            tokens, rounds = other.own(name) if name in other.rounds else (0.0, 0)
+            if rounds > 0:
+                self.average[name] = (self.average[name] * self.rounds[name] + tokens) / (self.rounds[name] + rounds)
+                self.rounds[name] += rounds
+                self.mean[name] = self.average[name]
 
     def described(self) -> str:
         """Each candidate's measured tokens a pass (and rounds), for the chat's /show."""

@@ -178,17 +178,17 @@ def test_auto_starts_on_the_rule_an_earlier_run_kept_and_a_hostile_entry_is_left
     *_, last = again.generate(40)
     assert set(last.stats.rule_rounds) == {best}, last.stats.rule_rounds  # no rounds spent trying the other
     assert all(rounds <= KEPT_ROUNDS + last.stats.rounds for rounds in second.choices[key].rounds.values())
-    # a benchmark row's rounds join the pair's over the kept ones: a rule the row did not run stays kept
-    row = Measured()
-    for tokens in (10, 12, 11):
-        row._choice(key).observe("residual", tokens)
-    pair = Measured({key: {"residual": [9.0, 400], "coupled": [7.0, 300]}}.get)
-    pair.take(row)
-    assert pair.to_json()[key] == {"residual": [9.0, KEPT_ROUNDS], "coupled": [7.0, KEPT_ROUNDS]}  # 3 < KEPT_ROUNDS
-    for _ in range(KEPT_ROUNDS):
-        row._choice(key).observe("residual", 11)
-    pair.take(row)
-    assert pair.to_json()[key] == {"residual": [11.0, KEPT_ROUNDS + 3], "coupled": [7.0, KEPT_ROUNDS]}
+    # benchmark rows, each run from the same kept start, join the pair's measurement: each row's own rounds are
+    # averaged in, the start counted once, and a rule no row ran stays as kept
+    kept_start = {key: {"residual": [9.0, 400], "coupled": [7.0, 300]}}.get
+    pair, rows = Measured(kept_start), [Measured(kept_start), Measured(kept_start)]
+    for row, tokens in zip(rows, ((10, 12, 11), (20,) * KEPT_ROUNDS), strict=True):
+        for value in tokens:
+            row._choice(key).observe("residual", value)
+        pair.take(row)
+    rounds = 2 * KEPT_ROUNDS + 3
+    expected = round((9.0 * KEPT_ROUNDS + 33 + 20 * KEPT_ROUNDS) / rounds, 4)
+    assert pair.to_json()[key] == {"residual": [expected, rounds], "coupled": [7.0, KEPT_ROUNDS]}
     # a kept yield's rounds are capped; what is not a rule's [tokens a pass, rounds] is left out
     choice = RuleChoice.kept({"residual": [9.5, 10**9], "coupled": ["7", 3], "match": [1.0, 5]})
     assert choice.rounds == {"residual": KEPT_ROUNDS, "coupled": 0} and choice.mean["residual"] == 9.5
