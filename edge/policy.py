@@ -14,7 +14,7 @@ carries all of it: the tree's shape, the rule, lookup's branches and the rates t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,7 +23,7 @@ from edge.errors import UserError
 from edge.grow import GrowConfig
 from edge.lookup import LookupTree
 from edge.options import ACCEPT_RULES
-from edge.rules import MATCH, RULES, Rule, RuleChoice
+from edge.rules import AUTO_RULES, MATCH, RULES, Rule, RuleChoice
 from edge.sampling import SamplingConfig
 from edge.speculative import RoundPlan, RoundResult
 
@@ -105,11 +105,11 @@ class Measured:
         """An empty measurement over the same kept one (a benchmark's row, measured apart from the others)."""
         return Measured(self.kept)
 
-    def take(self, other: Measured) -> None:
-        """The rounds `other` measured join this one's (RuleChoice.take), to keep whether or not seeded replies
-        measured them (a benchmark's rows: a measurement made to be kept)."""
+    def take(self, other: Measured, rules: Sequence[str] = AUTO_RULES) -> None:
+        """The rounds `other` measured of `rules` join this one's (RuleChoice.take), to keep whether or not seeded
+        replies measured them (a benchmark's rows: a measurement made to be kept)."""
         for key, choice in other.choices.items():
-            self._choice(key).take(choice)  # over the kept one: a rule `other` did not run stays as kept
+            self._choice(key).take(choice, rules)  # over the kept one: a rule `other` did not run stays as kept
 
     def to_json(self) -> dict[str, dict[str, list[float]]]:
         """The yields measured, by key, for the next run (none a seeded reply measured)."""

@@ -229,11 +229,12 @@ class RuleChoice:
         start_mean, start_rounds = self.start.get(name, (0.0, 0))
         return self.average[name] * self.rounds[name] - start_mean * start_rounds, self.rounds[name] - start_rounds
 
-    def take(self, other: RuleChoice) -> None:
-        """The rounds `other` measured itself join this one's, each rule's averaged over both (a benchmark's rows,
-        each run apart from the same kept start, join the pair's measurements; the start is counted once)."""
+    def take(self, other: RuleChoice, rules: Sequence[str] = AUTO_RULES) -> None:
+        """The rounds `other` measured itself of `rules` join this one's, each rule's averaged over both (a
+        benchmark's rows, each run apart from the same kept start, join the pair's measurements; the start is
+        counted once)."""
         for name in self.candidates:
-            tokens, rounds = other.own(name) if name in other.rounds else (0.0, 0)
+            tokens, rounds = other.own(name) if name in other.rounds and name in rules else (0.0, 0)
             if rounds > 0:
                 self.average[name] = (self.average[name] * self.rounds[name] + tokens) / (self.rounds[name] + rounds)
                 self.rounds[name] += rounds

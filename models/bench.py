@@ -21,6 +21,7 @@ from edge.grow import GrowConfig
 from edge.lookup import Corpus, Lookup
 from edge.options import check_max_tokens
 from edge.protocols import Drafter
+from edge.rules import AUTO_RULES
 from edge.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -179,8 +180,7 @@ def run_bench(pair: Pair, prompts: list[Prompt], budgets: list[int | str], max_t
                 rows.append({"drafter": label, "vocab": None if drafter is None else drafter.vocab, "lookup": looks,
                              "accept": accept, **row})
         if drafter is not None and drafter is pair.drafter:  # what each row measured, for the runs after this one
-            for *_, decoder in runs:
-                pair.rule_choices.take(decoder.rounds.choices)
+            _keep_row_yields(pair, runs)
     plain = rows[0]
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0
@@ -271,6 +271,16 @@ def target_pass_times(pair: Pair, prefix: list[int], report: Report = _quiet) ->
         finally:
             other.close()
     return times
+
+
+
+def _keep_row_yields(pair: Pair, runs: list[tuple[str, int | str | None, str, Decoder]]) -> None:
+    """Each rule's rounds for the pair to keep: a row that ran the rule alone measured it on every prompt, so an auto
+    row's rounds of it, run on the texts where auto happened to choose it, join only where no such row ran."""
+    alone = {accept for _, _, accept, _ in runs}
+    for _, _, accept, decoder in runs:
+        rules = [rule for rule in AUTO_RULES if accept == rule or (accept == "auto" and rule not in alone)]
+        pair.rule_choices.take(decoder.rounds.choices, rules)
 
 
 def _label(method: str, budget: int | str | None, accept: str, accepts: tuple[str, ...]) -> str:

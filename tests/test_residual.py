@@ -189,6 +189,12 @@ def test_auto_starts_on_the_rule_an_earlier_run_kept_and_a_hostile_entry_is_left
     rounds = 2 * KEPT_ROUNDS + 3
     expected = round((9.0 * KEPT_ROUNDS + 33 + 20 * KEPT_ROUNDS) / rounds, 4)
     assert pair.to_json()[key] == {"residual": [expected, rounds], "coupled": [7.0, KEPT_ROUNDS]}
+    auto_row = Measured(kept_start)
+    for rule in ("residual", "coupled"):
+        auto_row._choice(key).observe(rule, 1)
+    pair.take(auto_row, ["coupled"])  # a bench's auto row: only the rules no row ran alone
+    assert pair.to_json()[key] == {"residual": [expected, rounds], "coupled": [round(
+        (7.0 * KEPT_ROUNDS + 1) / (KEPT_ROUNDS + 1), 4), KEPT_ROUNDS + 1]}
     # a kept yield's rounds are capped; what is not a rule's [tokens a pass, rounds] is left out
     choice = RuleChoice.kept({"residual": [9.5, 10**9], "coupled": ["7", 3], "match": [1.0, 5]})
     assert choice.rounds == {"residual": KEPT_ROUNDS, "coupled": 0} and choice.mean["residual"] == 9.5
