@@ -273,7 +273,6 @@ def target_pass_times(pair: Pair, prefix: list[int], report: Report = _quiet) ->
     return times
 
 
-
 def _keep_row_yields(pair: Pair, runs: list[tuple[str, int | str | None, str, Decoder]]) -> None:
     """Each rule's rounds for the pair to keep: a row that ran the rule alone measured it on every prompt, so an auto
     row's rounds of it, run on the texts where auto happened to choose it, join only where no such row ran."""
