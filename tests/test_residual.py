@@ -201,3 +201,24 @@ def test_auto_starts_on_the_rule_an_earlier_run_kept_and_a_hostile_entry_is_left
     for hostile in (None, [], {"residual": [float("nan"), 4]}, {"residual": [-1, 4]}, {"residual": [3.0, 0]},
                     {"residual": [1e300, 4]}, {"residual": [True, 4]}, {"residual": [3.0, 4, 5]}):
         assert RuleChoice.kept(hostile).rounds == {"residual": 0, "coupled": 0}, hostile
+
+
+def test_a_bench_keeps_each_rules_rounds_from_the_row_that_ran_it_alone() -> None:
+    """An auto row's rounds of a rule fall on the texts where auto chose it: a bench keeps a rule's rounds from the
+    row that ran it alone, and an auto row's only for a rule no row ran alone."""
+    from types import SimpleNamespace
+
+    from edge.models.bench import _keep_row_yields
+
+    key = "k"
+
+    def row(yields: dict[str, int]) -> SimpleNamespace:
+        measured = Measured()
+        for rule, tokens in yields.items():
+            measured._choice(key).observe(rule, tokens)
+        return SimpleNamespace(rounds=SimpleNamespace(choices=measured))
+
+    pair = SimpleNamespace(rule_choices=Measured())
+    _keep_row_yields(pair, [("tree", 64, "residual", row({"residual": 9})),
+                            ("tree", 64, "auto", row({"residual": 1, "coupled": 5}))])
+    assert pair.rule_choices.to_json()[key] == {"residual": [9.0, 1], "coupled": [5.0, 1]}
