@@ -90,3 +90,77 @@ def test_a_plain_target_takes_no_tree(plain_pair: Pair) -> None:
     with pytest.raises(ValueError, match="one token a pass"):
         plain_pair.target.verify(chain([5, 6]))
     assert not plain_pair.target.resize(16)  # nor grows to take one
+
+
+@pytest.fixture(scope="module")
+def repacked_pair() -> Pair:
+    """Gemma-3-270M Q4_K_M in RAM, decoding plainly: its Q4_K weights are llama.cpp's repacked copies in RAM."""
+    pair = edge.load("gemma3-270m", ctx=1024, speculate="auto")
+    yield pair
+    pair.close()
+
+
+def test_repacked_weights_sit_on_huge_pages_and_decode_llama_cpps_tokens(repacked_pair: Pair) -> None:
+    from edge.offload.libc import huge_page_size
+
+    model = repacked_pair.target.model
+    if huge_page_size() and _collapses():
+        assert model.huge_page_bytes >= 8 << 20  # the ~13 MB of repacked Q4_K weights, whole huge pages of it
+    decoder = repacked_pair.decoder(SamplingConfig(), speculate=True)
+    prompt = repacked_pair.prompt_tokens("Explain what a hash map is in two sentences.")
+    steps = list(decoder.reply(prompt, 24))
+    ours = [step.token for step in steps[:-1] if step.token is not None]
+    assert ours == llama_cpp_tokens(repacked_pair.target.path, prompt, len(ours))
+
+
+def _collapses() -> bool:
+    """Whether this kernel moves memory onto huge pages in place (MADV_COLLAPSE, Linux >= 6.1), keeping its data."""
+    import ctypes
+    import mmap
+
+    from edge.offload.libc import collapse_to_huge_pages, huge_page_size
+
+    size = huge_page_size()
+    data = bytes(range(256)) * (3 * size // 256)
+    with mmap.mmap(-1, len(data)) as area:
+        area.write(data)
+        pointer = ctypes.c_char.from_buffer(area)
+        start = ctypes.addressof(pointer)
+        del pointer  # the mapping may close
+        moved = collapse_to_huge_pages([(start, start + len(data))])
+        assert area[:] == data  # byte for byte
+    return moved > 0
+
+
+def test_a_parameter_llama_cpp_does_not_have_is_an_error() -> None:
+    import llama_cpp.llama_cpp as ll
+    from edge.runtimes.llama_cpp._native import _filled, load_mode
+
+    with pytest.raises(RuntimeError, match="has no field use_mmap"):  # renamed load_mode in 0.3.36: silently dropped
+        _filled(ll.llama_model_default_params(), use_mmap=False)
+    assert load_mode(use_mmap=True, use_mlock=False) == ll.LLAMA_LOAD_MODE_AUTO  # llama.cpp's default: mapped
+    assert load_mode(use_mmap=True, use_mlock=True) == ll.LLAMA_LOAD_MODE_MMAP_MLOCK
+    assert load_mode(use_mmap=False, use_mlock=False) == ll.LLAMA_LOAD_MODE_NONE
+
+
+def test_mlock_locks_the_weights(smollm2: Pair) -> None:
+    import os
+    import resource
+
+    from edge.runtimes.llama_cpp._native import Model
+
+    size = smollm2.target.path.stat().st_size
+    if os.geteuid() != 0 and resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] < size:
+        pytest.skip("RLIMIT_MEMLOCK is below the file's size and this is not root: llama.cpp's mlock is refused")
+
+    def locked() -> int:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmLck:"))
+
+    before = locked()
+    model = Model(smollm2.target.path, use_mlock=True)
+    try:
+        assert locked() - before >= 0.9 * size  # `--mlock` did nothing before: llama.cpp never saw use_mlock
+    finally:
+        model.close()
+    assert locked() <= before + (1 << 20)

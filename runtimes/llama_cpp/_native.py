@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import llama_cpp.llama_cpp as ll
 import numpy as np
+from edge.offload import libc
 from edge.runtimes import default_threads
 from edge.runtimes.llama_cpp.kernels import mark_ran, prefer_invariant_kernels
 
@@ -175,23 +176,53 @@ def _cpu_has_amx() -> bool:
 USE_EXTRA_BUFFERS = not _cpu_has_amx()
 
 
+LARGE_REGION = 8 << 20  # a new anonymous mapping this large, made while a model loads, holds its repacked weights
+
+
+def load_mode(use_mmap: bool, use_mlock: bool) -> int:
+    """llama.cpp's load mode: the file mapped (its default, AUTO: mapped on the CPU) or read into its buffers, and
+    the weights locked in RAM or not."""
+    if use_mlock:
+        return ll.LLAMA_LOAD_MODE_MMAP_MLOCK if use_mmap else ll.LLAMA_LOAD_MODE_MLOCK
+    return ll.LLAMA_LOAD_MODE_AUTO if use_mmap else ll.LLAMA_LOAD_MODE_NONE
+
+
+def _filled(params: ctypes.Structure, **values: object) -> ctypes.Structure:
+    """llama.cpp's parameter struct with these fields set. A name the struct lacks is an error: ctypes would keep it
+    as a Python attribute llama.cpp never sees (llama-cpp-python renames fields between versions: use_mmap and
+    use_mlock became load_mode)."""
+    fields = {field[0] for field in type(params)._fields_}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise RuntimeError(f"llama-cpp-python's {type(params).__name__} has no field {', '.join(unknown)}: "
+                           "install the version edge-spec pins")
+    for name, value in values.items():
+        setattr(params, name, value)
+    return params
+
+
 class Model:
     """A loaded GGUF model: weights and vocabulary."""
 
     def __init__(self, path: Path, n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False,
                  repack: bool = True, vocab_only: bool = False):
         _init_backend()
-        params = ll.llama_model_default_params()
-        params.vocab_only = vocab_only  # a tokenizer: the vocabulary and its special tokens, no weights read
-        params.n_gpu_layers = n_gpu_layers
-        params.use_mmap = use_mmap
-        params.use_mlock = use_mlock
-        params.use_extra_bufts = USE_EXTRA_BUFFERS and repack  # repacked weights are copies in RAM, not the mapping
+        repacked = USE_EXTRA_BUFFERS and repack and not vocab_only
+        params = _filled(ll.llama_model_default_params(),
+                         vocab_only=vocab_only,  # a tokenizer: the vocabulary and its special tokens, no weights read
+                         n_gpu_layers=n_gpu_layers, load_mode=load_mode(use_mmap, use_mlock),
+                         use_extra_bufts=repacked)  # repacked weights are copies in RAM, not the mapping
         self.path = path
+        before = libc.anonymous_regions() if repacked else set()
         self._ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not self._ptr:
             raise UserError(f"llama.cpp could not load {path} (unsupported architecture or damaged file); "
                             "set EDGE_SPEC_LLAMA_LOG=1 to see its log")
+        # The repacked weights are read through on every pass from llama.cpp's own allocations, on small pages (the
+        # file's mapping is on the page cache's large folios already): huge pages make a one-token pass of
+        # Qwen2.5-Coder-1.5B ~5% faster here (docs/runtimes.md). Only regions the load made, of a huge page or more.
+        self.huge_page_bytes = libc.collapse_to_huge_pages(
+            region for region in libc.anonymous_regions() - before if region[1] - region[0] >= LARGE_REGION)
         self._vocab = ll.llama_model_get_vocab(self._ptr)
         self.n_vocab: int = ll.llama_vocab_n_tokens(self._vocab)
         self.bos: int = ll.llama_vocab_bos(self._vocab)
@@ -329,32 +360,28 @@ class Context:
                  n_threads: int | None = None, flash_attn: bool | None = None, op_offload: bool = True,
                  n_outputs: int = 0, on_layer: LayerHook | None = None, sequences: int = MAX_SEQ,
                  threadpool: bool = False, unified: bool = True):
-        params = ll.llama_context_default_params()
-        params.n_ctx = n_ctx
-        # One tree must be one micro-batch, or an offloaded target streams its weights once per micro-batch.
-        params.n_batch = n_batch
-        params.n_ubatch = n_batch
-        params.n_seq_max = sequences  # a tree's branches (MAX_SEQ), or 1 for plain decoding alone
-        # 0: n_batch rows of logits (a 262k vocabulary makes that large); never fewer than n_seq_max, which llama.cpp
-        # reserves its output buffer for whatever is asked (and asserts on otherwise)
-        params.n_outputs_max = max(n_outputs, sequences) if n_outputs else 0
-        # unified: tree branches share the committed prefix's cells; else each sequence has a KV stream of its own
-        # (n_ctx cells each), as llama-server's slots: its cells stay in position order whatever the others do
-        params.kv_unified = unified
-        params.swa_full = True  # keep sliding-window layers' full history, so rejected branches can be removed
         threads = n_threads or default_threads()
-        params.n_threads = threads
-        params.n_threads_batch = threads
-        params.type_k = params.type_v = KV_TYPES[kv_type]
-        params.op_offload = op_offload
-        params.no_perf = True
+        params = _filled(
+            ll.llama_context_default_params(), n_ctx=n_ctx,
+            # One tree must be one micro-batch, or an offloaded target streams its weights once per micro-batch.
+            n_batch=n_batch, n_ubatch=n_batch,
+            n_seq_max=sequences,  # a tree's branches (MAX_SEQ), or 1 for plain decoding alone
+            # 0: n_batch rows of logits (a 262k vocabulary makes that large); never fewer than n_seq_max, which
+            # llama.cpp reserves its output buffer for whatever is asked (and asserts on otherwise)
+            n_outputs_max=max(n_outputs, sequences) if n_outputs else 0,
+            # unified: tree branches share the committed prefix's cells; else each sequence has a KV stream of its
+            # own (n_ctx cells each), as llama-server's slots: its cells stay in position order whatever the others do
+            kv_unified=unified,
+            swa_full=True,  # keep sliding-window layers' full history, so rejected branches can be removed
+            n_threads=threads, n_threads_batch=threads, type_k=KV_TYPES[kv_type], type_v=KV_TYPES[kv_type],
+            op_offload=op_offload, no_perf=True)
         # on_layer(i) as each layer of a pass is computed (layer_callback); kept referenced while the context lives
         self._callback = None if on_layer is None else layer_callback(on_layer, on_layer.active)
         if self._callback is not None:
-            params.cb_eval = self._callback
+            _filled(params, cb_eval=self._callback)
         if flash_attn is not None:
             enabled, disabled = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED, ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            params.flash_attn_type = enabled if flash_attn else disabled
+            _filled(params, flash_attn_type=enabled if flash_attn else disabled)
         self.model = model
         self._settings = {"n_ctx": n_ctx, "n_batch": n_batch, "kv_type": kv_type, "n_threads": n_threads,
                           "flash_attn": flash_attn, "op_offload": op_offload, "n_outputs": n_outputs,
@@ -486,10 +513,8 @@ class Batch:
 def quantize(src: Path, dest: Path, ftype: str, n_threads: int | None = None) -> None:
     """Requantize a GGUF file with llama.cpp's own quantizer (llama_model_quantize)."""
     _init_backend()
-    params = ll.llama_model_quantize_default_params()
-    params.ftype = FTYPES[ftype]
-    params.allow_requantize = True
-    params.nthread = n_threads or default_threads()
+    params = _filled(ll.llama_model_quantize_default_params(), ftype=FTYPES[ftype], allow_requantize=True,
+                     nthread=n_threads or default_threads())
     rc = ll.llama_model_quantize(str(src).encode(), str(dest).encode(), ctypes.byref(params))
     if rc != 0:
         raise UserError(f"llama.cpp could not quantize {src} to {ftype} (code {rc})")
