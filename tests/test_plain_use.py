@@ -152,6 +152,14 @@ def test_a_parameter_llama_cpp_does_not_have_is_an_error() -> None:
     assert load_mode(use_mmap=False, use_mlock=False) == ll.LLAMA_LOAD_MODE_NONE
 
 
+def test_mlock_never_locks_a_streamed_targets_whole_mapping() -> None:
+    from edge.runtimes import ModelOptions
+    from edge.runtimes.llama_cpp import _run_options
+
+    assert _run_options(ModelOptions(mlock=True)).use_mlock
+    assert not _run_options(ModelOptions(mlock=True, streamed=True)).use_mlock  # offload/window.py locks its part
+
+
 def test_mlock_locks_the_weights(smollm2: Pair) -> None:
     import os
     import resource

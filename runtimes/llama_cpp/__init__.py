@@ -88,8 +88,10 @@ def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ
 
 
 def _run_options(options: ModelOptions) -> RunOptions:
+    # mlock locks the whole mapping: never for a streamed target, whose resident part offload/window.py locks
     return RunOptions(n_ctx=options.n_ctx, kv_type=options.kv_type, n_threads=options.threads,
-                      n_gpu_layers=options.gpu_layers, use_mlock=options.mlock, repack=not options.streamed,
+                      n_gpu_layers=options.gpu_layers, use_mlock=options.mlock and not options.streamed,
+                      repack=not options.streamed,
                       layer_progress=options.streamed)
 
 

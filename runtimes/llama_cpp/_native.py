@@ -220,7 +220,7 @@ class Model:
                             "set EDGE_SPEC_LLAMA_LOG=1 to see its log")
         # The repacked weights are read through on every pass from llama.cpp's own allocations, on small pages (the
         # file's mapping is on the page cache's large folios already): huge pages make a one-token pass of
-        # Qwen2.5-Coder-1.5B ~5% faster here (docs/runtimes.md). Only regions the load made, of a huge page or more.
+        # Qwen2.5-Coder-1.5B ~5% faster here (docs/plan.md). Only regions the load made, of LARGE_REGION or more.
         self.huge_page_bytes = libc.collapse_to_huge_pages(
             region for region in libc.anonymous_regions() - before if region[1] - region[0] >= LARGE_REGION)
         self._vocab = ll.llama_model_get_vocab(self._ptr)
