@@ -84,7 +84,7 @@ class _Runner(ModelDefaults):
 
 
 class LayerListener:
-    """What a context's layer callback calls (edge.runtimes.llama_cpp._native.layer_callback): the listener set
+    """What a context's layer callback calls (edge.runtimes.llama_cpp.ggml_calls.layer_callback): the listener set
     since, if any. The callback is fixed when the context is made; the listener (a streamer) comes later. An error
     in it must not reach ggml (ctypes would print it and stop the pass): it is kept and raised after the pass."""
 
