@@ -1,9 +1,8 @@
 """Thin owners of llama.cpp's native objects (model, context, batch).
 
 With ggml_calls.py (ggml's calls the bindings leave out), where edge-spec calls llama.cpp's C API (through
-llama-cpp-python's ctypes bindings). Each class
-frees what it allocates and turns llama.cpp's error codes into exceptions; everything above works with ints, bytes
-and numpy arrays.
+llama-cpp-python's ctypes bindings). Each class frees what it allocates and turns llama.cpp's error codes into
+exceptions; everything above works with ints, bytes and numpy arrays.
 """
 
 from __future__ import annotations
