@@ -232,6 +232,10 @@ class PlannedTarget:
     use: str = "drafter"  # offload/choice.py's: "drafter" (the pair as named), "plain" or "lookup" (the target alone)
     note: str | None = None  # the plan's choice and why, in one line (where it chose)
     rates: tuple[tuple[str, float], ...] = ()  # where it chose: each use weighed and its predicted tokens/s
+    # streamed: the KV cache's cells the plan gave room to besides `resident`, and its bytes a cell (past them the
+    # resident set gives the cache room: offload/window.py, WindowedTarget); 0: room for the whole context
+    kv_cells: int = 0
+    kv_cell_bytes: float = 0.0
 
 
 def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _quiet,
@@ -272,7 +276,8 @@ def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _q
                f"{plan.ssd_bytes / 2**30:.2f} GiB are read from the drive on every pass")
     # on a GPU the installed llama.cpp can use (models.planning.usable_gpus); load_pair says so unless told otherwise
     gpu_layers = plan.target.n_gpu_layers if plan.machine.vram_free else 0
-    return PlannedTarget(gpu_layers, streamed, max_tree if use != "plain" else None, resident, use, note, rates)
+    return PlannedTarget(gpu_layers, streamed, max_tree if use != "plain" else None, resident, use, note, rates,
+                         plan.target.kv_cells, plan.target.kv_cell_bytes())
 
 
 def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, models_file: Path | None = None,
@@ -338,7 +343,8 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
                     drafter.close()
                 raise
         elif streamed and options.readahead:
-            target = streamed_in_window(target, target_file, report, planned.resident, stock)
+            target = streamed_in_window(target, target_file, report, planned.resident, stock, planned.kv_cells,
+                                        planned.kv_cell_bytes)
         if target.n_ctx != spec.ctx:
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
     warning = None if stock else runtime(spec.target.runtime).lossless_guarantee(
@@ -430,16 +436,17 @@ def drafter_threads(threads: int | None, placement: str, readahead: bool) -> int
 
 
 def streamed_in_window(target: Target, path: Path, report: Report = _quiet, resident: int = 0,
-                       plain: bool = False) -> Target:
+                       plain: bool = False, kv_cells: int = 0, kv_cell_bytes: float = 0.0) -> Target:
     """A target the plan streams (it does not fit beside the rest): the first `resident` bytes in pass order kept in
     RAM, the rest read ahead in a window that follows its passes (offload/window.py), both sized by the memory left
-    now that both models are loaded; `plain`: it decodes plainly (one row of logits, no tree beside its pages)."""
+    now that both models are loaded, less room for `kv_cells` cells of its KV cache (`kv_cell_bytes` each: the resident
+    set gives it room past them); `plain`: it decodes plainly (one row of logits, no tree beside its pages)."""
     from edge.offload.window import WindowedTarget, free_memory, resident_room, window_bytes
 
-    room = free_memory(path)
+    room = free_memory(path) - round(kv_cells * kv_cell_bytes)
     resident = resident_room(resident, room, plain)
     window = window_bytes(room - resident, plain)
-    streamed = WindowedTarget(target, path, window, resident)
+    streamed = WindowedTarget(target, path, window, resident, kv_cells, kv_cell_bytes)
     streamer = streamed.streamer
     if streamer.resident_bytes:
         how = "locked" if streamer.locked else "read once, never dropped (mlock was refused)"

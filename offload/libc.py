@@ -22,6 +22,7 @@ MADV_POPULATE_READ = 22  # Linux >= 5.14: fault the pages in (reading them), as 
 MADV_HUGEPAGE = 14  # back the range with transparent huge pages where the system has them
 MADV_COLLAPSE = 25  # Linux >= 6.1: now, in place, the data kept (safe while other threads read or write it)
 THP = Path("/sys/kernel/mm/transparent_hugepage")
+ZERO_SCAN_PAGES = 1024  # pages checked for zeros at a time (release_zero_pages)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -102,6 +103,55 @@ def anonymous_regions() -> set[tuple[int, int]]:
                 start, end = fields[0].split("-")
                 regions.add((int(start, 16), int(end, 16)))
     return regions
+
+
+def new_memory(before: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of this process's anonymous mappings (anonymous_regions) that none of `before` covered: what was
+    mapped since. A new mapping the kernel merged into a neighbouring one counts without its neighbour."""
+    fresh = []
+    old = sorted(before)
+    for start, end in sorted(anonymous_regions()):
+        for low, high in old:
+            if high <= start or low >= end:
+                continue
+            if low > start:
+                fresh.append((start, low))
+            start = max(start, high)
+            if start >= end:
+                break
+        if start < end:
+            fresh.append((start, end))
+    return fresh
+
+
+def release_zero_pages(regions: Iterable[tuple[int, int]]) -> int:
+    """Give back the resident pages of these private anonymous regions that hold only zero bytes (MADV_DONTNEED): such
+    a page reads as zeros again, and takes memory again once written. Returns the bytes given back. Only for memory no
+    other thread writes meanwhile: a write between the check and the advice would be lost."""
+    page = mmap.PAGESIZE
+    released = 0
+    for start, end in regions:
+        first, last = -(-start // page) * page, end // page * page
+        if last <= first:
+            continue
+        resident = resident_pages(first, last - first)
+        words = np.ctypeslib.as_array((ctypes.c_uint64 * ((last - first) // 8)).from_address(first))
+        pages = words.reshape(-1, page // 8)
+        zero = np.zeros(len(pages), bool)
+        for low, high in _runs(resident):  # a page not resident is not read: reading would map it
+            for chunk in range(low, high, ZERO_SCAN_PAGES):
+                stop = min(high, chunk + ZERO_SCAN_PAGES)
+                zero[chunk:stop] = ~pages[chunk:stop].any(axis=1)
+        for low, high in _runs(zero):
+            madvise(first + low * page, (high - low) * page, MADV_DONTNEED)
+            released += (high - low) * page
+    return released
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """The [low, high) runs of True in a bool array."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], flags, [False]]).astype(np.int8)))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
 
 
 def huge_page_size() -> int:

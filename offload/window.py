@@ -33,14 +33,20 @@ import mmap
 import os
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 from edge.offload import libc
 from edge.offload.libc import MADV_DONTNEED, MADV_POPULATE_READ
 from edge.offload.ssd import READAHEAD_CHUNK, SsdStreamer, SsdTarget, pass_order, readahead_order
 
 from edge.protocols import Target
+
+if TYPE_CHECKING:
+    from edge.tree import TokenTree
 
 WINDOW_SHARE = 0.5  # of the memory free for the target's pages, what the read-ahead may hold past the pass
 PASS_MARGIN = 96 << 20  # bytes a pass still allocates after loading (logits rows, compute buffers): not for pages
@@ -71,7 +77,20 @@ class WindowedStreamer(SsdStreamer):
     def __init__(self, path: Path, window: int, resident: int = 0):
         super().__init__(path, readahead=True)
         self.window = window
-        self.spans, self.resident = _resident_set(self._spans(), resident)  # self.resident: the spans that stay
+        self._all_spans = self._spans()
+        self._kept: list[tuple[int, int]] = []
+        self._place(resident)
+        self.locked = self._keep_resident()
+        self._moved = threading.Condition()
+        self._done = -1  # the last layer of the running pass computed (-1: none yet)
+        self._read: set[int] = set()  # the spans asked for this pass and not dropped yet
+        self._asked = 0  # spans asked for so far, in pass order (skipped ones included)
+        self._following = False  # a read-ahead runs for this pass: its layers are dropped as it computes them
+        self._early = False
+
+    def _place(self, resident: int) -> None:
+        """Split the spans into the resident set (`resident` bytes: _resident_set) and the streamed rest."""
+        self.spans, self.resident = _resident_set(self._all_spans, resident)  # self.resident: the spans that stay
         streamed = [span for index, span in enumerate(self.spans) if index not in self.resident]
         self._ranges = [(span.start, span.end) for span in streamed]  # what a whole read-ahead reads
         self.resident_bytes = sum(self.spans[index].size for index in self.resident)
@@ -82,16 +101,29 @@ class WindowedStreamer(SsdStreamer):
         self._regions = {layer: [_outside(run, self._kept) for run in runs]
                          for layer, runs in _regions(streamed).items()}
         self._streamed_runs = [_outside(run, self._kept) for run in _runs(streamed)]
-        self.locked = self._keep_resident()
-        self._moved = threading.Condition()
-        self._done = -1  # the last layer of the running pass computed (-1: none yet)
-        self._read: set[int] = set()  # the spans asked for this pass and not dropped yet
-        self._asked = 0  # spans asked for so far, in pass order (skipped ones included)
-        self._following = False  # a read-ahead runs for this pass: its layers are dropped as it computes them
         # with a resident set, the pass's last streamed layer: once it is computed (and dropped), the next pass's
         # read-ahead starts, while this pass computes its resident head (`_early`: it has)
         self._last_streamed = max((span.layer for span in streamed), default=-1) if self.resident else -1
-        self._early = False
+
+    def give_way(self, n_bytes: int) -> int:
+        """Between passes: shrink the resident set by `n_bytes` (the KV cache grows into their room), its last
+        tensors in pass order now streamed. Their pages are unlocked, left to the next pass to read and drop behind
+        it as it drops every streamed layer's. Returns the bytes the set shrank by."""
+        if n_bytes <= 0 or not self.resident:
+            return 0
+        self._cancel_readahead()  # the next pass's read-ahead, started on the old set
+        kept, before = self._kept, self.resident_bytes
+        self._place(max(0, before - n_bytes))
+        if self.locked:
+            for start, end in _minus(kept, self._kept):
+                with contextlib.suppress(OSError):
+                    libc.munlock(start, end - start)
+        with self._moved:
+            self._reset()
+            self._following = False
+        super().after_pass(evict=False)  # a read-ahead thread for the next pass, on the new set
+        self.prefetch()
+        return before - self.resident_bytes
 
     def _spans(self) -> list[Span]:
         order = readahead_order(pass_order(self.path))
@@ -289,10 +321,33 @@ class WindowedTarget(SsdTarget):
     """A Target streamed from its file with a windowed read-ahead (WindowedStreamer); where its runtime cannot say
     which layer a pass is at, with none (the kernel's page faults alone)."""
 
-    def __init__(self, target: Target, path: Path, window: int, resident: int = 0):
+    def __init__(self, target: Target, path: Path, window: int, resident: int = 0, kv_cells: int = 0,
+                 kv_cell_bytes: float = 0.0):
         streamer = WindowedStreamer(path, window, resident)
         streamer.readahead = target.follow_layers(streamer.on_layer, streamer.following)
         super().__init__(target, path, streamer=streamer)
+        # the KV cache's cells the memory has room for besides the resident set (the plan's KV_RESERVE_CELLS, 0: all),
+        # and its bytes a cell: a pass that writes cells past them first takes their room from the resident set
+        self.kv_cells, self.kv_cell_bytes = kv_cells, kv_cell_bytes
+
+    def _room_for(self, n_tokens: int) -> None:
+        """Before a pass that writes `n_tokens` cells past the cache's (and what the target defers to it)."""
+        from edge.offload.plan import KV_STEP_CELLS
+
+        cells = self.inner.n_past + self.deferred + n_tokens
+        if not self.kv_cells or cells <= self.kv_cells:
+            return
+        grown = min(max(self.n_ctx, cells), -(-cells // KV_STEP_CELLS) * KV_STEP_CELLS)
+        self.ssd.give_way(round((grown - self.kv_cells) * self.kv_cell_bytes))
+        self.kv_cells = grown
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self._room_for(len(tokens))
+        super().prefill(tokens)
+
+    def verify(self, tree: TokenTree) -> np.ndarray:
+        self._room_for(len(tree))
+        return super().verify(tree)
 
 
 def _resident_set(spans: list[Span], resident: int) -> tuple[list[Span], frozenset[int]]:
@@ -337,6 +392,21 @@ def _runs(spans: list[Span]) -> list[tuple[int, int, int]]:
         else:
             runs.append((span.start, span.end, span.offset))
     return runs
+
+
+def _minus(ranges: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the (start, end) `ranges` outside every range of `taken`."""
+    left = []
+    for start, end in ranges:
+        for low, high in sorted(taken):
+            if high <= start or low >= end:
+                continue
+            if low > start:
+                left.append((start, low))
+            start = max(start, high)
+        if start < end:
+            left.append((start, end))
+    return left
 
 
 def _whole_pages(runs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:

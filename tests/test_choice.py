@@ -9,7 +9,7 @@ import pytest
 from edge.models.registry import load_registry
 from edge.offload.choice import choose, reason, weigh_uses
 from edge.offload.machine import Machine, parse_machine
-from edge.offload.plan import GIB, RAM_HEADROOM, Shape, plan_pair, stream_room
+from edge.offload.plan import GIB, KV_RESERVE_CELLS, RAM_HEADROOM, Shape, plan_pair, stream_room
 
 from edge.budget import prior_tokens
 from edge.errors import UserError
@@ -42,11 +42,12 @@ def test_what_fits_beside_the_rest_stays_resident_and_only_the_rest_streams(ram_
     own room (2 layers in flight) stays resident; a pass reads only the rest from the drive."""
     plan = plan_on(f"ram={ram_gib}G,disk=3GB/s")
     target, shape = plan.target, plan.target.shape
-    room = ram_gib * GIB - RAM_HEADROOM - plan.drafter.ram_bytes - target.kv_bytes
+    reserve = -(-target.kv_bytes * KV_RESERVE_CELLS // plan.ctx)  # the KV cache's first cells (then it takes room)
+    room = ram_gib * GIB - RAM_HEADROOM - plan.drafter.ram_bytes - reserve
     assert stream_room(shape) == pytest.approx(2 * shape.layer_bytes / 80, abs=1)
     assert target.placement == "ssd" and target.resident_bytes == pytest.approx(room - stream_room(shape), abs=4096)
     assert plan.ssd_bytes == shape.streamed_bytes - target.resident_bytes
-    assert target.ram_bytes == target.kv_bytes + target.resident_bytes <= ram_gib * GIB - RAM_HEADROOM
+    assert target.ram_bytes == reserve + target.resident_bytes <= ram_gib * GIB - RAM_HEADROOM
     compute = 2 * shape.n_params / (8 * 135e9)
     # the resident part at RAM speed (or its arithmetic, the longer), the streamed part read and computed in turn
     # (the read-ahead's overlap did not show in measured passes: docs/plan.md)
@@ -80,7 +81,7 @@ def test_where_the_drafter_would_push_the_target_out_of_memory_it_is_dropped() -
     cost nearly all of the target's residency, so the target keeps the memory and decodes plainly from RAM."""
     use, uses = chosen(1300)
     assert uses["drafter"].plan.target.placement == "ssd"
-    assert uses["drafter"].plan.target.resident_bytes < TARGET.streamed_bytes / 8
+    assert uses["drafter"].plan.target.resident_bytes < TARGET.streamed_bytes / 4
     assert use.name == "plain" and use.plan.target.placement == "ram"
     assert use.tokens_per_s > 3 * uses["drafter"].tokens_per_s
 

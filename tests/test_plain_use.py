@@ -183,3 +183,40 @@ def test_mlock_locks_the_weights(smollm2: Pair) -> None:
     finally:
         model.close()
     assert locked() <= before + (1 << 20)
+
+
+def _anonymous() -> int:
+    """This process's resident anonymous memory, in bytes (RssAnon)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) << 10 for line in status if line.startswith("RssAnon:"))
+
+
+def test_a_kv_cache_takes_memory_as_its_cells_are_written(smollm2: Pair) -> None:
+    """llama.cpp zeroes a new context's KV cache, which committed all of it (90 MiB for SmolLM2's 4096 f16 cells);
+    those pages are given back, and the cache takes memory as cells are written: a streamed target's resident set
+    holds what the rest of the context would have taken (offload/plan.py, KV_RESERVE_CELLS)."""
+    import numpy as np
+    from edge.offload.plan import Shape, kv_bytes
+    from edge.runtimes.llama_cpp._native import Batch, Context, Model
+
+    path = smollm2.target.path
+    whole = kv_bytes(Shape.from_gguf(path), 4096, "f16")
+    model = Model(path)
+    try:
+        before = _anonymous()
+        ctx = Context(model, 4096, n_batch=64, n_outputs=1, sequences=1)
+        try:
+            made = _anonymous() - before
+            assert ctx.released_bytes >= 0.95 * whole and made < 0.1 * whole, (made, ctx.released_bytes, whole)
+            batch = Batch(64)
+            tokens = np.random.default_rng(0).integers(100, 10_000, 256).tolist()
+            for start in range(0, 256, 64):
+                batch.fill(tokens[start:start + 64], start, outputs=np.arange(64) == 63)
+                ctx.decode(batch)
+            written = _anonymous() - before
+            # 256 of 4096 cells: their KV (1/16 of it) and the passes' compute memory, not the whole cache
+            assert whole / 16 < written < 0.35 * whole, (written, whole)
+        finally:
+            ctx.close()
+    finally:
+        model.close()

@@ -21,6 +21,7 @@ from edge.models.sources import model_path
 from edge.offload.machine import parse_machine
 from edge.offload.plan import (
     GIB,
+    KV_RESERVE_CELLS,
     Shape,
     kv_bytes,
     plan_pair,
@@ -37,6 +38,10 @@ runner = CliRunner()
 def shapes(pair=LLAMA_70B) -> tuple[Shape, Shape]:
     assert pair.target.facts is not None and pair.drafter.facts is not None
     return Shape.from_facts(pair.target.facts), Shape.from_facts(pair.drafter.facts)
+
+
+# the 70B pair with a context of KV_RESERVE_CELLS: its KV cache planned whole, no room of it lent to weights
+SHORT_70B = replace(LLAMA_70B, ctx=KV_RESERVE_CELLS)
 
 
 def plan_on(machine: str, pair=LLAMA_70B):
@@ -145,17 +150,27 @@ def test_fits_in_ram() -> None:
 
 
 def test_bigger_than_ram_streams_from_the_ssd() -> None:
-    plan = plan_on("ram=6G,disk=3GB/s")  # 6 GiB: the 2 GiB headroom, the drafter and the KV cache leave no room
-    assert plan.target.placement == "ssd" and plan.target.use_mmap
+    # 6 GiB: past the 2 GiB headroom and the drafter, room for the whole context's KV cache (2.5 GiB at 8192 tokens)
+    # and the stream's pages. Until the context fills, the cache's room holds weights: the plan counts its first
+    # KV_RESERVE_CELLS cells, and the resident set gives the cache room as it grows.
+    held = plan_on("ram=6G,disk=3GB/s")
+    target = held.target
+    reserve = -(-target.kv_bytes * KV_RESERVE_CELLS // 8192)
+    assert target.placement == "ssd" and target.use_mmap and target.kv_cells == KV_RESERVE_CELLS
+    assert target.ram_bytes == reserve + target.resident_bytes
+    assert 0.8 * (target.kv_bytes - reserve) < target.resident_bytes <= target.kv_bytes - reserve
+    assert held.ssd_bytes == target.shape.streamed_bytes - target.resident_bytes
+    assert any(f"{KV_RESERVE_CELLS} tokens' worth" in note for note in held.notes)
+    assert not held.drafter.use_mmap  # kept out of the page cache the target streams through
+    plan = plan_on("ram=3.5G,disk=3GB/s", SHORT_70B)  # room for the KV cache and the stream's pages alone
     assert plan.target.resident_bytes == 0 and plan.ssd_bytes == plan.target.shape.streamed_bytes
-    assert not plan.drafter.use_mmap  # kept out of the page cache the target streams through
     # the CPU computes from the mapping: the drive's read (40.12 GB at 3 GB/s) and the arithmetic add up
     compute = 2 * plan.target.shape.n_params / (8 * 135e9)  # seconds a token on 8 described cores
     assert plan.one_token.bound == "disk" and plan.one_token.seconds == pytest.approx(40.12 / 3 + compute, rel=0.01)
     # 256 tokens: 2 x 70.6G x 256 / (8 x 135 GFLOP/s) = 33.5 s of arithmetic, after the 13.4 s read
     assert LLAMA_70B.budget == "auto" and plan.tree.n_tokens == 256  # auto plans for the largest tree
     assert plan.tree.bound == "CPU compute" and plan.tree.seconds == pytest.approx(40.12 / 3 + 33.5, rel=0.01)
-    small = plan_on("ram=6G,disk=3GB/s", replace(LLAMA_70B, budget=16))
+    small = plan_on("ram=3.5G,disk=3GB/s", replace(SHORT_70B, budget=16))
     assert small.tree.bound == "disk" and small.tree.seconds == pytest.approx(40.12 / 3 + 17 * compute, rel=0.01)
 
 
@@ -379,7 +394,7 @@ def test_a_bad_acceptance_file_is_one_line(tmp_path: Path, content: str | None, 
 def test_expected_rates_pick_the_fastest_budget(tmp_path: Path) -> None:
     from edge.offload.expected import expected_rates, pick, read_acceptance
 
-    plan = plan_on("ram=6G,disk=3GB/s")  # nothing resident: 13.5 s a token from the drive, +0.13 s a token more
+    plan = plan_on("ram=3.5G,disk=3GB/s", SHORT_70B)  # nothing resident: 13.5 s a token from the drive, +0.13 s more
     rates = expected_rates(plan, read_acceptance(bench_json(tmp_path / "b.json", {16: 4.0, 255: 8.0})))
     plain, sixteen, large = rates
     assert plain.budget == 0 and plain.tokens_per_s == pytest.approx(1 / plan.one_token.seconds)

@@ -50,14 +50,16 @@ def test_a_pass_says_each_layer_and_its_logits_do_not_change(f16_file) -> None:
 
 
 @contextmanager
-def windowed(f16_file: Path, window: int, resident: int = 0) -> Iterator[tuple[WindowedTarget, np.ndarray]]:
-    """The F16 target streamed in a window (and a resident set), with its logits for a chain computed in RAM first."""
+def windowed(f16_file: Path, window: int, resident: int = 0, kv_cells: int = 0,
+             kv_cell_bytes: float = 0.0) -> Iterator[tuple[WindowedTarget, np.ndarray]]:
+    """The F16 target streamed in a window (and a resident set, which gives a KV cache of `kv_cells` cells room as it
+    grows), with its logits for a chain computed in RAM first."""
     inner = load_target(f16_file, RunOptions(n_ctx=256, kv_type="bf16", repack=False, layer_progress=True))
     try:
         inner.prefill([1, 2, 3, 4])
         in_ram = inner.verify(chain([5, 6, 7])).copy()
         inner.truncate(0)
-        target = WindowedTarget(inner, f16_file, window, resident)
+        target = WindowedTarget(inner, f16_file, window, resident, kv_cells, kv_cell_bytes)
     except BaseException:
         inner.close()
         raise
@@ -165,6 +167,43 @@ def test_the_resident_set_stays_and_a_pass_reads_only_the_streamed_part(f16_file
             # most one window of the pass after them
             assert read <= 2 * streamer.streamed_bytes * 1.1 + streamer.window
             assert read >= streamer.streamed_bytes
+
+
+def test_the_resident_set_gives_the_kv_cache_room_as_the_context_fills(f16_file) -> None:
+    """The plan gave the KV cache room for its first cells alone: a pass that writes cells past them first shrinks
+    the resident set by their bytes (KV_STEP_CELLS at a time, up to the context), its last tensors unlocked and
+    streamed from then on; the head and the first layers stay, and the logits do not change."""
+    from edge.offload.plan import KV_STEP_CELLS
+
+    def locked() -> int:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmLck:"))
+
+    size = f16_file.stat().st_size
+    cell = size / 4096  # a cell's KV bytes, made large: 252 cells are a sixteenth of the file
+    with windowed(f16_file, size // 8, resident=size // 2, kv_cells=4, kv_cell_bytes=cell) as (target, in_ram):
+        streamer = target.streamer
+        kept, held, was_locked = sorted(streamer.resident), streamer.resident_bytes, locked()
+        target.prefill([1, 2, 3, 4])  # 4 cells: room for them
+        assert streamer.resident_bytes == held and target.kv_cells == 4
+        logits = target.verify(chain([5, 6, 7]))  # 7 cells: the cache grows to the context (256, one step)
+        assert KV_STEP_CELLS >= target.n_ctx == target.kv_cells == 256
+        assert np.array_equal(logits, in_ram)
+        given = held - streamer.resident_bytes
+        assert given == pytest.approx(252 * cell, abs=2 * 4096)
+        now = sorted(streamer.resident)
+        head = [i for i, span in enumerate(streamer.spans) if span.layer == streamer.spans[-1].layer]
+        assert set(head) <= set(now) and min(set(now) - set(head)) == min(set(kept) - set(head))  # the first layers
+        assert len(now) < len(kept)
+        if streamer.locked:
+            assert was_locked - locked() == pytest.approx(given, abs=64 << 10)  # unlocked as they left the set
+        streamer.wait_evicted()
+        streamer._cancel_readahead()
+        assert _resident_share(streamer.spans, now) > 0.99  # what stays, stays
+        rest = [i for i in range(len(streamer.spans)) if i not in streamer.resident]
+        assert _resident_share(streamer.spans, rest) < streamer.window / streamer.streamed_bytes + 0.05
+        target.truncate(4)
+        assert np.array_equal(target.verify(chain([5, 6, 7])), in_ram) and streamer.resident_bytes == held - given
 
 
 def test_a_replys_bytes_read_per_pass_count_the_prompts_pass(f16_file) -> None:
