@@ -66,7 +66,7 @@ def planned_spec(spec: PairSpec, options: LoadOptions) -> PairSpec:
     if options.parallel == 1:
         return spec
     lanes = 2 * options.parallel if options.drafter_model else options.parallel
-    return replace(spec, ctx=spec.ctx * (lanes + 1))
+    return replace(spec, ctx=spec.ctx * (lanes + 1), contexts=lanes + 1)
 
 
 def lanes_that_fit(options: LoadOptions, most: int = MOST_LANES, machine: str | None = None) -> tuple[int, str]:

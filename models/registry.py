@@ -85,6 +85,9 @@ class PairSpec:
     drafter: ModelSpec
     ctx: int = 4096
     budget: int | str = "auto"  # draft nodes per tree, or "auto": chosen round by round (offload/tuning.py)
+    # the KV caches `ctx` counts the cells of, together: a server's lanes and the target's own context (planned_spec);
+    # only one context's cells are followed as they are written (offload/plan.py, KV_RESERVE_CELLS)
+    contexts: int = 1
 
 
 @dataclass(frozen=True)

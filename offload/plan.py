@@ -447,8 +447,9 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
         # rest passes through the page cache on every pass; as the context fills, the cache takes the resident set's
         # room (KV_RESERVE_CELLS)
         placement = "ssd"
-        kv_cells = min(pair.ctx, KV_RESERVE_CELLS)
-        kv_ram = math.ceil(kv_ram * kv_cells / pair.ctx)
+        if pair.contexts == 1:  # a server's lanes fill caches of their own, which no pass of the target follows
+            kv_cells = min(pair.ctx, KV_RESERVE_CELLS)
+            kv_ram = math.ceil(kv_ram * kv_cells / pair.ctx)
         resident = resident_share(shape, off_gpu - lookup, ram_left - kv_ram)
         ram = kv_ram + resident
     # Streamed weights must be used from the mapping: a repacked copy of a file larger than RAM cannot be made.

@@ -95,6 +95,26 @@ def test_a_little_less_room_keeps_most_of_the_target_resident() -> None:
     assert use.plan.ssd_bytes == TARGET.streamed_bytes - target.resident_bytes
 
 
+def test_the_kv_caches_room_past_its_first_cells_holds_weights_but_not_beside_lanes() -> None:
+    """With 1000 MiB free the target decodes plainly: its KV cache is counted for KV_RESERVE_CELLS cells, and the
+    room of the rest of its 4096 (98 MiB) stays resident until the context needs it. A server's lanes fill caches of
+    their own, which no pass of the target follows: with them the plan counts every cell."""
+    from dataclasses import replace
+
+    from edge.offload.plan import kv_bytes
+
+    use, _ = chosen(1000)
+    target = use.plan.target
+    whole, reserve = kv_bytes(TARGET, 4096, "f16"), kv_bytes(TARGET, KV_RESERVE_CELLS, "f16")
+    assert use.name == "plain" and target.placement == "ssd" and target.kv_cells == KV_RESERVE_CELLS
+    assert target.ram_bytes == -(-target.kv_bytes * KV_RESERVE_CELLS // 4096) + target.resident_bytes
+    assert whole == 4096 * 28 * 1024 and target.kv_cell_bytes() == 28 * 1024
+    lanes = plan_pair(replace(QWEN, ctx=5 * 4096, contexts=5), TARGET, None, machine(1000), plain=True)
+    alone = plan_pair(replace(QWEN, ctx=5 * 4096), TARGET, None, machine(1000), plain=True)
+    assert lanes.target.kv_cells == 0 and lanes.target.ram_bytes == lanes.target.kv_bytes + lanes.target.resident_bytes
+    assert alone.target.resident_bytes - lanes.target.resident_bytes == pytest.approx(5 * whole - reserve, abs=4096)
+
+
 def test_where_neither_fits_a_slow_drive_makes_the_drafters_trees_pay() -> None:
     """Far below the target's own size every use streams most of it: a pass costs the drive's read whatever it
     carries, and the drafter's trees share that read over several tokens. (The 70B pair with 12 GiB: the Qwen pair's
