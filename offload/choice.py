@@ -80,18 +80,11 @@ def weigh_uses(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Ma
     """Every use of the memory that fits here, priced; `lookup`: lookup drafting is allowed; `stream`: the target is
     read from the drive every pass whatever fits (--placement ssd). Raises the plan's UserError where none fits."""
     uses: list[Use] = []
-    refusal: UserError | None = None
     if drafter is not None:
-        try:
+        with suppress(UserError):
             uses.append(_drafting(pair, target, drafter, machine, stream))
-        except UserError as problem:
-            refusal = problem
-    try:
-        alone = plan_pair(pair, target, None, machine, stream, plain=True)
-    except UserError:
-        if not uses and refusal is not None:
-            raise refusal from None
-        raise
+    # the target alone needs the least memory of any use: where it does not fit, its refusal says what it needs
+    alone = plan_pair(pair, target, None, machine, stream, plain=True)
     uses.append(Use(0, 1.0, 0.0, alone.one_token.seconds, "plain", alone))
     if lookup:
         with suppress(UserError):

@@ -115,6 +115,15 @@ def test_the_kv_caches_room_past_its_first_cells_holds_weights_but_not_beside_la
     assert alone.target.resident_bytes - lanes.target.resident_bytes == pytest.approx(5 * whole - reserve, abs=4096)
 
 
+def test_where_no_use_fits_the_refusal_says_what_the_target_alone_needs() -> None:
+    """Under a 200 MiB limit (150 MiB free once started) not even the target alone fits: the one line says what that
+    smallest use needs (its KV cache), not what the drafter would have needed."""
+    with pytest.raises(UserError) as refused:
+        weigh_uses(QWEN, TARGET, DRAFTER, machine(150), True)
+    assert "the target's" in str(refused.value) and "KV cache for 4096 tokens needs 0.11 GiB" in str(refused.value)
+    assert "drafter needs" not in str(refused.value)
+
+
 def test_where_neither_fits_a_slow_drive_makes_the_drafters_trees_pay() -> None:
     """Far below the target's own size every use streams most of it: a pass costs the drive's read whatever it
     carries, and the drafter's trees share that read over several tokens. (The 70B pair with 12 GiB: the Qwen pair's
