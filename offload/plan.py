@@ -217,7 +217,8 @@ def plan_pair(pair: PairSpec, target: Shape, drafter: Shape | None, machine: Mac
             draft = _place_drafter(pair, drafter, gpu, vram_left, ram_left, n_tree, room) if drafter is not None \
                 else _no_drafter(pair, target)
             main = _place_target(pair, target, gpu, vram_left - draft.vram_bytes, ram_left - draft.ram_bytes, n_tree,
-                                 room, CAPPED_PAGE_SLACK if machine.capped else 0)
+                                 f"the drafter and {room}" if drafter is not None else room,
+                                 CAPPED_PAGE_SLACK if machine.capped else 0)
             break
         except UserError:
             if n_tree == sizes[-1]:
@@ -419,8 +420,8 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
         if need <= ram_left:
             return ModelPlan(placement="ram", n_gpu_layers=0, ram_bytes=need, vram_bytes=0, **common)
         raise UserError(f"pair {pair.name} cannot run here: its {model.runtime} target loads whole and needs "
-                        f"{gib(need)} (weights + KV cache) but {gib(max(ram_left, 0))} of RAM is free past the "
-                        f"drafter and {room}; use a target that streams from the SSD "
+                        f"{gib(need)} (weights + KV cache) but {gib(max(ram_left, 0))} of RAM is free past "
+                        f"{room}; use a target that streams from the SSD "
                         f"(runtime = \"{DEFAULT}\")")
     layer = shape.layer_bytes / shape.n_layers
     kv_layer = kv / shape.n_layers
@@ -433,7 +434,7 @@ def _place_target(pair: PairSpec, shape: Shape, gpu: bool, vram_left: int, ram_l
     if kv_ram > ram_left:
         raise UserError(f"pair {pair.name} cannot run here: the target's {kv_type} KV cache for {pair.ctx} tokens "
                         f"needs {gib(kv_ram)} of RAM{' off the GPU' if n_gpu else ''} but {gib(max(ram_left, 0))} "
-                        f"is free past the drafter and {room}; lower the context (ctx) or free memory", "ctx")
+                        f"is free past {room}; lower the context (ctx) or free memory", "ctx")
     off_gpu = shape.file_bytes - round(n_gpu * layer) - (head if with_head else 0)  # lookup table included
     # of the looked-up table, only the rows of the context's tokens are ever read (mapped: only they take memory)
     in_use = off_gpu - lookup + touched_rows(shape, pair.ctx)
