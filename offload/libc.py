@@ -108,20 +108,23 @@ def anonymous_regions() -> set[tuple[int, int]]:
 def new_memory(before: set[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of this process's anonymous mappings (anonymous_regions) that none of `before` covered: what was
     mapped since. A new mapping the kernel merged into a neighbouring one counts without its neighbour."""
-    fresh = []
-    old = sorted(before)
-    for start, end in sorted(anonymous_regions()):
-        for low, high in old:
+    return ranges_outside(sorted(anonymous_regions()), before)
+
+
+def ranges_outside(ranges: Iterable[tuple[int, int]], taken: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the [start, end) `ranges` that no range of `taken` covers."""
+    taken = sorted(taken)
+    left = []
+    for start, end in ranges:
+        for low, high in taken:
             if high <= start or low >= end:
                 continue
             if low > start:
-                fresh.append((start, low))
+                left.append((start, low))
             start = max(start, high)
-            if start >= end:
-                break
         if start < end:
-            fresh.append((start, end))
-    return fresh
+            left.append((start, end))
+    return left
 
 
 def release_zero_pages(regions: Iterable[tuple[int, int]]) -> int:

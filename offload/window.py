@@ -115,7 +115,7 @@ class WindowedStreamer(SsdStreamer):
         kept, before = self._kept, self.resident_bytes
         self._place(max(0, before - n_bytes))
         if self.locked:
-            for start, end in _minus(kept, self._kept):
+            for start, end in libc.ranges_outside(kept, self._kept):
                 with contextlib.suppress(OSError):
                     libc.munlock(start, end - start)
         with self._moved:
@@ -392,21 +392,6 @@ def _runs(spans: list[Span]) -> list[tuple[int, int, int]]:
         else:
             runs.append((span.start, span.end, span.offset))
     return runs
-
-
-def _minus(ranges: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of the (start, end) `ranges` outside every range of `taken`."""
-    left = []
-    for start, end in ranges:
-        for low, high in sorted(taken):
-            if high <= start or low >= end:
-                continue
-            if low > start:
-                left.append((start, low))
-            start = max(start, high)
-        if start < end:
-            left.append((start, end))
-    return left
 
 
 def _whole_pages(runs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:

@@ -312,3 +312,11 @@ def test_the_streams_room_leaves_out_the_processs_own_code(monkeypatch: pytest.M
     assert abs(free_memory(Path("/nonexistent")) - ((8 << 30) - code)) <= 16 << 20  # (this process's own mappings)
     monkeypatch.setattr(probe, "free_bytes", lambda: code // 2)
     assert free_memory(Path("/nonexistent")) == 0
+
+
+def test_ranges_outside_others_are_what_none_of_them_covers() -> None:
+    from edge.offload.libc import ranges_outside
+
+    assert ranges_outside([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
+    assert ranges_outside([(0, 100), (200, 300)], [(90, 210)]) == [(0, 90), (210, 300)]
+    assert ranges_outside([(0, 100)], [(0, 100)]) == [] and ranges_outside([(5, 9)], []) == [(5, 9)]
