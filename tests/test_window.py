@@ -320,3 +320,17 @@ def test_ranges_outside_others_are_what_none_of_them_covers() -> None:
     assert ranges_outside([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
     assert ranges_outside([(0, 100), (200, 300)], [(90, 210)]) == [(0, 90), (210, 300)]
     assert ranges_outside([(0, 100)], [(0, 100)]) == [] and ranges_outside([(5, 9)], []) == [(5, 9)]
+
+
+def test_a_core_is_left_to_the_read_ahead_only_where_a_pass_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed target decoding plainly computes on one core fewer, left to the read-ahead; where the plan keeps all
+    of it resident (a pass reads nothing: Qwen2.5-Coder-1.5B under 1175 MiB) it computes on every core."""
+    import edge.models.loading as loading
+    from edge.options import LoadOptions
+
+    monkeypatch.setattr(loading, "default_threads", lambda: 4)
+    options = LoadOptions()
+    assert loading.target_threads(options, stock=True, reads=True) == 3
+    assert loading.target_threads(options, stock=True, reads=False) is None  # every core
+    assert loading.target_threads(LoadOptions(threads=2), stock=True, reads=True) == 2  # as asked
+    assert loading.target_threads(options, stock=False, reads=True) is None  # a drafter's trees: theirs to share
