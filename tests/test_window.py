@@ -326,6 +326,7 @@ def test_a_core_is_left_to_the_read_ahead_only_where_a_pass_reads(monkeypatch: p
     """A streamed target decoding plainly computes on one core fewer, left to the read-ahead; where the plan keeps all
     of it resident (a pass reads nothing: Qwen2.5-Coder-1.5B under 1175 MiB) it computes on every core."""
     import edge.models.loading as loading
+
     from edge.options import LoadOptions
 
     monkeypatch.setattr(loading, "default_threads", lambda: 4)
