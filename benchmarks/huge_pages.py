@@ -41,14 +41,14 @@ def main() -> None:
     args = parser.parse_args()
 
     from edge.offload import libc
-    from edge.runtimes.llama_cpp._native import LARGE_REGION
+    from edge.runtimes.llama_cpp._native import large_regions_since
 
     import edge
     from edge.sampling import SamplingConfig
 
     before = libc.anonymous_regions()
     pair = edge.load(args.pair, speculate="auto")  # in RAM: the target alone, repacked, moved onto huge pages
-    regions = [r for r in libc.anonymous_regions() - before if r[1] - r[0] >= LARGE_REGION]
+    regions = large_regions_since(before)
     size = libc.huge_page_size()
     decoder = pair.decoder(SamplingConfig(), speculate=True)
     prompt = pair.prompt_tokens("Write a Python function that parses an ISO date and explain the edge cases.")

@@ -236,7 +236,7 @@ class PlannedTarget:
     # resident set gives the cache room: offload/window.py, WindowedTarget); 0: room for the whole context
     kv_cells: int = 0
     kv_cell_bytes: float = 0.0
-    read_bytes: int = 0  # streamed: what a pass reads from the drive (under a page, or 0: all of it resident)
+    read_bytes: int = 0  # streamed: what a pass reads from the drive (0: all of it resident)
 
 
 def planned_target(spec: PairSpec, models_file: Path | None, report: Report = _quiet,
@@ -335,7 +335,7 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
     else:
         target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes,
                                              streamed or options.placement == "ssd", drafts, stock,
-                                             reads=options.placement == "ssd" or planned.read_bytes > 1 << 20)
+                                             reads=options.placement == "ssd" or planned.read_bytes > 0)
         if options.placement == "ssd":
             try:
                 with phase(times, "ssd placement check"):

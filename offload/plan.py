@@ -481,7 +481,7 @@ def resident_share(shape: Shape, off_gpu: int, room: int) -> int:
     """Bytes of a streamed target's `off_gpu` weights to keep resident in `room` bytes of free memory: all but the
     stream's own room (stream_room), in whole pages."""
     resident = max(0, min(off_gpu, room - stream_room(shape)))
-    return resident - resident % 4096
+    return resident if resident == off_gpu else resident - resident % 4096  # all of it, or whole pages of it
 
 
 def streamed_bytes(plan: ModelPlan) -> int:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from edge.offload import libc
 from edge.offload.libc import MADV_DONTNEED, MADV_POPULATE_READ
+from edge.offload.plan import KV_STEP_CELLS, MIN_STREAM_ROOM
 from edge.offload.ssd import READAHEAD_CHUNK, SsdStreamer, SsdTarget, pass_order, readahead_order
 
 from edge.protocols import Target
@@ -332,9 +333,7 @@ class WindowedTarget(SsdTarget):
 
     def _room_for(self, n_tokens: int) -> None:
         """Before a pass that writes `n_tokens` cells past the cache's (and what the target defers to it)."""
-        from edge.offload.plan import KV_STEP_CELLS
-
-        cells = self.inner.n_past + self.deferred + n_tokens
+        cells = self.n_past + self.deferred + n_tokens
         if not self.kv_cells or cells <= self.kv_cells:
             return
         grown = min(max(self.n_ctx, cells), -(-cells // KV_STEP_CELLS) * KV_STEP_CELLS)
@@ -432,8 +431,6 @@ def window_bytes(room: int, plain: bool = False) -> int:
 def resident_room(planned: int, room: int, plain: bool = False) -> int:
     """The resident set loading can keep: what the plan chose, where the memory free now (`room`, both models
     loaded) still leaves the stream its pages (what a pass allocates, and MIN_STREAM_ROOM past it)."""
-    from edge.offload.plan import MIN_STREAM_ROOM
-
     return max(0, min(planned, room - (PLAIN_PASS_MARGIN if plain else PASS_MARGIN) - MIN_STREAM_ROOM))
 
 

@@ -87,8 +87,9 @@ def test_where_the_drafter_would_push_the_target_out_of_memory_it_is_dropped() -
 
 
 def test_a_little_less_room_keeps_most_of_the_target_resident() -> None:
-    """Room for all but ~200 MiB of the target: it stays resident but for that, which streams every pass."""
-    use, _ = chosen(1100)
+    """Room for all but ~180 MiB of the target (its KV cache's first cells counted): it stays resident but for that,
+    which streams every pass."""
+    use, _ = chosen(900)
     target = use.plan.target
     assert use.name == "plain" and target.placement == "ssd"
     assert TARGET.streamed_bytes / 2 < target.resident_bytes < TARGET.streamed_bytes
@@ -169,3 +170,13 @@ def test_under_a_limit_a_target_in_ram_keeps_slack_for_its_pages() -> None:
     roomy = plan_pair(QWEN, TARGET, None, machine(just_fits + CAPPED_PAGE_SLACK // MIB), plain=True).target
     assert roomy.placement == "ram" and roomy.ram_bytes == in_use
     assert in_use > kv_bytes(TARGET, QWEN.ctx, "f16")
+
+
+def test_a_target_that_fits_beside_its_stream_room_reads_nothing() -> None:
+    """Room for all of a streamed target's weights keeps all of them, not all but a page's remainder: a plan that
+    reads 2560 bytes a pass would leave a core to a read-ahead with nothing to read (models/loading.py)."""
+    from edge.offload.plan import resident_share
+
+    assert TARGET.streamed_bytes % 4096 == 2560
+    assert resident_share(TARGET, TARGET.streamed_bytes, 4 << 30) == TARGET.streamed_bytes
+    assert resident_share(TARGET, TARGET.streamed_bytes, 600 << 20) % 4096 == 0  # part of it: whole pages

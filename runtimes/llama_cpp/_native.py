@@ -98,6 +98,11 @@ USE_EXTRA_BUFFERS = not _cpu_has_amx()
 LARGE_REGION = 8 << 20
 
 
+def large_regions_since(before: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The anonymous memory mapped since `before` (libc.anonymous_regions()), in regions of LARGE_REGION or more."""
+    return [(start, end) for start, end in libc.new_memory(before) if end - start >= LARGE_REGION]
+
+
 def load_mode(use_mmap: bool, use_mlock: bool) -> int:
     """llama.cpp's load mode: the file mapped (its default, AUTO: mapped on the CPU) or read into its buffers, and
     the weights locked in RAM or not."""
@@ -140,8 +145,7 @@ class Model:
         # The repacked weights are read through on every pass from llama.cpp's own allocations, on small pages (the
         # file's mapping is on the page cache's large folios already): huge pages make a one-token pass of
         # Qwen2.5-Coder-1.5B ~5% faster here (docs/plan.md). Only regions the load made, of LARGE_REGION or more.
-        self.huge_page_bytes = libc.collapse_to_huge_pages(
-            region for region in libc.anonymous_regions() - before if region[1] - region[0] >= LARGE_REGION)
+        self.huge_page_bytes = libc.collapse_to_huge_pages(large_regions_since(before))
         self._vocab = ll.llama_model_get_vocab(self._ptr)
         self.n_vocab: int = ll.llama_vocab_n_tokens(self._vocab)
         self.bos: int = ll.llama_vocab_bos(self._vocab)
@@ -312,8 +316,7 @@ class Context:
         # again), so the cache takes memory as cells are written: 28 KiB a token there, not the whole context at once.
         # A streamed target's plan counts on it (offload/plan.py, KV_RESERVE_CELLS). Only mappings of LARGE_REGION or
         # more that the context made, while nothing else runs in them.
-        self.released_bytes = libc.release_zero_pages(
-            (start, end) for start, end in libc.new_memory(before) if end - start >= LARGE_REGION) if self._ptr else 0
+        self.released_bytes = libc.release_zero_pages(large_regions_since(before)) if self._ptr else 0
         if not self._ptr:
             raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "
                             f"for {model.path.name}; lower ctx or use another KV type", "ctx")
