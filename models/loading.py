@@ -20,6 +20,7 @@ from edge.models.opening import drafter_model, graph_folder, head_ids, materiali
 from edge.models.pair import NESTED, Pair, budget_refused, tree_nodes
 from edge.models.registry import ModelSpec, PairSpec, Registry, Source, load_registry
 from edge.models.sources import model_path
+from edge.offload.libc import loading_side_by_side
 from edge.offload.plan import AUTO_MAX_BUDGET
 from edge.runtimes import (
     DRAFTERS,
@@ -413,7 +414,7 @@ def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, 
         with phase(times, "target"):
             return runtime(spec.target.runtime).open_target(target_file, model, max_tree), None
     beside: dict[str, float] = {}  # the two sides' own times, shown under the block's wall time
-    with phase(times, "target and drafter, side by side"), \
+    with phase(times, "target and drafter, side by side"), loading_side_by_side(), \
             ThreadPoolExecutor(1, thread_name_prefix="edge-spec-drafter") as pool:
         future = pool.submit(open_drafter, spec, spec.drafter, target_file, draft_threads, options.gpu_layers or 0,
                              report, beside, max_tree)

@@ -11,6 +11,7 @@ import functools
 import mmap
 import os
 import signal
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +25,9 @@ MADV_COLLAPSE = 25  # Linux >= 6.1: now, in place, the data kept (safe while oth
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 ZERO_SCAN_PAGES = 1024  # pages checked for zeros at a time (release_zero_pages)
 _MAP_FAILED = ctypes.c_void_p(-1).value
+# new memory whose zero pages wait for the end of loading_side_by_side; None outside one
+_held_back: list[tuple[int, int]] | None = None
+_held_back_lock = threading.Lock()
 
 
 @functools.cache
@@ -127,6 +131,12 @@ def ranges_outside(ranges: Iterable[tuple[int, int]], taken: Iterable[tuple[int,
     return left
 
 
+def ranges_inside(ranges: Iterable[tuple[int, int]], within: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the [start, end) `ranges` that some range of `within` covers."""
+    ranges, within = list(ranges), list(within)
+    return ranges_outside(ranges, ranges_outside(ranges, within))
+
+
 def release_zero_pages(regions: Iterable[tuple[int, int]]) -> int:
     """Give back the resident pages of these private anonymous regions that hold only zero bytes (MADV_DONTNEED): such
     a page reads as zeros again, and takes memory again once written. Returns the bytes given back. Only for memory no
@@ -149,6 +159,38 @@ def release_zero_pages(regions: Iterable[tuple[int, int]]) -> int:
             madvise(first + low * page, (high - low) * page, MADV_DONTNEED)
             released += (high - low) * page
     return released
+
+
+@contextmanager
+def loading_side_by_side() -> Iterator[None]:
+    """For models loading on two threads at once (models/loading.py: a target beside its drafter). A new llama.cpp
+    context tells its KV cache from /proc/self/maps alone (anonymous memory mapped while it was made), so its regions
+    can be the other load's, which that thread is still writing (a page found zero, written, then given back would
+    lose the write) or frees (mincore fails on it). Inside the block, release_new_zero_pages holds them back; at its
+    end, after both loads, the regions still mapped are checked once, while nothing writes to them."""
+    global _held_back
+    with _held_back_lock:
+        outermost = _held_back is None
+        if outermost:
+            _held_back = []
+    try:
+        yield
+    finally:
+        if outermost:
+            with _held_back_lock:
+                regions, _held_back = _held_back or [], None
+            if regions:
+                release_zero_pages(ranges_inside(regions, anonymous_regions()))
+
+
+def release_new_zero_pages(regions: list[tuple[int, int]]) -> int:
+    """release_zero_pages for memory a native call just mapped: now (the bytes given back), or at the end of
+    loading_side_by_side while models load side by side (0 here)."""
+    with _held_back_lock:
+        if _held_back is not None:
+            _held_back.extend(regions)
+            return 0
+    return release_zero_pages(regions)
 
 
 def _runs(flags: np.ndarray) -> list[tuple[int, int]]:

@@ -322,6 +322,14 @@ def test_ranges_outside_others_are_what_none_of_them_covers() -> None:
     assert ranges_outside([(0, 100)], [(0, 100)]) == [] and ranges_outside([(5, 9)], []) == [(5, 9)]
 
 
+def test_ranges_inside_others_are_what_they_cover() -> None:
+    from edge.offload.libc import ranges_inside
+
+    assert ranges_inside([(0, 100)], [(10, 20), (50, 60)]) == [(10, 20), (50, 60)]
+    assert ranges_inside([(0, 100), (200, 300)], [(90, 210)]) == [(90, 100), (200, 210)]
+    assert ranges_inside([(0, 100)], []) == [] and ranges_inside([(5, 9)], [(0, 100)]) == [(5, 9)]
+
+
 def test_a_core_is_left_to_the_read_ahead_only_where_a_pass_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """A streamed target decoding plainly computes on one core fewer, left to the read-ahead; where the plan keeps all
     of it resident (a pass reads nothing: Qwen2.5-Coder-1.5B under 1175 MiB) it computes on every core."""

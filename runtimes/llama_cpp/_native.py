@@ -315,8 +315,8 @@ class Context:
         # all of it: 112 MiB for Qwen2.5-Coder-1.5B's 4096 f16 cells. Those pages are given back (they read as zeros
         # again), so the cache takes memory as cells are written: 28 KiB a token there, not the whole context at once.
         # A streamed target's plan counts on it (offload/plan.py, KV_RESERVE_CELLS). Only mappings of LARGE_REGION or
-        # more that the context made, while nothing else runs in them.
-        self.released_bytes = libc.release_zero_pages(large_regions_since(before)) if self._ptr else 0
+        # more that the context made; while another model loads beside it, once both are loaded (0 here).
+        self.released_bytes = libc.release_new_zero_pages(large_regions_since(before)) if self._ptr else 0
         if not self._ptr:
             raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "
                             f"for {model.path.name}; lower ctx or use another KV type", "ctx")
