@@ -1,5 +1,6 @@
 """What a run keeps in edge-spec's cache for the next one: `--budget auto`'s pass times (pass-times.json, one entry
-per machine, placement and file; a plainly decoding target's one-token pass in RAM too), the tokens a pass each
+per machine, placement and file; a plainly decoding target's one-token pass in RAM, and a streamed target's by
+segment, too), the tokens a pass each
 acceptance rule yielded when sampling (rule-yields.json, one entry per target and drafter file: `--accept auto` starts
 on the rule that yielded more) and lookup keep's earlier replies (lookup/<target>-<size>.npy).
 
@@ -97,6 +98,20 @@ def keep_plain_pass(target: Path, seconds: float, passes: int) -> None:
         return
     key = pass_times_key(target, "stock", "ram", "None", None, None)
     keep_pass_times(key, {"target_ms": {"1": round(seconds / passes * 1000, 3)}, "passes": passes})
+
+
+STREAMED = "streamed"  # the placement of a streamed target's one-token passes in pass-times.json (keep_streamed_pass)
+
+
+def keep_streamed_pass(target: Path, timing: dict[str, float], threads: int) -> None:
+    """Keep a streamed target's one-token passes, timed by segment (offload.window.PassTiming's sums, over at least
+    PLAIN_PASSES_KEPT passes on `threads` CPU threads): the plan's rates for a streamed target, its resident part
+    computed from the file's mapping and its streamed part read from the drive, are fitted to them
+    (models.planning.measured_rates)."""
+    if timing.get("passes", 0) < PLAIN_PASSES_KEPT or threads < 1 or not target.is_file():
+        return
+    key = pass_times_key(target, "none", STREAMED, "window", None, None)
+    keep_pass_times(key, {"segments": timing, "threads": threads})
 
 
 def target_entries(target: Path) -> dict[str, Any]:

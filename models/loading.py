@@ -334,9 +334,9 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         with phase(times, "target and drafter (one shared KV cache)"):
             target, drafter = _load_shared(spec, target_file, drafter_file, options.threads, report)
     else:
+        reads = options.placement == "ssd" or planned.read_bytes > 0
         target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes,
-                                             streamed or options.placement == "ssd", drafts, stock,
-                                             reads=options.placement == "ssd" or planned.read_bytes > 0)
+                                             streamed or options.placement == "ssd", drafts, stock, reads)
         if options.placement == "ssd":
             try:
                 with phase(times, "ssd placement check"):
@@ -346,8 +346,9 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
                     drafter.close()
                 raise
         elif streamed and options.readahead:
+            threads = target_threads(options, stock, reads) or default_threads()
             target = streamed_in_window(target, target_file, report, planned.resident, stock, planned.kv_cells,
-                                        planned.kv_cell_bytes)
+                                        planned.kv_cell_bytes, threads)
         if target.n_ctx != spec.ctx:
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
     warning = None if stock else runtime(spec.target.runtime).lossless_guarantee(
@@ -448,17 +449,18 @@ def drafter_threads(threads: int | None, placement: str, readahead: bool) -> int
 
 
 def streamed_in_window(target: Target, path: Path, report: Report = _quiet, resident: int = 0,
-                       plain: bool = False, kv_cells: int = 0, kv_cell_bytes: float = 0.0) -> Target:
+                       plain: bool = False, kv_cells: int = 0, kv_cell_bytes: float = 0.0, threads: int = 0) -> Target:
     """A target the plan streams (it does not fit beside the rest): the first `resident` bytes in pass order kept in
     RAM, the rest read ahead in a window that follows its passes (offload/window.py), both sized by the memory left
     now that both models are loaded, less room for `kv_cells` cells of its KV cache (`kv_cell_bytes` each: the resident
-    set gives it room past them); `plain`: it decodes plainly (one row of logits, no tree beside its pages)."""
+    set gives it room past them); `plain`: it decodes plainly (one row of logits, no tree beside its pages); `threads`:
+    the CPU threads its passes compute on (kept with their times, models.kept.keep_streamed_pass)."""
     from edge.offload.window import WindowedTarget, free_memory, resident_room, window_bytes
 
     room = free_memory(path) - round(kv_cells * kv_cell_bytes)
     resident = resident_room(resident, room, plain)
     window = window_bytes(room - resident, plain)
-    streamed = WindowedTarget(target, path, window, resident, kv_cells, kv_cell_bytes)
+    streamed = WindowedTarget(target, path, window, resident, kv_cells, kv_cell_bytes, threads)
     streamer = streamed.streamer
     if streamer.resident_bytes:
         how = "locked" if streamer.locked else "read once, never dropped (mlock was refused)"

@@ -21,6 +21,7 @@ from edge.models.kept import (
     keep_pass_times,
     keep_plain_pass,
     keep_rule_yields,
+    keep_streamed_pass,
     pass_times,
     pass_times_key,
     rule_yields,
@@ -162,6 +163,7 @@ class Pair:
         if self.corpus is not None and self.options.lookup == "keep":
             save_corpus(self.corpus, self.target.path, self.report)
         self._keep_plain_pass()
+        self._keep_streamed_pass()
         self._keep_rule_yields()
         for model in (self.drafter, self.target):
             if model is not None:
@@ -180,6 +182,14 @@ class Pair:
 
         if isinstance(self.target, PlainTarget):
             keep_plain_pass(self.target.path, self.target.one_token_s, self.target.one_token_passes)
+
+    def _keep_streamed_pass(self) -> None:
+        """A target streamed in a window leaves its one-token passes, timed by segment, for the next plan
+        (models.kept.keep_streamed_pass): the rates of a pass's resident and streamed parts are otherwise assumed."""
+        from edge.offload.window import WindowedTarget
+
+        if isinstance(self.target, WindowedTarget):
+            keep_streamed_pass(self.target.path, self.target.timing.as_dict(), self.target.threads)
 
     def check_open(self) -> None:
         """Refuse a closed pair, and one whose model files changed on disk since they loaded (their weights are

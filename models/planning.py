@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 from edge.errors import Remedy, UserError
 
+MIN_TIMED_STREAM = 16 << 20  # bytes a timed pass must read from the drive for its rate to count (streamed_rates)
+
 
 def make_plan(pair: PairSpec, machine: str | None, models_file: Path, stream: bool = False,
               drafts: bool = True, plain: bool = False) -> Plan:
@@ -49,6 +51,12 @@ def _machine(pair: PairSpec, machine: str | None) -> Machine:
 
 
 def measured_rates(machine: Machine, target: Path) -> Machine:
+    """The machine with the rates its own passes of this target showed, in place of the assumed ones: the RAM rate
+    and CPU compute (in_ram_rates), then a streamed target's (streamed_rates)."""
+    return streamed_rates(in_ram_rates(machine, target), target)
+
+
+def in_ram_rates(machine: Machine, target: Path) -> Machine:
     """The machine with the RAM rate and CPU compute its own passes of this target showed, in RAM, where `--budget
     auto` has timed them (pass-times.json: once per machine, placement and file), in place of the assumed ones
     (offload.plan.fit_constants: the one-token pass reads the weights, the largest computes); else the RAM rate alone
@@ -81,6 +89,42 @@ def measured_rates(machine: Machine, target: Path) -> Machine:
                        cpu_gflops_per_core=fit.get("cpu_gflops_per_core", machine.cpu_gflops_per_core),
                        assumed=tuple(name for name in machine.assumed if name != "rambw"))
     return machine
+
+
+def streamed_rates(machine: Machine, target: Path) -> Machine:
+    """The machine with the rates the newest streamed run of this target showed (models.kept.keep_streamed_pass:
+    one-token passes timed by segment): the rate its resident part computes at from the file's mapping
+    (Machine.mapped_gbps), and the drive's rate while passes read (disk_gbps; the probe reads it alone, once). Each is
+    scaled from the run's threads to every core, as the plan computes on every core."""
+    from edge.models.kept import STREAMED, measured_at, target_entries
+    from edge.offload.plan import CPU_GFLOPS_PER_CORE, GB
+
+    runs = [entry for key, entry in target_entries(target).items() if f"|{STREAMED}|" in key]
+    if not runs:
+        return machine
+    entry = max(runs, key=measured_at)
+    try:
+        threads, timed = int(entry["threads"]), entry["segments"]
+        passes = int(timed["passes"])
+        resident, resident_s = float(timed["resident_bytes"]), float(timed["resident_s"])
+        segment, streamed, segment_s = (float(timed[name]) for name in ("segment_bytes", "streamed_bytes",
+                                                                        "segment_s"))
+    except (KeyError, TypeError, ValueError):
+        return machine
+    if threads < 1 or passes < 1 or resident <= 0 or resident_s <= 0:
+        return machine
+    mapped = resident / resident_s  # bytes/s on the run's threads
+    rates = {"mapped_gbps": round(mapped * machine.cores / threads / GB, 3)}
+    if streamed >= MIN_TIMED_STREAM * passes:
+        # the segment: its resident tensors at the mapped rate, its streamed ones read and computed one after the
+        # other (offload.plan.pass_cost), one token's arithmetic on the run's threads
+        shape = Shape.from_gguf(target)
+        flops = 2 * shape.n_params * streamed / max(shape.streamed_bytes, 1)
+        gflops = (machine.cpu_gflops_per_core or CPU_GFLOPS_PER_CORE) * threads * 1e9
+        reading = segment_s - (segment - streamed) / mapped - flops / gflops
+        if reading > 0:
+            rates["disk_gbps"] = round(streamed / reading / GB, 3)
+    return replace(machine, **rates)
 
 
 def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) -> Shape:

@@ -35,6 +35,9 @@ class Machine:
     assumed: tuple[str, ...] = ()  # which of disk, cores, pcie, rambw are defaults, not measured or described
     capped: bool = False  # ram_free is the room under a memory cgroup's limit, not the machine's free RAM
     cpu_gflops_per_core: float | None = None  # measured on this machine's passes; None: offload/plan.py's constant
+    # GB/s a streamed target's one-token pass computes its resident part at, from the file's mapping; measured on its
+    # own passes (models.planning.measured_rates); None: ram_gbps x offload/plan.py's MAPPED_SHARE
+    mapped_gbps: float | None = None
 
     def describe(self) -> str:
         ram = f"RAM {gib(self.ram_free)} free" + (" under a memory limit" if self.capped else "")

@@ -30,6 +30,11 @@ VRAM_GBPS = 500.0  # GB/s a GPU reads its own memory (RTX 3060: 360, RTX 4090: 1
 # (benchmarks/pass_times.py): 135 GFLOP/s per core on its large matrices. A small model's passes run slower (SmolLM2
 # -135M Q4_1 in RAM: ~56), so the plan under-estimates small models' compute (docs/plan.md, "The constants").
 CPU_GFLOPS_PER_CORE = 135.0
+# A streamed target computes its resident part from the file's mapping, on ggml's generic kernels (a target placed
+# in RAM runs on its repacked copy), with an eval callback at each layer (offload/window.py): Qwen2.5-Coder-1.5B's
+# one-token pass, all of it resident under 1175 MiB, took 34.5 ms against 27 ms repacked in RAM (docs/plan.md). Its
+# rate is that share of the RAM rate until its own passes are timed (Machine.mapped_gbps).
+MAPPED_SHARE = 0.78
 GPU_TFLOPS = 80.0  # effective fp16 tensor-core matmul rate of a consumer GPU (about half an RTX 4090's dense peak)
 
 RAM_HEADROOM = 2 * GIB  # left to the OS, Python, onnxruntime and logits buffers (255 x 262k float32 is 0.27 GB)
@@ -320,7 +325,8 @@ def pass_cost(plan: ModelPlan, machine: Machine, n_tokens: int,
     gpu_flops, cpu_flops = GPU_TFLOPS * 1e12, machine.cores * cpu_gflops_per_core * 1e9
     # (where the weights move from, seconds, where they are computed, seconds, whether the two add up)
     parts = [("VRAM", on_bytes / (VRAM_GBPS * GB), "GPU compute", on_bytes * flops_per_byte / gpu_flops, False)]
-    for source, n_bytes, source_gbps in (("RAM", in_ram, machine.ram_gbps), ("disk", from_disk, machine.disk_gbps)):
+    ram_gbps = machine.ram_gbps if plan.placement != "ssd" else mapped_rate(machine)
+    for source, n_bytes, source_gbps in (("RAM", in_ram, ram_gbps), ("disk", from_disk, machine.disk_gbps)):
         if n_bytes == 0 and (source == "disk" or from_disk > 0):
             continue
         if plan.op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH:
@@ -342,6 +348,11 @@ def pass_cost(plan: ModelPlan, machine: Machine, n_tokens: int,
     seconds = sum(move + compute if serial else max(move, compute) for _, move, _, compute, serial in parts)
     terms = [(move, label) for label, move, *_ in parts] + [(compute, label) for _, _, label, compute, _ in parts]
     return PassCost(n_tokens=n_tokens, seconds=seconds, bound=max(terms)[1])
+
+
+def mapped_rate(machine: Machine) -> float:
+    """GB/s a streamed target's one-token pass computes its resident part at (from the file's mapping)."""
+    return machine.mapped_gbps or machine.ram_gbps * MAPPED_SHARE
 
 
 def fit_constants(plan: ModelPlan, machine: Machine, passes: dict[int, list[float]]) -> dict[str, float] | None:

@@ -33,7 +33,8 @@ import mmap
 import os
 import re
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,6 +72,26 @@ class Span:
     layer: int  # dropped once this layer is computed; the head and a tied token table: n_layers (at the pass's end)
 
 
+@dataclass
+class PassTiming:
+    """A streamed target's one-token passes, timed in two segments: the streamed one, from its first layer with a
+    streamed tensor to its last (reading those tensors, and computing them and the resident ones among them), and the
+    rest, resident, computed from the file's mapping (the first layers in pass order, and the head). Sums over
+    `passes`; the plan's rates for the next plan of this file are fitted to them (models.planning.measured_rates)."""
+
+    passes: int = 0
+    resident_bytes: int = 0  # the resident segment's tensors
+    resident_s: float = 0.0
+    segment_bytes: int = 0  # the streamed segment's tensors, the resident ones among them included
+    streamed_bytes: int = 0  # the tensors read from the drive
+    segment_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"passes": self.passes, "resident_bytes": self.resident_bytes, "resident_s": round(self.resident_s, 6),
+                "segment_bytes": self.segment_bytes, "streamed_bytes": self.streamed_bytes,
+                "segment_s": round(self.segment_s, 6)}
+
+
 class WindowedStreamer(SsdStreamer):
     """An SsdStreamer whose read-ahead stays `window` bytes ahead of the pass (on_layer says where the pass is); with
     `resident` bytes, the head and the first tensors in pass order stay in RAM (never dropped) and the rest streams."""
@@ -88,6 +109,8 @@ class WindowedStreamer(SsdStreamer):
         self._asked = 0  # spans asked for so far, in pass order (skipped ones included)
         self._following = False  # a read-ahead runs for this pass: its layers are dropped as it computes them
         self._early = False
+        self.timing = PassTiming()
+        self._stamps: dict[int, float] | None = None  # while a timed pass runs: when each layer was computed
 
     def _place(self, resident: int) -> None:
         """Split the spans into the resident set (`resident` bytes: _resident_set) and the streamed rest."""
@@ -105,6 +128,11 @@ class WindowedStreamer(SsdStreamer):
         # with a resident set, the pass's last streamed layer: once it is computed (and dropped), the next pass's
         # read-ahead starts, while this pass computes its resident head (`_early`: it has)
         self._last_streamed = max((span.layer for span in streamed), default=-1) if self.resident else -1
+        # the streamed segment's first and last layers (None: nothing streams) and its bytes, for timing (PassTiming)
+        layers = [span.layer for span in streamed]
+        self._segment = (min(layers), max(layers)) if layers else None
+        self._segment_bytes = sum(span.size for span in self.spans
+                                  if self._segment and self._segment[0] <= span.layer <= self._segment[1])
 
     def give_way(self, n_bytes: int) -> int:
         """Between passes: shrink the resident set by `n_bytes` (the KV cache grows into their room), its last
@@ -179,8 +207,39 @@ class WindowedStreamer(SsdStreamer):
         resident set every pass (its streamed part is dropped behind it, plain passes too)."""
         return self._following or bool(self.resident)
 
+    @contextlib.contextmanager
+    def timed(self, one_token: bool) -> Iterator[None]:
+        """Around a pass: one of a single token is timed by segment (PassTiming), from its layers' progress."""
+        if not one_token:
+            yield
+            return
+        self._stamps = {}
+        started = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            self._stamps = None
+            raise
+        ended, stamps, self._stamps = time.perf_counter(), self._stamps, None
+        timing, whole = self.timing, sum(span.size for span in self.spans)
+        segment = 0.0
+        if self._segment is not None:
+            first, last = self._segment
+            begun = started if first == 0 else stamps.get(first - 1)
+            if begun is None:  # the runtime did not say where the pass was: untimed
+                return
+            segment = stamps.get(last, ended) - begun
+        timing.passes += 1
+        timing.resident_bytes += whole - self._segment_bytes
+        timing.resident_s += ended - started - segment
+        timing.segment_bytes += self._segment_bytes
+        timing.streamed_bytes += self.streamed_bytes
+        timing.segment_s += segment
+
     def on_layer(self, layer: int) -> None:
         """From the pass (the target's runtime): `layer` is computed. Its pages go, and the read-ahead moves on."""
+        if self._stamps is not None:
+            self._stamps[layer] = time.perf_counter()
         with self._moved:
             if not self.following() or self._early:
                 return
@@ -323,10 +382,13 @@ class WindowedTarget(SsdTarget):
     which layer a pass is at, with none (the kernel's page faults alone)."""
 
     def __init__(self, target: Target, path: Path, window: int, resident: int = 0, kv_cells: int = 0,
-                 kv_cell_bytes: float = 0.0):
+                 kv_cell_bytes: float = 0.0, threads: int = 0):
         streamer = WindowedStreamer(path, window, resident)
+        self.threads = threads  # the CPU threads its passes compute on (0: not said), as its PassTiming is kept
         streamer.readahead = target.follow_layers(streamer.on_layer, streamer.following)
         super().__init__(target, path, streamer=streamer)
+        self.timing = streamer.timing  # its one-token passes, by segment
+        self._timed = streamer.timed
         # the KV cache's cells the memory has room for besides the resident set (the plan's KV_RESERVE_CELLS, 0: all),
         # and its bytes a cell: a pass that writes cells past them first takes their room from the resident set
         self.kv_cells, self.kv_cell_bytes = kv_cells, kv_cell_bytes
@@ -346,7 +408,12 @@ class WindowedTarget(SsdTarget):
 
     def verify(self, tree: TokenTree) -> np.ndarray:
         self._room_for(len(tree))
-        return super().verify(tree)
+        self.ssd.wait_evicted()
+        self.ssd.fetch_rows(tree.tokens)
+        with self._timed(len(tree) == 1 and not self.deferred):
+            logits = self.inner.verify(tree)
+        self.ssd.after_pass()
+        return logits
 
 
 def _resident_set(spans: list[Span], resident: int) -> tuple[list[Span], frozenset[int]]:

@@ -343,3 +343,50 @@ def test_a_core_is_left_to_the_read_ahead_only_where_a_pass_reads(monkeypatch: p
     assert loading.target_threads(options, stock=True, reads=False) is None  # every core
     assert loading.target_threads(LoadOptions(threads=2), stock=True, reads=True) == 2  # as asked
     assert loading.target_threads(options, stock=False, reads=True) is None  # a drafter's trees: theirs to share
+
+
+def test_a_streamed_targets_one_token_passes_are_timed_by_segment_for_the_next_plan(
+        f16_file, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each one-token pass of a streamed target is timed in two segments: its streamed layers (read from the drive)
+    and the rest, resident, computed from the file's mapping. Kept (models.kept.keep_streamed_pass), they give the
+    next plan the rate of a streamed target's resident part (slower than the repacked weights' in RAM the plan
+    otherwise scales it from), so a target the plan keeps wholly resident is priced at its own passes' time."""
+    from dataclasses import replace
+
+    from edge.models.kept import PLAIN_PASSES_KEPT, keep_streamed_pass
+    from edge.models.planning import measured_rates
+    from edge.models.registry import load_registry
+    from edge.offload.machine import parse_machine
+    from edge.offload.plan import MAPPED_SHARE, Shape, pass_cost, plan_pair
+    from edge.runtimes import default_threads
+
+    monkeypatch.setenv("EDGE_SPEC_CACHE", str(tmp_path))  # a pass-times.json of its own
+    size, passes = f16_file.stat().st_size, PLAIN_PASSES_KEPT
+    with windowed(f16_file, size // 8, resident=size // 2) as (target, _):
+        streamer = target.streamer
+        assert isinstance(streamer, WindowedStreamer)
+        target.prefill([1, 2, 3, 4])
+        target.verify(chain([5, 6, 7]))  # a tree's pass: not timed
+        assert target.timing.passes == 0
+        for token in range(5, 5 + passes):
+            target.truncate(4)
+            target.verify(chain([token]))
+        timing = target.timing
+        whole = sum(span.size for span in streamer.spans)
+        assert timing.passes == passes and timing.streamed_bytes == passes * streamer.streamed_bytes
+        assert timing.resident_bytes + timing.segment_bytes == passes * whole
+        assert timing.segment_bytes >= timing.streamed_bytes and timing.resident_s > 0 and timing.segment_s > 0
+    threads = default_threads()
+    machine = parse_machine(f"ram=8G,disk=2GB/s,cores={threads},rambw=20GB/s")
+    keep_streamed_pass(f16_file, replace(timing, passes=passes - 1).as_dict(), threads)
+    assert measured_rates(machine, f16_file) == machine  # too few passes to keep
+    keep_streamed_pass(f16_file, timing.as_dict(), threads)
+    measured = measured_rates(machine, f16_file)
+    mapped = timing.resident_bytes / timing.resident_s / 1e9
+    assert measured.mapped_gbps == pytest.approx(mapped, rel=1e-2)
+    pair, shape = load_registry().pair("smollm2-135m"), Shape.from_gguf(f16_file)
+    streamed = plan_pair(pair, shape, None, machine, stream=True, plain=True).target
+    plan = replace(streamed, resident_bytes=shape.streamed_bytes)  # all of it resident, computed from the mapping
+    assumed = pass_cost(plan, machine, 1).seconds
+    assert assumed == pytest.approx(shape.streamed_bytes / (20e9 * MAPPED_SHARE), rel=0.05)
+    assert pass_cost(plan, measured, 1).seconds == pytest.approx(shape.streamed_bytes / (mapped * 1e9), rel=0.05)
