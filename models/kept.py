@@ -100,18 +100,18 @@ def keep_plain_pass(target: Path, seconds: float, passes: int) -> None:
     keep_pass_times(key, {"target_ms": {"1": round(seconds / passes * 1000, 3)}, "passes": passes})
 
 
-STREAMED = "streamed"  # the placement of a streamed target's one-token passes in pass-times.json (keep_streamed_pass)
+MAPPED, STREAMED = "mapped", "streamed"  # the placements of a streamed target's passes (keep_streamed_pass)
 
 
 def keep_streamed_pass(target: Path, timing: dict[str, float], threads: int) -> None:
-    """Keep a streamed target's one-token passes, timed by segment (offload.window.PassTiming's sums, over at least
-    PLAIN_PASSES_KEPT passes on `threads` CPU threads): the plan's rates for a streamed target, its resident part
-    computed from the file's mapping and its streamed part read from the drive, are fitted to them
-    (models.planning.measured_rates)."""
+    """Keep a streamed target's one-token passes (offload.window.PassTiming's sums, over at least PLAIN_PASSES_KEPT
+    passes on `threads` CPU threads): where it all stayed resident ("mapped") the plan's rate for a streamed target's
+    resident part is fitted to them, where part of it streamed ("streamed") the drive's rate during passes
+    (models.planning.streamed_rates). One entry of each, the newest."""
     if timing.get("passes", 0) < PLAIN_PASSES_KEPT or threads < 1 or not target.is_file():
         return
-    key = pass_times_key(target, "none", STREAMED, "window", None, None)
-    keep_pass_times(key, {"segments": timing, "threads": threads})
+    placement = STREAMED if timing.get("streamed_bytes", 0) > 0 else MAPPED
+    keep_pass_times(pass_times_key(target, "none", placement, "window", None, None), {**timing, "threads": threads})
 
 
 def target_entries(target: Path) -> dict[str, Any]:

@@ -92,39 +92,42 @@ def in_ram_rates(machine: Machine, target: Path) -> Machine:
 
 
 def streamed_rates(machine: Machine, target: Path) -> Machine:
-    """The machine with the rates the newest streamed run of this target showed (models.kept.keep_streamed_pass:
-    one-token passes timed by segment): the rate its resident part computes at from the file's mapping
-    (Machine.mapped_gbps), and the drive's rate while passes read (disk_gbps; the probe reads it alone, once). Each is
-    scaled from the run's threads to every core, as the plan computes on every core."""
-    from edge.models.kept import STREAMED, measured_at, target_entries
-    from edge.offload.plan import CPU_GFLOPS_PER_CORE, GB
+    """The machine with the rates this target's streamed runs showed (models.kept.keep_streamed_pass: the newest of
+    each kind): the rate a streamed target's resident part computes at, from the file's mapping, where all of it stayed
+    resident (Machine.mapped_gbps), and the drive's rate while passes read, where part of it streamed (disk_gbps: the
+    pass's time less its resident part at that rate and its streamed part's arithmetic; the probe reads the drive
+    alone, once). Each is scaled from the run's threads to every core, as the plan computes on every core."""
+    from edge.models.kept import MAPPED, STREAMED, measured_at, target_entries
+    from edge.offload.plan import CPU_GFLOPS_PER_CORE, GB, mapped_rate
 
-    runs = [entry for key, entry in target_entries(target).items() if f"|{STREAMED}|" in key]
-    if not runs:
-        return machine
-    entry = max(runs, key=measured_at)
-    try:
-        threads, timed = int(entry["threads"]), entry["segments"]
-        passes = int(timed["passes"])
-        resident, resident_s = float(timed["resident_bytes"]), float(timed["resident_s"])
-        segment, streamed, segment_s = (float(timed[name]) for name in ("segment_bytes", "streamed_bytes",
-                                                                        "segment_s"))
-    except (KeyError, TypeError, ValueError):
-        return machine
-    if threads < 1 or passes < 1 or resident <= 0 or resident_s <= 0:
-        return machine
-    mapped = resident / resident_s  # bytes/s on the run's threads
-    rates = {"mapped_gbps": round(mapped * machine.cores / threads / GB, 3)}
-    if streamed >= MIN_TIMED_STREAM * passes:
-        # the segment: its resident tensors at the mapped rate, its streamed ones read and computed one after the
-        # other (offload.plan.pass_cost), one token's arithmetic on the run's threads
-        shape = Shape.from_gguf(target)
-        flops = 2 * shape.n_params * streamed / max(shape.streamed_bytes, 1)
+    entries = target_entries(target)
+    runs = {kind: [entry for key, entry in entries.items() if f"|{kind}|readahead window|" in key]
+            for kind in (MAPPED, STREAMED)}
+
+    def newest(kind: str) -> tuple[int, float, float] | None:  # threads, seconds a pass, bytes streamed a pass
+        for entry in sorted(runs[kind], key=measured_at, reverse=True):
+            try:
+                threads, passes = int(entry["threads"]), int(entry["passes"])
+                seconds, streamed = float(entry["seconds"]), float(entry["streamed_bytes"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if threads >= 1 and passes >= 1 and seconds > 0:
+                return threads, seconds / passes, streamed / passes
+        return None
+
+    shape = Shape.from_gguf(target)
+    if (resident := newest(MAPPED)) is not None:
+        threads, seconds, _ = resident
+        machine = replace(machine, mapped_gbps=round(shape.streamed_bytes / seconds * machine.cores / threads / GB, 3))
+    if (streamed := newest(STREAMED)) is not None and streamed[2] >= MIN_TIMED_STREAM:
+        threads, seconds, read = streamed
+        mapped = mapped_rate(machine) * GB * threads / machine.cores  # bytes/s on the run's threads
         gflops = (machine.cpu_gflops_per_core or CPU_GFLOPS_PER_CORE) * threads * 1e9
-        reading = segment_s - (segment - streamed) / mapped - flops / gflops
+        arithmetic = 2 * shape.n_params * read / max(shape.streamed_bytes, 1) / gflops
+        reading = seconds - max(0.0, shape.streamed_bytes - read) / mapped - arithmetic
         if reading > 0:
-            rates["disk_gbps"] = round(streamed / reading / GB, 3)
-    return replace(machine, **rates)
+            machine = replace(machine, disk_gbps=round(read / reading / GB, 3))
+    return machine
 
 
 def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) -> Shape:

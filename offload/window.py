@@ -74,22 +74,18 @@ class Span:
 
 @dataclass
 class PassTiming:
-    """A streamed target's one-token passes, timed in two segments: the streamed one, from its first layer with a
-    streamed tensor to its last (reading those tensors, and computing them and the resident ones among them), and the
-    rest, resident, computed from the file's mapping (the first layers in pass order, and the head). Sums over
-    `passes`; the plan's rates for the next plan of this file are fitted to them (models.planning.measured_rates)."""
+    """A streamed target's one-token passes, timed (sums over `passes`), with the bytes each computed from its
+    resident set and read from the drive: the plan's rates for the next plan of this file are fitted to them
+    (models.planning.streamed_rates)."""
 
     passes: int = 0
-    resident_bytes: int = 0  # the resident segment's tensors
-    resident_s: float = 0.0
-    segment_bytes: int = 0  # the streamed segment's tensors, the resident ones among them included
-    streamed_bytes: int = 0  # the tensors read from the drive
-    segment_s: float = 0.0
+    seconds: float = 0.0
+    resident_bytes: int = 0
+    streamed_bytes: int = 0
 
     def as_dict(self) -> dict[str, float]:
-        return {"passes": self.passes, "resident_bytes": self.resident_bytes, "resident_s": round(self.resident_s, 6),
-                "segment_bytes": self.segment_bytes, "streamed_bytes": self.streamed_bytes,
-                "segment_s": round(self.segment_s, 6)}
+        return {"passes": self.passes, "seconds": round(self.seconds, 6), "resident_bytes": self.resident_bytes,
+                "streamed_bytes": self.streamed_bytes}
 
 
 class WindowedStreamer(SsdStreamer):
@@ -110,7 +106,6 @@ class WindowedStreamer(SsdStreamer):
         self._following = False  # a read-ahead runs for this pass: its layers are dropped as it computes them
         self._early = False
         self.timing = PassTiming()
-        self._stamps: dict[int, float] | None = None  # while a timed pass runs: when each layer was computed
 
     def _place(self, resident: int) -> None:
         """Split the spans into the resident set (`resident` bytes: _resident_set) and the streamed rest."""
@@ -128,11 +123,6 @@ class WindowedStreamer(SsdStreamer):
         # with a resident set, the pass's last streamed layer: once it is computed (and dropped), the next pass's
         # read-ahead starts, while this pass computes its resident head (`_early`: it has)
         self._last_streamed = max((span.layer for span in streamed), default=-1) if self.resident else -1
-        # the streamed segment's first and last layers (None: nothing streams) and its bytes, for timing (PassTiming)
-        layers = [span.layer for span in streamed]
-        self._segment = (min(layers), max(layers)) if layers else None
-        self._segment_bytes = sum(span.size for span in self.spans
-                                  if self._segment and self._segment[0] <= span.layer <= self._segment[1])
 
     def give_way(self, n_bytes: int) -> int:
         """Between passes: shrink the resident set by `n_bytes` (the KV cache grows into their room), its last
@@ -209,37 +199,18 @@ class WindowedStreamer(SsdStreamer):
 
     @contextlib.contextmanager
     def timed(self, one_token: bool) -> Iterator[None]:
-        """Around a pass: one of a single token is timed by segment (PassTiming), from its layers' progress."""
-        if not one_token:
-            yield
-            return
-        self._stamps = {}
+        """Around a pass: one of a single token is timed (PassTiming)."""
         started = time.perf_counter()
-        try:
-            yield
-        except BaseException:
-            self._stamps = None
-            raise
-        ended, stamps, self._stamps = time.perf_counter(), self._stamps, None
-        timing, whole = self.timing, sum(span.size for span in self.spans)
-        segment = 0.0
-        if self._segment is not None:
-            first, last = self._segment
-            begun = started if first == 0 else stamps.get(first - 1)
-            if begun is None:  # the runtime did not say where the pass was: untimed
-                return
-            segment = stamps.get(last, ended) - begun
-        timing.passes += 1
-        timing.resident_bytes += whole - self._segment_bytes
-        timing.resident_s += ended - started - segment
-        timing.segment_bytes += self._segment_bytes
-        timing.streamed_bytes += self.streamed_bytes
-        timing.segment_s += segment
+        yield
+        if one_token:
+            timing = self.timing
+            timing.passes += 1
+            timing.seconds += time.perf_counter() - started
+            timing.resident_bytes += self.resident_bytes
+            timing.streamed_bytes += self.streamed_bytes
 
     def on_layer(self, layer: int) -> None:
         """From the pass (the target's runtime): `layer` is computed. Its pages go, and the read-ahead moves on."""
-        if self._stamps is not None:
-            self._stamps[layer] = time.perf_counter()
         with self._moved:
             if not self.following() or self._early:
                 return
@@ -387,7 +358,7 @@ class WindowedTarget(SsdTarget):
         self.threads = threads  # the CPU threads its passes compute on (0: not said), as its PassTiming is kept
         streamer.readahead = target.follow_layers(streamer.on_layer, streamer.following)
         super().__init__(target, path, streamer=streamer)
-        self.timing = streamer.timing  # its one-token passes, by segment
+        self.timing = streamer.timing  # its one-token passes
         self._timed = streamer.timed
         # the KV cache's cells the memory has room for besides the resident set (the plan's KV_RESERVE_CELLS, 0: all),
         # and its bytes a cell: a pass that writes cells past them first takes their room from the resident set

@@ -345,12 +345,12 @@ def test_a_core_is_left_to_the_read_ahead_only_where_a_pass_reads(monkeypatch: p
     assert loading.target_threads(options, stock=False, reads=True) is None  # a drafter's trees: theirs to share
 
 
-def test_a_streamed_targets_one_token_passes_are_timed_by_segment_for_the_next_plan(
+def test_a_streamed_targets_one_token_passes_are_timed_for_the_next_plan(
         f16_file, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each one-token pass of a streamed target is timed in two segments: its streamed layers (read from the drive)
-    and the rest, resident, computed from the file's mapping. Kept (models.kept.keep_streamed_pass), they give the
-    next plan the rate of a streamed target's resident part (slower than the repacked weights' in RAM the plan
-    otherwise scales it from), so a target the plan keeps wholly resident is priced at its own passes' time."""
+    """A streamed target times its one-token passes. Kept (models.kept.keep_streamed_pass), a run where all of it stayed
+    resident gives the next plan the rate of a streamed target's resident part (computed from the file's mapping:
+    slower than the repacked weights' in RAM the plan otherwise scales it from), and one that streamed part of it the
+    drive's rate during passes: the plan then prices a pass of that run's placement at that run's time."""
     from dataclasses import replace
 
     from edge.models.kept import PLAIN_PASSES_KEPT, keep_streamed_pass
@@ -372,21 +372,27 @@ def test_a_streamed_targets_one_token_passes_are_timed_by_segment_for_the_next_p
             target.truncate(4)
             target.verify(chain([token]))
         timing = target.timing
-        whole = sum(span.size for span in streamer.spans)
-        assert timing.passes == passes and timing.streamed_bytes == passes * streamer.streamed_bytes
-        assert timing.resident_bytes + timing.segment_bytes == passes * whole
-        assert timing.segment_bytes >= timing.streamed_bytes and timing.resident_s > 0 and timing.segment_s > 0
+        assert timing.passes == passes and timing.seconds > 0
+        assert (timing.resident_bytes, timing.streamed_bytes) == (passes * streamer.resident_bytes,
+                                                                  passes * streamer.streamed_bytes)
     threads = default_threads()
     machine = parse_machine(f"ram=8G,disk=2GB/s,cores={threads},rambw=20GB/s")
-    keep_streamed_pass(f16_file, replace(timing, passes=passes - 1).as_dict(), threads)
-    assert measured_rates(machine, f16_file) == machine  # too few passes to keep
+    pair, shape = load_registry().pair("smollm2-135m"), Shape.from_gguf(f16_file)
+    streamed = replace(plan_pair(pair, shape, None, machine, stream=True, plain=True).target,
+                       resident_bytes=streamer.resident_bytes)
+    resident = replace(streamed, resident_bytes=shape.streamed_bytes)  # all of it, computed from the mapping
+    assert pass_cost(resident, machine, 1).seconds == pytest.approx(shape.streamed_bytes / (20e9 * MAPPED_SHARE),
+                                                                    rel=0.05)
+    # a run with all of it resident, 2 ms a pass: its rate; too few passes, or another file's, are no measure
+    keep_streamed_pass(f16_file, {"passes": passes - 1, "seconds": 1.0, "streamed_bytes": 0}, threads)
+    assert measured_rates(machine, f16_file) == machine
+    keep_streamed_pass(f16_file, {"passes": passes, "seconds": 0.002 * passes, "streamed_bytes": 0}, threads)
+    measured = measured_rates(machine, f16_file)
+    assert measured.mapped_gbps == pytest.approx(shape.streamed_bytes / 0.002 / 1e9, rel=1e-2)
+    assert pass_cost(resident, measured, 1).seconds == pytest.approx(0.002, rel=0.02)
+    # then this run, which streamed part of it: the drive's rate that its passes imply
     keep_streamed_pass(f16_file, timing.as_dict(), threads)
     measured = measured_rates(machine, f16_file)
-    mapped = timing.resident_bytes / timing.resident_s / 1e9
-    assert measured.mapped_gbps == pytest.approx(mapped, rel=1e-2)
-    pair, shape = load_registry().pair("smollm2-135m"), Shape.from_gguf(f16_file)
-    streamed = plan_pair(pair, shape, None, machine, stream=True, plain=True).target
-    plan = replace(streamed, resident_bytes=shape.streamed_bytes)  # all of it resident, computed from the mapping
-    assumed = pass_cost(plan, machine, 1).seconds
-    assert assumed == pytest.approx(shape.streamed_bytes / (20e9 * MAPPED_SHARE), rel=0.05)
-    assert pass_cost(plan, measured, 1).seconds == pytest.approx(shape.streamed_bytes / (mapped * 1e9), rel=0.05)
+    assert measured.mapped_gbps == pytest.approx(shape.streamed_bytes / 0.002 / 1e9, rel=1e-2)
+    assert measured.disk_gbps != machine.disk_gbps
+    assert pass_cost(streamed, measured, 1).seconds == pytest.approx(timing.seconds / passes, rel=0.05)
