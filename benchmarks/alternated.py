@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--cap-mb", type=int, default=None, help="run each side under a memory cap of this size")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--tokens", action="store_true", help="each round's token ids, both sides, in the JSON")
     args = parser.parse_args()
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     bin_dir = build(say)
@@ -73,7 +74,9 @@ def main() -> None:
         rounds.append({"first": "edge-spec" if i % 2 == 0 else "llama.cpp", "edge_auto": edge_speed,
                        "llama_plain": peer_speed, "ratio": round(edge_speed / peer_speed, 3),
                        "prompts_matching_llama_plain": same, "prompts": len(peer)})
-        say(json.dumps(rounds[-1]))
+        if args.tokens:  # which side changed, where a round's texts differ
+            rounds[-1] |= {"edge_tokens": [r["tokens"] for r in edge_rows], "llama_tokens": [r["tokens"] for r in peer]}
+        say(json.dumps({key: value for key, value in rounds[-1].items() if not key.endswith("_tokens")}))
     ratios = [r["ratio"] for r in rounds]
     out = {"pair": args.pair, "n": args.n, "cap_mb": args.cap_mb, "threads": threads, "rounds": rounds,
            "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
