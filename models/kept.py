@@ -1,8 +1,8 @@
 """What a run keeps in edge-spec's cache for the next one: `--budget auto`'s pass times (pass-times.json, one entry
-per machine, placement and file; a plainly decoding target's one-token pass in RAM, and a streamed target's by
-segment, too), the tokens a pass each
-acceptance rule yielded when sampling (rule-yields.json, one entry per target and drafter file: `--accept auto` starts
-on the rule that yielded more) and lookup keep's earlier replies (lookup/<target>-<size>.npy).
+per machine, placement and file; a plainly decoding target's one-token pass in RAM, and a streamed target's, too),
+the tokens a pass each acceptance rule yielded when sampling (rule-yields.json, one entry per target and drafter
+file: `--accept auto` starts on the rule that yielded more) and lookup keep's earlier replies
+(lookup/<target>-<size>.npy).
 
 Each is read whole and written whole (a crash leaves the old file), and a damaged one is said in one line and
 started over: neither is more than a measurement or a convenience.

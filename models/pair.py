@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -184,12 +184,12 @@ class Pair:
             keep_plain_pass(self.target.path, self.target.one_token_s, self.target.one_token_passes)
 
     def _keep_streamed_pass(self) -> None:
-        """A target streamed in a window leaves its one-token passes, timed by segment, for the next plan
-        (models.kept.keep_streamed_pass): the rates of a pass's resident and streamed parts are otherwise assumed."""
+        """A target streamed in a window leaves its one-token passes' times for the next plan
+        (models.kept.keep_streamed_pass): the mapped rate and the drive's rate during passes are otherwise assumed."""
         from edge.offload.window import WindowedTarget
 
         if isinstance(self.target, WindowedTarget):
-            keep_streamed_pass(self.target.path, self.target.timing.as_dict(), self.target.threads)
+            keep_streamed_pass(self.target.path, asdict(self.target.timing), self.target.threads)
 
     def check_open(self) -> None:
         """Refuse a closed pair, and one whose model files changed on disk since they loaded (their weights are

@@ -83,10 +83,6 @@ class PassTiming:
     resident_bytes: int = 0
     streamed_bytes: int = 0
 
-    def as_dict(self) -> dict[str, float]:
-        return {"passes": self.passes, "seconds": round(self.seconds, 6), "resident_bytes": self.resident_bytes,
-                "streamed_bytes": self.streamed_bytes}
-
 
 class WindowedStreamer(SsdStreamer):
     """An SsdStreamer whose read-ahead stays `window` bytes ahead of the pass (on_layer says where the pass is); with
@@ -379,12 +375,11 @@ class WindowedTarget(SsdTarget):
 
     def verify(self, tree: TokenTree) -> np.ndarray:
         self._room_for(len(tree))
-        self.ssd.wait_evicted()
-        self.ssd.fetch_rows(tree.tokens)
+        return super().verify(tree)
+
+    def _pass(self, tree: TokenTree) -> np.ndarray:
         with self._timed(len(tree) == 1 and not self.deferred):
-            logits = self.inner.verify(tree)
-        self.ssd.after_pass()
-        return logits
+            return self.inner.verify(tree)
 
 
 def _resident_set(spans: list[Span], resident: int) -> tuple[list[Span], frozenset[int]]:

@@ -351,7 +351,7 @@ def test_a_streamed_targets_one_token_passes_are_timed_for_the_next_plan(
     resident gives the next plan the rate of a streamed target's resident part (computed from the file's mapping:
     slower than the repacked weights' in RAM the plan otherwise scales it from), and one that streamed part of it the
     drive's rate during passes: the plan then prices a pass of that run's placement at that run's time."""
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from edge.models.kept import PLAIN_PASSES_KEPT, keep_streamed_pass
     from edge.models.planning import measured_rates
@@ -391,7 +391,7 @@ def test_a_streamed_targets_one_token_passes_are_timed_for_the_next_plan(
     assert measured.mapped_gbps == pytest.approx(shape.streamed_bytes / 0.002 / 1e9, rel=1e-2)
     assert pass_cost(resident, measured, 1).seconds == pytest.approx(0.002, rel=0.02)
     # then this run, which streamed part of it: the drive's rate that its passes imply
-    keep_streamed_pass(f16_file, timing.as_dict(), threads)
+    keep_streamed_pass(f16_file, asdict(timing), threads)
     measured = measured_rates(machine, f16_file)
     assert measured.mapped_gbps == pytest.approx(shape.streamed_bytes / 0.002 / 1e9, rel=1e-2)
     assert measured.disk_gbps != machine.disk_gbps
