@@ -84,6 +84,37 @@ def test_the_plain_use_decodes_llama_cpps_own_tokens(plain_pair: Pair) -> None:
         assert ours == llama_cpp_tokens(plain_pair.target.path, prompt, len(ours)), text
 
 
+SWITCHES_IN_A_CHILD = r"""
+import os
+import edge.runtimes.llama_cpp._native
+from edge.runtimes.llama_cpp.kernels import TILED, prefer_stock
+
+prefer_stock()  # as a stock target's load does
+print(os.environ.get(TILED))
+"""
+
+
+def test_a_process_started_by_edge_spec_still_loads_a_stock_target_on_llama_cpps_kernels() -> None:
+    """The kernel switches edge-spec sets are inherited by the processes it starts (a benchmark's capped children):
+    there they are edge-spec's choice, not the user's, and a stock target still gets llama.cpp's (measured: a
+    child's plain decoding under 1300 MiB lost llama.cpp's text on 5 of 8 prompts). A switch the user set stays."""
+    import os
+
+    import edge.runtimes.llama_cpp._native  # noqa: F401 (sets the switches, as any edge-spec process has)
+    from edge.runtimes.llama_cpp.kernels import CHOSEN, TILED
+
+    def child(env: dict[str, str]) -> str:
+        done = subprocess.run([sys.executable, "-c", SWITCHES_IN_A_CHILD], capture_output=True, text=True, env=env,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert os.environ.get(TILED) == "0" and CHOSEN in os.environ
+    assert child(dict(os.environ)) == "None"
+    users = {key: value for key, value in os.environ.items() if key != CHOSEN} | {TILED: "0"}
+    assert child(users) == "0"
+
+
 def test_a_plain_target_takes_no_tree(plain_pair: Pair) -> None:
     from tests.test_ssd import chain
 

@@ -21,7 +21,9 @@ batch size (measured), so Q4_0 targets keep them.
 
 Both switches are process-wide, and ggml reads them once, at its first matmul. This runtime sets the dot-product
 kernels when it is imported (unless the environment chose), and a pair about to load a streamed target may switch
-to the tiled one until a pass has run (prefer_tiled).
+to the tiled one until a pass has run (prefer_tiled). Switches it sets carry a mark (CHOSEN): a process it starts
+inherits them as edge-spec's choice, not the user's, and chooses again (without the mark, a stock target loaded in
+a child of a process that had imported this runtime ran the dot-product kernels, and lost llama.cpp's text).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 FORCE_TILED = "GGML_CPU_TILED_MM_FORCE"
 TILED = "GGML_CPU_TILED_MM"
+CHOSEN = "EDGE_SPEC_KERNELS_CHOSEN"  # set beside the switches edge-spec sets: they are not the environment's choice
 
 # Types the tiled kernel computes (ggml_tiled_matmul_type_dispatch).
 TILED_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
@@ -61,9 +64,12 @@ SWITCHES = _Switches()
 
 
 def prefer_invariant_kernels() -> None:
-    """One kernel for every K-quant batch: the dot-product ones, unless the environment set either switch."""
-    if TILED not in os.environ and FORCE_TILED not in os.environ:
+    """One kernel for every K-quant batch: the dot-product ones, unless the environment set either switch (a switch
+    inherited from an edge-spec process, marked CHOSEN, is not the environment's choice)."""
+    if CHOSEN in os.environ or (TILED not in os.environ and FORCE_TILED not in os.environ):
         os.environ[TILED] = "0"
+        os.environ.pop(FORCE_TILED, None)
+        os.environ[CHOSEN] = "1"
         SWITCHES.chosen_here = True
 
 
