@@ -94,12 +94,12 @@ def in_ram_rates(machine: Machine, target: Path) -> Machine:
 def streamed_rates(machine: Machine, target: Path) -> Machine:
     """The machine with the rates this target's streamed runs showed (models.kept.keep_streamed_pass: the newest of
     each kind): the rate a streamed target's resident part computes at, from the file's mapping, where all of it stayed
-    resident (Machine.mapped_gbps), and the drive's rate while passes read, where part of it streamed (disk_gbps: the
-    pass's time less its streamed part's arithmetic, where that is longer than its resident part at the mapped rate:
-    the drive reads while the resident part computes; the probe reads the drive alone, once). Each is scaled from the
-    run's threads to every core, as the plan computes on every core."""
+    resident (Machine.mapped_gbps), and the drive's rate while passes read, where part of it streamed (disk_gbps:
+    from the pass's time less its streamed part's arithmetic, where that is longer than its resident part at the
+    mapped rate, under pass_cost's partial overlap of the two; the probe reads the drive alone, once). Each is scaled
+    from the run's threads to every core, as the plan computes on every core."""
     from edge.models.kept import MAPPED, STREAMED, measured_at, target_entries
-    from edge.offload.plan import CPU_GFLOPS_PER_CORE, GB, mapped_rate
+    from edge.offload.plan import CPU_GFLOPS_PER_CORE, GB, UNHIDDEN_SHARE, mapped_rate
 
     entries = target_entries(target)
     runs = {kind: [entry for key, entry in entries.items() if f"|{kind}|readahead window|" in key]
@@ -125,8 +125,16 @@ def streamed_rates(machine: Machine, target: Path) -> Machine:
         mapped = mapped_rate(machine) * GB * threads / machine.cores  # bytes/s on the run's threads
         gflops = (machine.cpu_gflops_per_core or CPU_GFLOPS_PER_CORE) * threads * 1e9
         arithmetic = 2 * shape.n_params * read / max(shape.streamed_bytes, 1) / gflops
-        reading = seconds - arithmetic  # the drive reads while the resident part computes (offload.plan.pass_cost)
-        if reading > max(0.0, shape.streamed_bytes - read) / mapped:  # else the reading was hidden: no measure
+        # the drive reads while the resident part computes: a pass costs the longer of the two and UNHIDDEN_SHARE
+        # of the shorter, then the streamed part's arithmetic (offload.plan.pass_cost)
+        both, resident = seconds - arithmetic, max(0.0, shape.streamed_bytes - read) / mapped
+        if both >= (1 + UNHIDDEN_SHARE) * resident:  # the reading was the longer
+            reading = both - UNHIDDEN_SHARE * resident
+        elif both > resident:
+            reading = (both - resident) / UNHIDDEN_SHARE
+        else:
+            reading = 0.0  # hidden: no measure
+        if reading > 0:
             machine = replace(machine, disk_gbps=round(read / reading / GB, 3))
     return machine
 
