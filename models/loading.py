@@ -22,6 +22,7 @@ from edge.models.registry import ModelSpec, PairSpec, Registry, Source, load_reg
 from edge.models.sources import model_path
 from edge.offload.libc import loading_side_by_side
 from edge.offload.plan import AUTO_MAX_BUDGET
+from edge.offload.probe import memory_limit
 from edge.runtimes import (
     DRAFTERS,
     ModelOptions,
@@ -410,6 +411,7 @@ def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, 
     model = ModelOptions(n_ctx=spec.ctx, kv_type=spec.target.kv_type, threads=threads,
                          gpu_layers=options.gpu_layers or 0, mlock=options.mlock, streamed=streams,
                          provider=spec.target.provider, stock=stock,
+                         lock_pass_pages=stock and not streams and not options.mlock and memory_limit() is not None,
                          lanes=options.parallel if options.parallel > 1 else 0)
     if not drafts:
         with phase(times, "target"):

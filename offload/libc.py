@@ -96,6 +96,23 @@ def resident_pages(address: int, length: int) -> np.ndarray:
     return (np.frombuffer(vector, np.uint8) & 1).astype(bool)  # the other bits are reserved
 
 
+def present_pages(address: int, length: int) -> np.ndarray:
+    """bool [pages]: which pages of [address, address + length) are mapped into this process now (/proc/self/pagemap's
+    present bit), as opposed to in the page cache (resident_pages): after MADV_DONTNEED on a file mapping, the pages
+    touched since; address page-aligned. All False where the system will not say."""
+    page = mmap.PAGESIZE
+    pages = (length + page - 1) // page
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(address // page * 8)
+            entries = np.frombuffer(pagemap.read(pages * 8), np.uint64)
+    except OSError:
+        return np.zeros(pages, bool)
+    if len(entries) != pages:
+        return np.zeros(pages, bool)
+    return (entries >> np.uint64(63)).astype(bool)
+
+
 def anonymous_regions() -> set[tuple[int, int]]:
     """This process's private, writable mappings of no file, as (start, end) addresses (/proc/self/maps): heap
     memory, as a library's large allocations get it."""
@@ -151,11 +168,11 @@ def release_zero_pages(regions: Iterable[tuple[int, int]]) -> int:
         words = np.ctypeslib.as_array((ctypes.c_uint64 * ((last - first) // 8)).from_address(first))
         pages = words.reshape(-1, page // 8)
         zero = np.zeros(len(pages), bool)
-        for low, high in _runs(resident):  # a page not resident is not read: reading would map it
+        for low, high in runs_of(resident):  # a page not resident is not read: reading would map it
             for chunk in range(low, high, ZERO_SCAN_PAGES):
                 stop = min(high, chunk + ZERO_SCAN_PAGES)
                 zero[chunk:stop] = ~pages[chunk:stop].any(axis=1)
-        for low, high in _runs(zero):
+        for low, high in runs_of(zero):
             madvise(first + low * page, (high - low) * page, MADV_DONTNEED)
             released += (high - low) * page
     return released
@@ -193,7 +210,7 @@ def release_new_zero_pages(regions: list[tuple[int, int]]) -> int:
     return release_zero_pages(regions)
 
 
-def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+def runs_of(flags: np.ndarray) -> list[tuple[int, int]]:
     """The [low, high) runs of True in a bool array."""
     edges = np.flatnonzero(np.diff(np.concatenate([[False], flags, [False]]).astype(np.int8)))
     return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))

@@ -69,6 +69,10 @@ class ModelOptions:
     # a target that decodes plainly, never verifying a tree: loaded as its runtime loads it by default (llama.cpp: its
     # repacked weights and kernels, chosen by batch size), which is faster for one token and not batch-invariant
     stock: bool = False
+    # a stock target in RAM under a memory limit: the pages of its file's mapping its passes read (the tensors its
+    # runtime does not repack) are locked after its first pass, so that the kernel's reclaim never takes them
+    # (offload/pass_pages.py)
+    lock_pass_pages: bool = False
     # a target whose requests decode in this many lanes of one pass (a server's --parallel; Pair.lanes): its own
     # context carries one token of one sequence, the lanes' context holds their KV caches (0: no lanes)
     lanes: int = 0

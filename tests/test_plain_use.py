@@ -109,10 +109,58 @@ def test_a_process_started_by_edge_spec_still_loads_a_stock_target_on_llama_cpps
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.strip()
 
-    assert os.environ.get(TILED) == "0" and CHOSEN in os.environ
+    assert CHOSEN in os.environ
     assert child(dict(os.environ)) == "None"
     users = {key: value for key, value in os.environ.items() if key != CHOSEN} | {TILED: "0"}
     assert child(users) == "0"
+
+
+def locked_mappings(path: Path) -> int:
+    """Bytes of this process's mappings of `path` that are locked (VmFlags "lo" in /proc/self/smaps)."""
+    real, size, locked = str(path.resolve()), 0, 0
+    mine = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's first line
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            mine, size = fields[-1] == real, end - start
+        elif mine and line.startswith("VmFlags:") and "lo" in fields[1:]:
+            locked += size
+    return locked
+
+
+def test_under_a_memory_limit_the_pages_a_pass_reads_from_the_mapping_are_locked(
+        plain_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stock target in RAM under a limit: its first pass finds the pages of its file's mapping it reads (the tensors
+    llama.cpp keeps there), and those are locked; the rest of the mapping stays evictable. Its tokens do not change."""
+    import mmap
+
+    from edge.offload import libc
+    from edge.offload.probe import MemoryLimit
+    from edge.offload.ssd import mapped_ranges
+
+    monkeypatch.setattr("edge.models.loading.memory_limit", lambda: MemoryLimit(8 << 30, 0, "memory.max"))
+    pair = edge.load("smollm2-135m", ctx=1024, speculate="auto")
+    try:
+        pages = pair.target.pass_pages
+        assert pages is not None and pages.locked_bytes == 0
+        prompt = plain_pair.prompt_tokens("Explain what a hash map is in two sentences.")
+        replies = []
+        for _ in range(2):
+            decoder = pair.decoder(SamplingConfig(), speculate=True)
+            replies.append([step.token for step in decoder.reply(prompt, 16) if step.token is not None])
+            assert pages.locked_bytes == pages.found_bytes  # found once, on the first pass
+        mapped = sum(end - start for start, end, _ in mapped_ranges(pair.target.path))
+        assert 0 < pages.found_bytes < mapped
+        assert locked_mappings(pair.target.path) == pages.locked_bytes
+        start, end, _ = mapped_ranges(pair.target.path)[0]
+        present = libc.present_pages(start, end - start)
+        assert present.sum() * mmap.PAGESIZE <= mapped
+        reference = plain_pair.decoder(SamplingConfig(), speculate=True)
+        assert replies[0] == replies[1] == [step.token for step in reference.reply(prompt, 16)
+                                            if step.token is not None]
+    finally:
+        pair.close()
 
 
 def test_a_plain_target_takes_no_tree(plain_pair: Pair) -> None:

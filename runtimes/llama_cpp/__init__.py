@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from edge.offload.pass_pages import PassPages
 from edge.runtimes import ModelOptions, Report
 from edge.runtimes.gguf_file import check_gguf
 from edge.runtimes.llama_cpp._native import (
@@ -113,7 +114,10 @@ def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget
         batch = STREAMED_BATCH if options.streamed else STOCK_BATCH
         ctx = Context(model, run.n_ctx, n_batch=batch, kv_type=run.kv_type, n_threads=run.n_threads,
                       flash_attn=run.flash_attn, n_outputs=1, on_layer=layers, sequences=1, threadpool=True)
-        return PlainTarget(model, ctx, 1, layers)
+        target = PlainTarget(model, ctx, 1, layers)
+        if options.lock_pass_pages and not options.streamed:
+            target.pass_pages = PassPages(path, reserve=ctx.released_bytes)  # its KV cache's pages, given back
+        return target
     # lanes' passes carry a few tokens each, where the dot-product kernels are the faster, streamed or not
     prefer_tiled(options.streamed and not options.lanes)
     weight_types = check_gguf(path).weight_types

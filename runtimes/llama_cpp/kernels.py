@@ -21,9 +21,10 @@ batch size (measured), so Q4_0 targets keep them.
 
 Both switches are process-wide, and ggml reads them once, at its first matmul. This runtime sets the dot-product
 kernels when it is imported (unless the environment chose), and a pair about to load a streamed target may switch
-to the tiled one until a pass has run (prefer_tiled). Switches it sets carry a mark (CHOSEN): a process it starts
-inherits them as edge-spec's choice, not the user's, and chooses again (without the mark, a stock target loaded in
-a child of a process that had imported this runtime ran the dot-product kernels, and lost llama.cpp's text).
+to the tiled one until a pass has run (prefer_tiled). What it sets it also writes in CHOSEN: a process it starts
+inherits the switches, and while they are as CHOSEN says they are edge-spec's choice, not the user's, so that
+process chooses again. (Without it, a stock target loaded in a child of a process that had imported this runtime
+ran the dot-product kernels, and lost llama.cpp's text.)
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 FORCE_TILED = "GGML_CPU_TILED_MM_FORCE"
 TILED = "GGML_CPU_TILED_MM"
-CHOSEN = "EDGE_SPEC_KERNELS_CHOSEN"  # set beside the switches edge-spec sets: they are not the environment's choice
+CHOSEN = "EDGE_SPEC_KERNELS_CHOSEN"  # the switches as edge-spec set them: while so, not the environment's choice
 
 # Types the tiled kernel computes (ggml_tiled_matmul_type_dispatch).
 TILED_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
@@ -63,13 +64,26 @@ class _Switches:
 SWITCHES = _Switches()
 
 
+def _switches() -> str:
+    return f"{TILED}={os.environ.get(TILED, '')};{FORCE_TILED}={os.environ.get(FORCE_TILED, '')}"
+
+
+def _set(tiled: str | None, force_tiled: str | None) -> None:
+    """Set the switches (None: unset), marked as edge-spec's choice (CHOSEN holds what it set)."""
+    for name, value in ((TILED, tiled), (FORCE_TILED, force_tiled)):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    os.environ[CHOSEN] = _switches()
+
+
 def prefer_invariant_kernels() -> None:
-    """One kernel for every K-quant batch: the dot-product ones, unless the environment set either switch (a switch
-    inherited from an edge-spec process, marked CHOSEN, is not the environment's choice)."""
-    if CHOSEN in os.environ or (TILED not in os.environ and FORCE_TILED not in os.environ):
-        os.environ[TILED] = "0"
-        os.environ.pop(FORCE_TILED, None)
-        os.environ[CHOSEN] = "1"
+    """One kernel for every K-quant batch: the dot-product ones, unless the environment set either switch (switches
+    inherited from an edge-spec process as it set them, CHOSEN says so, are not the environment's choice)."""
+    inherited = os.environ.get(CHOSEN) == _switches()
+    if inherited or (TILED not in os.environ and FORCE_TILED not in os.environ):
+        _set("0", None)
         SWITCHES.chosen_here = True
 
 
@@ -79,12 +93,7 @@ def prefer_tiled(tiled: bool) -> None:
     a pass has run or where the environment chose."""
     if SWITCHES.read or not SWITCHES.chosen_here:
         return
-    if tiled:
-        os.environ.pop(TILED, None)
-        os.environ[FORCE_TILED] = "1"
-    else:
-        os.environ[TILED] = "0"
-        os.environ.pop(FORCE_TILED, None)
+    _set(None, "1") if tiled else _set("0", None)
 
 
 def prefer_stock() -> None:
@@ -92,8 +101,7 @@ def prefer_stock() -> None:
     batch size, as it runs by default. Nothing changes once a pass has run or where the environment chose."""
     if SWITCHES.read or not SWITCHES.chosen_here:
         return
-    os.environ.pop(TILED, None)
-    os.environ.pop(FORCE_TILED, None)
+    _set(None, None)
 
 
 def mark_ran() -> None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from edge.offload.pass_pages import PassPages
 from edge.runtimes.llama_cpp._native import MAX_SEQ, Batch, Context, Model
 
 from edge.protocols import ModelDefaults
@@ -216,6 +217,7 @@ class PlainTarget(LlamaTarget):
 
     one_token_s = 0.0  # the time of its one-token passes (a prompt's excluded), and their count: what the plan's
     one_token_passes = 0  # rate for a target in RAM is fitted to (models.kept.keep_plain_pass)
+    pass_pages: PassPages | None = None  # under a memory limit: the pages of its mapping a pass reads, locked
 
     def _drop_branches(self) -> None:
         pass  # one sequence: no branch to drop
@@ -225,6 +227,8 @@ class PlainTarget(LlamaTarget):
             raise ValueError(f"a plain target verifies one token a pass, not a tree of {len(tree)}")
         tokens = [*self._pending, int(tree.tokens[0])]
         self._pending = []
+        if self.pass_pages is not None:
+            self.pass_pages.before_pass()
         started = time.perf_counter()
         capacity = self.batch.capacity
         for start in range(0, len(tokens), capacity):
@@ -237,6 +241,8 @@ class PlainTarget(LlamaTarget):
         if len(tokens) == 1:  # a prompt's pass is not a one-token pass
             self.one_token_s += time.perf_counter() - started
             self.one_token_passes += 1
+        if self.pass_pages is not None:
+            self.pass_pages.after_pass()
         self._n_leaves = 1
         self._place = np.zeros(1, np.int64)
         return self.ctx.logits(1)
