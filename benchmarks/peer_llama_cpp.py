@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import http.client
 import json
 import os
 import shutil
@@ -372,6 +373,11 @@ def main() -> None:
         except PeerFailed as problem:  # (under a tight limit its drafter may not even load): the other rows stand
             say(f"  it cannot run: {problem}")
             results.append({"row": label, "error": str(problem)})
+            continue
+        except (ConnectionError, http.client.HTTPException) as problem:  # killed mid-reply (the limit's OOM kill)
+            say(f"  it died mid-run: {problem!r}")
+            results.append({"row": label, "error": f"llama-server died mid-run ({problem!r}); see "
+                                                    f"{peer_dir() / 'server.log'}"})
             continue
         peer_tokens[label] = [r["tokens"] for r in rows]
         results.append(summary(label, rows, reference))
