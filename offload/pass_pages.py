@@ -3,14 +3,14 @@ llama.cpp's repacked buffers under a memory limit.
 
 Such a target reads most of its weights from anonymous memory (the repacked copy), which the kernel cannot evict
 without swap, and the rest from its file's mapping: the tensors llama.cpp does not repack (Qwen2.5-Coder-1.5B
-Q4_K_M: the Q6_K ones and the tied token table, about 40% of the file). Under a limit the kernel's reclaim takes a
-few of those mapped pages every pass, and the next pass reads them again: 3.2 MB a pass under 1300 MiB, about 10%
-of a 35 ms pass on a 1 GB/s drive (docs/performance.md). The pages a pass reads are found once, on the first pass:
-before it, the mapping is emptied (MADV_DONTNEED: the pages stay in the page cache, only this process's page table
-forgets them); after it, the pages mapped again (/proc/self/pagemap) are the ones a pass touched, and those are
-locked (mlock). The rest of the mapping, the repacked tensors' original bytes, stays evictable. Under the limit
-the first pass's own reading evicts some of what it read before it ends (Qwen2.5-Coder-1.5B under 1300 MiB: 348 of
-its 485 MiB were still mapped after it), so the next passes, up to WATCHED_PASSES, add what they map again.
+Q4_K_M: the Q6_K ones and the tied token table, 368 MiB of the 1066 MiB file). Under a limit the kernel's reclaim
+takes some of those mapped pages between passes, and the next pass reads them again (0.92 MB a pass in a second
+reply under 1300 MiB; docs/plan.md). The pages a pass reads are found on the first passes: before the first, the
+mapping is emptied (MADV_DONTNEED: the pages stay in the page cache, only this process's page table forgets them);
+after it, the pages mapped again (/proc/self/pagemap) are the ones the pass touched, and those are locked (mlock).
+The rest of the mapping, the repacked tensors' original bytes, stays evictable. Under the limit the first pass's own
+reading evicts some of what it read before it ends (the pair under 1300 MiB: 348 MiB still mapped after it), so the
+next passes, up to WATCHED_PASSES, lock what they map again.
 
 Locked pages are never reclaimed, so a lock that left no room for what the process still allocates would turn the
 kernel's eviction (a slower pass) into the limit's OOM kill. Only as much is locked as the limit leaves past the

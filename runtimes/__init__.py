@@ -70,7 +70,7 @@ class ModelOptions:
     # repacked weights and kernels, chosen by batch size), which is faster for one token and not batch-invariant
     stock: bool = False
     # a stock target in RAM under a memory limit: the pages of its file's mapping its passes read (the tensors its
-    # runtime does not repack) are locked after its first pass, so that the kernel's reclaim never takes them
+    # runtime does not repack) are locked after its first passes, so that the kernel's reclaim never takes them
     # (offload/pass_pages.py)
     lock_pass_pages: bool = False
     # a target whose requests decode in this many lanes of one pass (a server's --parallel; Pair.lanes): its own

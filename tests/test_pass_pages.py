@@ -1,4 +1,4 @@
-"""offload/pass_pages.py: a stock target's first pass finds the pages of its file's mapping it reads, and those are
+"""offload/pass_pages.py: a stock target's first passes find the pages of its file's mapping they read, and those are
 locked within what the memory limit leaves (a file mapping of this process stands in for llama.cpp's)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def weights(tmp_path: Path):
     for page in range(64):  # loaded: every page read once (llama.cpp repacks from the mapping)
         _ = mapping[page * PAGE]
     yield path, mapping
-    mapping.close()
+    mapping.close()  # unmapping unlocks
 
 
 def a_pass(mapping: mmap.mmap) -> None:
@@ -55,10 +55,7 @@ def test_the_pages_a_pass_read_are_locked_within_the_limits_room(weights, monkey
     found = pages.found_bytes
     assert 16 * PAGE <= found <= (16 + 2 * FAULT_AROUND) * PAGE < 64 * PAGE  # not what loading read
     locked = found if locked_pages is None else locked_pages * PAGE
-    try:
-        assert pages.locked_bytes == locked
-        pages.before_pass()  # found once: later passes change nothing
-        pages.after_pass()
-        assert (pages.found_bytes, pages.locked_bytes) == (found, locked)
-    finally:
-        mapping.close()  # unmapping unlocks
+    assert pages.locked_bytes == locked
+    pages.before_pass()  # the mapping is emptied once: a pass that reads nothing new changes nothing
+    pages.after_pass()
+    assert (pages.found_bytes, pages.locked_bytes) == (found, locked)

@@ -131,11 +131,8 @@ def locked_mappings(path: Path) -> int:
 
 def test_under_a_memory_limit_the_pages_a_pass_reads_from_the_mapping_are_locked(
         plain_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stock target in RAM under a limit: its first pass finds the pages of its file's mapping it reads (the tensors
+    """A stock target in RAM under a limit: its first passes find the pages of its file's mapping it reads (the tensors
     llama.cpp keeps there), and those are locked; the rest of the mapping stays evictable. Its tokens do not change."""
-    import mmap
-
-    from edge.offload import libc
     from edge.offload.probe import MemoryLimit
     from edge.offload.ssd import mapped_ranges
 
@@ -149,13 +146,10 @@ def test_under_a_memory_limit_the_pages_a_pass_reads_from_the_mapping_are_locked
         for _ in range(2):
             decoder = pair.decoder(SamplingConfig(), speculate=True)
             replies.append([step.token for step in decoder.reply(prompt, 16) if step.token is not None])
-            assert pages.locked_bytes == pages.found_bytes  # found once, on the first pass
+            assert pages.locked_bytes == pages.found_bytes  # found on its first passes, all of it locked
         mapped = sum(end - start for start, end, _ in mapped_ranges(pair.target.path))
         assert 0 < pages.found_bytes < mapped
         assert locked_mappings(pair.target.path) == pages.locked_bytes
-        start, end, _ = mapped_ranges(pair.target.path)[0]
-        present = libc.present_pages(start, end - start)
-        assert present.sum() * mmap.PAGESIZE <= mapped
         reference = plain_pair.decoder(SamplingConfig(), speculate=True)
         assert replies[0] == replies[1] == [step.token for step in reference.reply(prompt, 16)
                                             if step.token is not None]

@@ -115,7 +115,7 @@ def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget
         ctx = Context(model, run.n_ctx, n_batch=batch, kv_type=run.kv_type, n_threads=run.n_threads,
                       flash_attn=run.flash_attn, n_outputs=1, on_layer=layers, sequences=1, threadpool=True)
         target = PlainTarget(model, ctx, 1, layers)
-        if options.lock_pass_pages and not options.streamed:
+        if options.lock_pass_pages:
             target.pass_pages = PassPages(path, reserve=ctx.released_bytes)  # its KV cache's pages, given back
         return target
     # lanes' passes carry a few tokens each, where the dot-product kernels are the faster, streamed or not

@@ -93,7 +93,10 @@ def prefer_tiled(tiled: bool) -> None:
     a pass has run or where the environment chose."""
     if SWITCHES.read or not SWITCHES.chosen_here:
         return
-    _set(None, "1") if tiled else _set("0", None)
+    if tiled:
+        _set(None, "1")
+    else:
+        _set("0", None)
 
 
 def prefer_stock() -> None:
