@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import mmap
 import os
 import signal
@@ -28,6 +29,9 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 # new memory whose zero pages wait for the end of loading_side_by_side; None outside one
 _held_back: list[tuple[int, int]] | None = None
 _held_back_lock = threading.Lock()
+_paused = 0  # collection_paused blocks open, in any thread
+_collecting = True  # whether the collector ran before the outermost collection_paused block
+_paused_lock = threading.Lock()
 
 
 @functools.cache
@@ -124,6 +128,26 @@ def anonymous_regions() -> set[tuple[int, int]]:
                 start, end = fields[0].split("-")
                 regions.add((int(start, 16), int(end, 16)))
     return regions
+
+
+@contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off, in every thread, until the block ends: for a native call whose
+    new memory is told from /proc/self/maps (new_memory). A collection between the snapshot and the call can free an
+    unreachable model's or context's memory, and the call's new mapping then takes those addresses, hidden as old."""
+    global _paused, _collecting
+    with _paused_lock:
+        if _paused == 0:
+            _collecting = gc.isenabled()
+            gc.disable()
+        _paused += 1
+    try:
+        yield
+    finally:
+        with _paused_lock:
+            _paused -= 1
+            if _paused == 0 and _collecting:
+                gc.enable()
 
 
 def new_memory(before: set[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -137,15 +137,17 @@ class Model:
                          n_gpu_layers=n_gpu_layers, load_mode=load_mode(use_mmap, use_mlock),
                          use_extra_bufts=repacked)  # repacked weights are copies in RAM, not the mapping
         self.path = path
-        before = libc.anonymous_regions() if repacked else set()
-        self._ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+        with libc.collection_paused():
+            before = libc.anonymous_regions() if repacked else set()
+            self._ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+            new = large_regions_since(before) if repacked else []
         if not self._ptr:
             raise UserError(f"llama.cpp could not load {path} (unsupported architecture or damaged file); "
                             "set EDGE_SPEC_LLAMA_LOG=1 to see its log")
         # The repacked weights are read through on every pass from llama.cpp's own allocations, on small pages (the
         # file's mapping is on the page cache's large folios already): huge pages make a one-token pass of
         # Qwen2.5-Coder-1.5B ~5% faster here (docs/plan.md). Only regions the load made, of LARGE_REGION or more.
-        self.huge_page_bytes = libc.collapse_to_huge_pages(large_regions_since(before))
+        self.huge_page_bytes = libc.collapse_to_huge_pages(new)
         self._vocab = ll.llama_model_get_vocab(self._ptr)
         self.n_vocab: int = ll.llama_vocab_n_tokens(self._vocab)
         self.bos: int = ll.llama_vocab_bos(self._vocab)
@@ -309,14 +311,16 @@ class Context:
         self._settings = {"n_ctx": n_ctx, "n_batch": n_batch, "kv_type": kv_type, "n_threads": n_threads,
                           "flash_attn": flash_attn, "op_offload": op_offload, "n_outputs": n_outputs,
                           "on_layer": on_layer, "sequences": sequences, "threadpool": threadpool, "unified": unified}
-        before = libc.anonymous_regions()
-        self._ptr = ll.llama_init_from_model(model.ptr, params)
+        with libc.collection_paused():
+            before = libc.anonymous_regions()
+            self._ptr = ll.llama_init_from_model(model.ptr, params)
+            new = large_regions_since(before)
         # llama.cpp clears the KV cache it allocates (zeros, against NaNs in cells no pass has written), which commits
         # all of it: 112 MiB for Qwen2.5-Coder-1.5B's 4096 f16 cells. Those pages are given back (they read as zeros
         # again), so the cache takes memory as cells are written: 28 KiB a token there, not the whole context at once.
         # A streamed target's plan counts on it (offload/plan.py, KV_RESERVE_CELLS). Only mappings of LARGE_REGION or
         # more that the context made; while another model loads beside it, once both are loaded (0 here).
-        self.released_bytes = libc.release_new_zero_pages(large_regions_since(before)) if self._ptr else 0
+        self.released_bytes = libc.release_new_zero_pages(new) if self._ptr else 0
         if not self._ptr:
             raise UserError(f"llama.cpp could not create a context of {n_ctx} tokens with a {kv_type} KV cache "
                             f"for {model.path.name}; lower ctx or use another KV type", "ctx")
