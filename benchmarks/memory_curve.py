@@ -7,7 +7,9 @@ configurations, each side in its own memory cgroup (benchmarks/peer_llama_cpp.py
 
 Writes one JSON file (every row of every limit, the plan's choice, bytes read per pass) and a PNG: tokens/s against
 the limit, a line per row kind ("edge-spec auto", "edge-spec plain", "llama.cpp plain", "llama.cpp best
-speculative"). A limit where a side could not run gives no point for it (its error is in the JSON).
+speculative"). A limit where a side could not run gives no point for it (its error is in the JSON). At the limits
+of --alternate (those where llama.cpp holds the target in RAM), edge-spec auto and llama.cpp plain run twice each, in
+turn, and each point is both runs together.
 
     python benchmarks/memory_curve.py --from RUN1.json,RUN2.json --out docs/memory-curve.json \\
         --png docs/memory-curve.png
@@ -49,6 +51,8 @@ def run_limit(args: argparse.Namespace, limit: int | None) -> dict:
                "--prompts", str(args.prompts), "--draft-max", args.draft_max, "--json"]
     if limit is not None:
         command += ["--cap-mb", str(limit)]
+    if ("none" if limit is None else str(limit)) in args.alternate.split(","):
+        command.append("--alternate")
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         return {"limit_mib": limit, "commit": commit(),
@@ -102,6 +106,10 @@ def main() -> None:
     parser.add_argument("--limits", default="none,2600,1700,1300,1175,1049,900",
                         help="memory limits in MiB, largest first; none: no limit")
     parser.add_argument("--draft-max", default="4,8", help="llama.cpp's draft lengths besides its default")
+    parser.add_argument("--alternate", default="none,2600,1700,1300",
+                        help="limits where edge-spec auto and llama.cpp plain each run twice, in turn (auto, plain, "
+                             "..., plain, auto; peer_llama_cpp.py --alternate): where both hold the target in RAM on "
+                             "the same kernels, the machine's drift between two runs is the whole difference")
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument("--png", type=Path, default=None, help="the PNG to draw")
     parser.add_argument("--from", dest="runs", default=None,

@@ -277,6 +277,31 @@ def summary(label: str, rows: list[dict], reference: list[list[int]] | None) -> 
     return row
 
 
+def again(args, bin_dir: Path, common: list[str], cap: int | None, files: list[Path], job: dict, ours: dict,
+          edge_rows: list[dict], peer_rows_of: dict[str, list[dict]], results: list[dict], reference, say) -> None:
+    """--alternate: llama.cpp plain, then edge-spec auto, a second time (the first runs were auto, then plain), each
+    of the two rows then being both runs together (tokens/s over both; each run's own in runs_tokens_per_s). A drift
+    linear in time weighs on both rows alike: each row's two runs sit as far from the middle of the whole."""
+    say("llama.cpp plain, again")
+    with llama_server(bin_dir, common, cap, files) as url:
+        peer_again = peer_rows(url, ours["prompts"], args.n, ours["stops"], args.temperature)
+    say("edge-spec auto, again")
+    from memcap import call_capped
+
+    done = call_capped(edge_job, {**job, "speculate": "auto", "accept": ["auto"]}, limit_bytes=cap,
+                       drop_cache=list(pair_files(args.pair).values()))
+    edge_again = done.value["rows"]["edge-spec auto"]
+    both = {"edge-spec auto": (edge_rows, edge_again), "llama.cpp plain": (peer_rows_of["llama.cpp plain"], peer_again)}
+    for row in results:
+        if row["row"] in both:
+            first, second = both[row["row"]]
+            row |= summary(row["row"], first + second, None if reference is None else reference * 2)
+            row["runs_tokens_per_s"] = [summary(row["row"], rows, None)["decode_tokens_per_s"]
+                                        for rows in (first, second)]
+    ours["rows"]["edge-spec auto"] = edge_rows + edge_again
+    peer_rows_of["llama.cpp plain"] = peer_rows_of["llama.cpp plain"] + peer_again
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-m", "--pair", default="qwen2.5-coder-1.5b")
@@ -299,6 +324,10 @@ def main() -> None:
     parser.add_argument("--build-only", action="store_true", help="build the peer's binaries and stop")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--tokens", action="store_true", help="each row's token ids in the JSON")
+    parser.add_argument("--alternate", action="store_true",
+                        help="run llama.cpp plain and edge-spec auto a second time, in the other order (auto, plain, "
+                             "..., plain, auto): each of the two rows is both runs together, so that a machine "
+                             "drifting during the run weighs on both alike (where the two run the same kernels)")
     args = parser.parse_args()
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     if args.bin_dir is None and shutil.which("cmake") is None:
@@ -365,6 +394,7 @@ def main() -> None:
         configs += [(f"llama.cpp speculative draft-max {n}", [*draft, "--spec-draft-n-max", n])
                     for n in args.draft_max.split(",") if n]
     peer_tokens: dict[str, list[list[int]]] = {}
+    peer_rows_of: dict[str, list[dict]] = {}
     for label, extra in configs:
         say(label)
         try:
@@ -380,12 +410,21 @@ def main() -> None:
                                                     f"{peer_dir() / 'server.log'}"})
             continue
         peer_tokens[label] = [r["tokens"] for r in rows]
+        peer_rows_of[label] = rows
         results.append(summary(label, rows, reference))
+    if args.alternate and "llama.cpp plain" in peer_tokens and "auto" in runs:
+        again(args, bin_dir, common, cap, files, job, ours, runs["auto"]["rows"]["edge-spec auto"], peer_rows_of,
+              results, reference, say)
+        peer_tokens["llama.cpp plain"] = [r["tokens"] for r in peer_rows_of["llama.cpp plain"]]
     if "llama.cpp plain" in peer_tokens and args.temperature == 0:
         for row in results:
             if row["row"].startswith("edge-spec") and row["row"] in ours["rows"]:
-                same = [r["tokens"] == theirs for r, theirs in zip(ours["rows"][row["row"]],
-                                                                    peer_tokens["llama.cpp plain"], strict=True)]
+                # a prompt matches when every run of this row and of llama.cpp plain (two each with --alternate)
+                # gave the same tokens for it
+                n_prompts = len(ours["prompts"])
+                mine, theirs = [r["tokens"] for r in ours["rows"][row["row"]]], peer_tokens["llama.cpp plain"]
+                same = [all(tokens == mine[i] for tokens in mine[i::n_prompts] + theirs[i::n_prompts])
+                        for i in range(n_prompts)]
                 row["matches_llama_plain"] = all(same)
                 row["prompts_matching_llama_plain"] = sum(same)
     if args.tokens:  # every row's token ids, prompt by prompt (to compare texts across runs)
