@@ -119,6 +119,6 @@ def choose(uses: list[Use]) -> Use:
 
 
 def reason(chosen: Use, uses: list[Use]) -> str:
-    """One line: the choice and what it was weighed against."""
+    """One line: the choice and what it was weighed against (where nothing else fits, that)."""
     others = "; ".join(f"{use.name} {use.tokens_per_s:.3g}" for use in uses if use is not chosen)
-    return f"{chosen.describe()} (against {others} tokens/s)"
+    return f"{chosen.describe()} ({f'against {others} tokens/s' if others else 'nothing else fits'})"

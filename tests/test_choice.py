@@ -89,6 +89,14 @@ def test_in_ram_on_two_cores_trees_do_not_pay_and_the_target_decodes_plainly() -
     assert "plain decoding, the target wholly in RAM on llama.cpp's own kernels" in reason(use, list(uses.values()))
 
 
+def test_where_only_plain_decoding_fits_the_line_says_so() -> None:
+    """180 MiB of room (about what a 250 MiB limit leaves): nothing fits but the target alone, nearly all of it
+    streamed, and the plan's line says so, where it said "(against  tokens/s)"."""
+    use, uses = chosen(180)
+    assert list(uses) == ["plain"] and use.plan.target.placement == "ssd"
+    assert reason(use, list(uses.values())).endswith("tokens/s predicted (nothing else fits)")
+
+
 def test_where_the_drafter_would_push_the_target_out_of_memory_it_is_dropped() -> None:
     """Room for the target, its KV cache and one row of logits, not for the drafter beside them: the drafter would
     cost nearly all of the target's residency, so the target keeps the memory and decodes plainly from RAM."""
