@@ -4,7 +4,6 @@ the machine (probed or described), and the plan. Nothing is loaded or downloaded
 from __future__ import annotations
 
 from dataclasses import replace
-from glob import escape as glob_escape
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +12,7 @@ from edge.models.registry import ModelSpec, PairSpec
 from edge.models.sources import model_path, source_path
 from edge.offload.machine import Machine, parse_machine, probe_here
 from edge.offload.plan import Plan, Shape, plan_pair
+from edge.runtimes import runtime, traits
 
 if TYPE_CHECKING:
     from edge.offload.choice import Use
@@ -145,11 +145,12 @@ def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) 
     path = _local_file(model)
     if path is not None:
         shape = Shape.from_gguf(path)
-        graph = built_graph_bytes(path) if role == "drafter" and model.runtime == "onnx" else 0
-        # an onnx drafter holds its graph's weights, not the GGUF's: Gemma-3-270M's is 486 MB against a 253 MB file
-        # (its 262k-row embedding kept at 8 bits beside a 4-bit head), and a plan counting the file's size under a
-        # memory limit left the target's read-ahead no room (docs/performance.md)
-        return replace(shape, file_bytes=graph) if graph > shape.file_bytes else shape
+        # a runtime that builds its own file from the GGUF (an onnx graph) holds that file's weights, not the GGUF's:
+        # a plan counting the GGUF's 253 MB for Gemma-3-270M's 486 MB graph under a memory limit left the target's
+        # read-ahead no room (docs/performance.md); before the first build, the GGUF's size
+        derives = role == "drafter" and traits(model.runtime).derives_files
+        derived = runtime(model.runtime).derived_bytes(path, role) if derives else 0
+        return replace(shape, file_bytes=derived) if derived > shape.file_bytes else shape
     if model.facts is not None:
         return Shape.from_facts(model.facts)
     source = source_path(model.source)
@@ -161,19 +162,6 @@ def model_shape(pair: PairSpec, role: str, model: ModelSpec, models_file: Path) 
     raise UserError(f"pair {pair.name}: the {role} file is not here and {models_file} gives no facts about it; add "
                     f"{role}.size_gb, {role}.layers, {role}.embd, {role}.kv_heads and {role}.head_dim to the pair, or "
                     "prepare it (which downloads it)", remedy=Remedy("prepare", pair.name))
-
-
-def built_graph_bytes(gguf: Path) -> int:
-    """The bytes of the largest drafter graph built from this GGUF beside it (runtimes/onnx graph_path: its .onnx and
-    its weights' .onnx.data), or 0 where none is built yet (a first run plans with the GGUF's size)."""
-    from edge.runtimes.onnx import GRAPH_VERSION
-
-    sizes = []
-    for graph in gguf.parent.glob(f"{glob_escape(gguf.stem)}.*-kv4.v{GRAPH_VERSION}.onnx"):
-        data = Path(str(graph) + ".data")
-        if data.is_file():
-            sizes.append(graph.stat().st_size + data.stat().st_size)
-    return max(sizes, default=0)
 
 
 def _local_file(model: ModelSpec) -> Path | None:

@@ -105,6 +105,13 @@ class SplitsLayers(Runtime, Protocol):
     def gpu_guarantee(self, gpu_layers: int, backend: str) -> str | None: ...
 
 
+class DerivesFiles(Runtime, Protocol):
+    """What a runtime whose traits say derives_files has besides: the bytes of the largest file it has built here from
+    a model file for a role ("drafter", "target"), which it loads in that file's place; 0 where none is built yet."""
+
+    def derived_bytes(self, path: Path, role: str) -> int: ...
+
+
 def register(name: str, package: str, traits: Traits) -> None:
     """A runtime besides the built-in ones (a GPU runtime, MLX, a test's): `package` has the Runtime functions. It can
     be named from now on, in models.toml and on the command line, as the built-in ones are."""

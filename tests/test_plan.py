@@ -480,7 +480,8 @@ def test_a_file_planned_without_a_drafter_model(drafter: str) -> None:
 
 def test_an_onnx_drafter_is_planned_at_its_built_graphs_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An onnx drafter holds its graph's weights (Gemma-3-270M's 486 MB against its 253 MB GGUF): once the graph is
-    built beside the file, the plan counts its size, not the GGUF's; before, and for a llama.cpp drafter, the file's."""
+    built beside the file, the plan counts its size, not the GGUF's (runtimes/onnx derived_bytes); before, and for a
+    llama.cpp drafter, the file's."""
     from edge.models import planning
     from edge.offload.plan import Shape
     from edge.runtimes.onnx import GRAPH_VERSION
