@@ -393,7 +393,6 @@ def main() -> None:
         configs.append(("llama.cpp speculative (defaults)", draft))
         configs += [(f"llama.cpp speculative draft-max {n}", [*draft, "--spec-draft-n-max", n])
                     for n in args.draft_max.split(",") if n]
-    peer_tokens: dict[str, list[list[int]]] = {}
     peer_rows_of: dict[str, list[dict]] = {}
     for label, extra in configs:
         say(label)
@@ -409,13 +408,12 @@ def main() -> None:
             results.append({"row": label, "error": f"llama-server died mid-run ({problem!r}); see "
                                                     f"{peer_dir() / 'server.log'}"})
             continue
-        peer_tokens[label] = [r["tokens"] for r in rows]
         peer_rows_of[label] = rows
         results.append(summary(label, rows, reference))
-    if args.alternate and "llama.cpp plain" in peer_tokens and "auto" in runs:
+    if args.alternate and "llama.cpp plain" in peer_rows_of and "auto" in runs:
         again(args, bin_dir, common, cap, files, job, ours, runs["auto"]["rows"]["edge-spec auto"], peer_rows_of,
               results, reference, say)
-        peer_tokens["llama.cpp plain"] = [r["tokens"] for r in peer_rows_of["llama.cpp plain"]]
+    peer_tokens = {label: [r["tokens"] for r in rows] for label, rows in peer_rows_of.items()}
     if "llama.cpp plain" in peer_tokens and args.temperature == 0:
         for row in results:
             if row["row"].startswith("edge-spec") and row["row"] in ours["rows"]:

@@ -5,6 +5,9 @@ is loaded."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 from edge.models.registry import load_registry
 from edge.offload.choice import choose, reason, weigh_uses
@@ -201,3 +204,31 @@ def test_a_target_that_fits_beside_its_stream_room_reads_nothing() -> None:
     assert TARGET.streamed_bytes % 4096 == 2560
     assert resident_share(TARGET, TARGET.streamed_bytes, 4 << 30) == TARGET.streamed_bytes
     assert resident_share(TARGET, TARGET.streamed_bytes, 600 << 20) % 4096 == 0  # part of it: whole pages
+
+
+def test_an_onnx_drafter_is_planned_at_its_built_graphs_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An onnx drafter holds its graph's weights (Gemma-3-270M's 486 MB against its 253 MB GGUF): once the graph is
+    built beside the file, the plan counts its size, not the GGUF's (runtimes/onnx derived_bytes); before, and for a
+    llama.cpp drafter, the file's."""
+    from edge.models import planning
+    from edge.runtimes.onnx import GRAPH_VERSION
+
+    from tests.ggufs import write_gguf
+
+    def built(version: int, data_bytes: int) -> None:
+        graph = tmp_path / f"tiny.int4-full-kv4.v{version}.onnx"
+        graph.write_bytes(b"g" * 100)
+        Path(f"{graph}.data").write_bytes(bytes(data_bytes))
+
+    gguf = write_gguf(tmp_path / "tiny.gguf", shape=True)
+    pair = load_registry().pair("gemma3-270m")
+    monkeypatch.setattr(planning, "_local_file", lambda model: gguf)
+    size = Shape.from_gguf(gguf).file_bytes
+    assert pair.drafter.runtime == "onnx"
+    assert planning.model_shape(pair, "drafter", pair.drafter, None).file_bytes == size  # no graph yet
+    built(GRAPH_VERSION, 4 * size)
+    built(GRAPH_VERSION - 1, 8 * size)  # an older build's: not what loads
+    assert planning.model_shape(pair, "drafter", pair.drafter, None).file_bytes == 100 + 4 * size
+    on_llama_cpp = replace(pair.drafter, runtime="llama_cpp")
+    assert planning.model_shape(pair, "drafter", on_llama_cpp, None).file_bytes == size
+    assert planning.model_shape(pair, "target", pair.target, None).file_bytes == size

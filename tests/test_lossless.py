@@ -17,8 +17,8 @@ from edge.invariance import check_batch_invariance, compare, large_tree_shapes, 
 from edge.sampling import SamplingConfig, distribution
 from tests.conftest import CHAT_PROMPTS, REPO, GreedyReplies, _load, prompt_tokens, prompts_for
 
-# Greedy replies are checked 64 tokens long: 10-30 rounds a prompt and budget, each budget on four prompts but 255 on
-# two (budgets_for; 128 tokens took twice the suite's time for rounds of the kinds the first 64 already hold).
+# Greedy replies are checked 64 tokens long: 10-30 rounds a prompt and budget, each budget on four to six prompts but
+# 255 on two (budgets_for; 128 tokens took twice the suite's time for rounds of the kinds the first 64 already hold).
 MAX_TOKENS = 64
 # Budget 255 with fewer, narrower drafter passes than the CLI default: still a full 256-node tree for the
 # target to verify (what losslessness depends on), at a third of the drafting time. 16 and 64 without the

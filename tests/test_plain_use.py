@@ -4,6 +4,7 @@ is llama-cpp-python's high-level `Llama`, run in a process of its own that edge-
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -275,7 +276,7 @@ def test_a_kv_cache_takes_memory_as_its_cells_are_written(smollm2: Pair) -> None
     path = smollm2.target.path
     whole = kv_bytes(Shape.from_gguf(path), 4096, "f16")
     model = Model(path)
-    __import__("gc").collect()  # what other tests left unreachable is freed before the measure, not during it
+    gc.collect()  # what other tests left unreachable is freed before the measure, not during it
     try:
         before = _anonymous()
         ctx = Context(model, 4096, n_batch=64, n_outputs=1, sequences=1)
@@ -301,8 +302,6 @@ def test_a_context_freed_by_a_garbage_collection_while_another_is_made_hides_no_
     """An unreachable context (held in a reference cycle) that the collector frees between the snapshot of the maps and
     llama.cpp's call leaves its addresses to the new context's cache, which then looked old: nothing was given back
     (CI, a context another test left in a cycle). The collector waits while a context is made."""
-    import gc
-
     from edge.offload import libc
     from edge.offload.plan import Shape, kv_bytes
     from edge.runtimes.llama_cpp._native import Context, Model
@@ -347,6 +346,7 @@ def test_a_context_made_beside_another_load_gives_its_zero_pages_back_once_both_
     path = smollm2.target.path
     whole = kv_bytes(Shape.from_gguf(path), 4096, "f16")
     model = Model(path)
+    gc.collect()  # what other tests left unreachable is freed before the measure, not during it
     try:
         with libc.loading_side_by_side():
             Context(model, 4096, n_batch=64, n_outputs=1, sequences=1).close()  # unmapped before the block ends

@@ -476,30 +476,3 @@ def test_a_file_planned_without_a_drafter_model(drafter: str) -> None:
     result = CliRunner().invoke(app, ["plan", str(target), "--drafter", drafter, "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["drafter"]["placement"] == "none"
-
-
-def test_an_onnx_drafter_is_planned_at_its_built_graphs_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An onnx drafter holds its graph's weights (Gemma-3-270M's 486 MB against its 253 MB GGUF): once the graph is
-    built beside the file, the plan counts its size, not the GGUF's (runtimes/onnx derived_bytes); before, and for a
-    llama.cpp drafter, the file's."""
-    from edge.models import planning
-    from edge.offload.plan import Shape
-    from edge.runtimes.onnx import GRAPH_VERSION
-
-    from tests.ggufs import write_gguf
-
-    gguf = write_gguf(tmp_path / "tiny.gguf", shape=True)
-    pair = load_registry().pair("gemma3-270m")
-    monkeypatch.setattr(planning, "_local_file", lambda model: gguf)
-    size = Shape.from_gguf(gguf).file_bytes
-    assert pair.drafter.runtime == "onnx"
-    assert planning.model_shape(pair, "drafter", pair.drafter, None).file_bytes == size  # no graph yet
-    graph = tmp_path / f"tiny.int4-full-kv4.v{GRAPH_VERSION}.onnx"
-    graph.write_bytes(b"g" * 100)
-    Path(f"{graph}.data").write_bytes(bytes(4 * size))
-    (tmp_path / f"tiny.int4-full-kv4.v{GRAPH_VERSION - 1}.onnx").write_bytes(b"g" * 100)  # an older build's: not used
-    Path(f"{tmp_path / f'tiny.int4-full-kv4.v{GRAPH_VERSION - 1}.onnx'}.data").write_bytes(bytes(8 * size))
-    assert planning.model_shape(pair, "drafter", pair.drafter, None).file_bytes == 100 + 4 * size
-    on_llama_cpp = replace(pair.drafter, runtime="llama_cpp")
-    assert planning.model_shape(pair, "drafter", on_llama_cpp, None).file_bytes == size
-    assert planning.model_shape(pair, "target", pair.target, None).file_bytes == size

@@ -70,14 +70,14 @@ def graph_path(gguf: Path, role: str, head_ids: np.ndarray | None = None, folder
 
 
 def derived_bytes(path: Path, role: str) -> int:
-    """The bytes of the largest graph of this GRAPH_VERSION built for `role` from the GGUF `path` beside it (its .onnx
-    and its weights' .onnx.data), any head and block size; 0 where none is. The plan counts a drafter at it: Gemma-3-
-    270M's graph is 486 MB against its 253 MB GGUF (its 262k-row embedding at 8 bits beside a 4-bit head)."""
-    kinds = {"drafter": "*-kv4", "target": "int8-full-kv8-f64"}
-    if role not in kinds:
+    """The bytes of the largest drafter graph of this GRAPH_VERSION built from the GGUF `path` beside it (its .onnx and
+    its weights' .onnx.data; any head and block size, as _variant names them), 0 where none is, or for another role.
+    The plan counts a drafter at it: Gemma-3-270M's graph is 486 MB against its 253 MB GGUF (its 262k-row embedding at
+    8 bits beside a 4-bit head)."""
+    if role != "drafter":
         return 0
     sizes = []
-    for graph in path.parent.glob(f"{glob_escape(path.stem)}.{kinds[role]}.v{GRAPH_VERSION}.onnx"):
+    for graph in path.parent.glob(f"{glob_escape(path.stem)}.*-kv4.v{GRAPH_VERSION}.onnx"):
         data = Path(f"{graph}.data")
         if data.is_file():
             sizes.append(graph.stat().st_size + data.stat().st_size)
