@@ -222,6 +222,15 @@ class Decoder:
             self.lookup.set_text(self.context)
         return time.perf_counter() - start
 
+    def adopt(self, context: Sequence[int]) -> None:
+        """The target's cache was given context[:-1] from outside (a saved state put back): this decoder holds it, as
+        if it had loaded it. Only without a drafter, whose cache would not hold it."""
+        if self.drafter is not None:
+            raise ValueError("a decoder with a drafter loads its context through both caches")
+        self._forget_pregrown()
+        self.context = list(context)
+        _HOLDERS[id(self.target)] = self
+
     def reset(self) -> None:
         self._forget_pregrown()
         for model in self._models():

@@ -82,16 +82,17 @@ def lanes_run_on(target: Any) -> bool:
 
 
 def check_lanes(target: Any, tokens: list[int]) -> ShapeResult:
-    """4 requests decoding together in one pass each step (runtimes/llama_cpp/lanes.py), each after its own
-    context, against each decoded alone one token a pass: every step's logits, bit for bit."""
-    from edge.runtimes.llama_cpp.lanes import Lanes
+    """4 requests decoding together in one pass each step, in one KV cache as a server's plain lanes decode
+    (runtimes/llama_cpp/tree_lanes.py, Pair.lanes), each after its own context, against each decoded alone one token
+    a pass: every step's logits, bit for bit."""
+    from edge.runtimes.llama_cpp.tree_lanes import TreeLanes
 
     starts = [8 * lane for lane in range(LANES)]  # each lane a context of its own: the text from another token on
     prefixes = [tokens[start: start + 96] for start in starts]
     steps = [tokens[start + 96: start + 96 + LANE_STEPS] for start in starts]
     expected = [sequential_logits(target, prefix, step) for prefix, step in zip(prefixes, steps, strict=True)]
     target.truncate(0)
-    lanes = Lanes(target, LANES, 256)
+    lanes = TreeLanes(target, LANES, 256, trees=False)
     got: list[list[np.ndarray]] = [[] for _ in range(LANES)]
 
     def decode(lane: int) -> None:

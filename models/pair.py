@@ -322,12 +322,11 @@ class Pair:
         return kept[1]
 
     def lanes(self, n: int, trees: bool = False) -> Lanes:
-        """`n` lanes over the target's weights (runtimes/llama_cpp/lanes.py): requests that decode together, one
-        pass for all, each in a KV stream of the pair's context; with `trees`, each request's tree in that pass
-        (runtimes/llama_cpp/tree_lanes.py; lane_drafter gives each lane its drafter). Refused where the target
+        """`n` lanes over the target's weights (runtimes/llama_cpp/tree_lanes.py): requests that decode together, one
+        pass for all, each in its seqs of one KV cache of n contexts of the pair's; with `trees`, each request's tree
+        in that pass (lane_drafter gives each lane its drafter), else its one token. Refused where the target
         cannot: another runtime, or one loaded on llama.cpp's own kernels for plain decoding alone, whose rounding
         changes with the batch (a lane's reply would then depend on the others')."""
-        from edge.runtimes.llama_cpp.lanes import Lanes
         from edge.runtimes.llama_cpp.models import LlamaTarget, PlainTarget
         from edge.runtimes.llama_cpp.tree_lanes import TreeLanes
 
@@ -343,20 +342,21 @@ class Pair:
                             "set `parallel` to 1", "parallel")
         from edge.offload.ssd import SsdTarget
 
-        # lanes whose passes are padded (repacked weights to their GEMM's rows, kernels.REPACK_ROWS; a GPU backend's
-        # min_rows) hold only where a pass is one micro-batch: one KV cache for every lane (tree lanes, plain or not),
-        # not a stream each (llama.cpp splits a pass over streams into micro-batches of equal counts per stream)
-        kind = TreeLanes if trees or inner.row_multiple > 1 or inner.min_rows > 1 else Lanes
+        # One KV cache for every lane (TreeLanes, plain or not), not a stream each: llama.cpp splits a pass over
+        # streams into micro-batches, one for each run of consecutive seq ids that the batch lists in order (lanes 0
+        # and 2 busy: two), and each micro-batch computes every layer again: for a streamed target it reads the
+        # streamed weights again (Qwen2.5-Coder-1.5B under 1049 MiB: a pass of 4 lanes' tokens computed its first
+        # layer 2-4 times, 668 ms against a lone lane's 182). A padded pass (kernels.lane_padding) holds only so too.
         streamed = self.target if isinstance(self.target, SsdTarget) else None
         if streamed is None:
-            return kind(inner, n, self.target.n_ctx)
+            return TreeLanes(inner, n, self.target.n_ctx, trees=trees)
         ssd = streamed.ssd
 
         def before(tokens: np.ndarray) -> None:  # as SsdTarget.verify does around its own passes
             ssd.wait_evicted()
             ssd.fetch_rows(tokens)
 
-        return kind(inner, n, self.target.n_ctx, before, ssd.after_pass)
+        return TreeLanes(inner, n, self.target.n_ctx, before, ssd.after_pass, trees=trees)
 
     def lane_drafter(self) -> Drafter:
         """A drafter of the lane's own over the pair's drafter's weights (its own KV cache): for TreeLanes."""

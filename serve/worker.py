@@ -20,6 +20,9 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from edge.models.cache import cache_dir
+from edge.serve.states import MIN_GAIN, PromptStates
+
 import edge
 from edge.api import reply_steps
 from edge.budget import LaneBudget, SharedBudget
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from edge.models.pair import Pair
 
 log = logging.getLogger("edge.serve")
+IDLE_RESET_SHARE = 4  # idle lanes that keep conversations start over past this share of their dead cells' room
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,10 @@ class Worker:
         self._lane_used: dict[int, int] = {}  # when each lane last took a job (a count)
         self._picked = 0
         self._lane_decoders: dict[int, tuple[str | None, Decoder]] = {}  # a lane's principal and decoder, kept
+        # plain lanes keep the conversations they let go of on the drive, for the next request continuing one
+        self._states = PromptStates(cache_dir()) if self.lanes is not None and not self.trees else None
         self._waiting: deque[Job] = deque()
+        self._drain = False  # a job waits for the lanes' dead cells to be let go of: none starts until they are
         self._wake = threading.Condition()
         self._closed = False
         self._threads = [threading.Thread(target=self._run, args=(lane,), name=f"edge-spec generation {lane}",
@@ -148,13 +155,16 @@ class Worker:
             self.lanes.close()
             for drafter in self._lane_drafters:
                 drafter.close()
+        if self._states is not None:
+            self._states.close()
 
     def _next(self, lane: int) -> Job | None:
         with self._wake:
             while True:
                 if self._closed and not self._waiting:
                     return None
-                job = None if self._draining() else self._pick(lane)
+                job = self._pick(lane)
+                job = None if self._draining(job, lane) else job
                 if job is not None or self._closed:
                     break
                 self._wake.wait()
@@ -165,17 +175,31 @@ class Worker:
             self._lane_used[lane] = self._picked = self._picked + 1
             return job
 
-    def _draining(self) -> bool:
-        """Tree lanes keep the cells a lane lets go of taken until every lane is empty (TreeLanes.remove): where a new
-        job's start could let go of more than they have room for, no job starts until the running ones end; then
-        the lanes start over, empty (their prompts are not kept)."""
+    def _draining(self, job: Job | None, lane: int) -> bool:
+        """Tree lanes keep the cells a lane lets go of taken until every lane is empty (TreeLanes.remove): where `job`'s
+        start in `lane` could let go of more than they have room for (what the lane holds, and what a conversation
+        put back holds past the prompt), no job starts until the running ones end; then the lanes start over, empty
+        (what they held kept on the drive, where plain lanes keep conversations: serve/states.py)."""
         lanes = self.lanes
-        if not self._shared_cells or lanes.room_for_dead(lanes.n_ctx):  # type: ignore[union-attr]
+        if not self._shared_cells:
+            return False
+        assert lanes is not None
+        if job is not None and not self._drain:
+            put_back = 0 if self._states is None else self._states.largest(job.work.principal)
+            self._drain = not lanes.room_for_dead(lanes.target(lane).n_past + put_back)  # type: ignore[attr-defined]
+        # with conversations kept on the drive, lanes idle start over at little cost: before their room runs short
+        # under load, where a job would wait for every running one to end
+        self._drain |= (self._states is not None and not self._busy_lanes
+                        and lanes.dead > lanes.dead_room // IDLE_RESET_SHARE)  # type: ignore[attr-defined]
+        if not self._drain:
             return False
         if self._busy_lanes:
             return True
-        lanes.reset()  # type: ignore[union-attr]
+        for idle, kept in self._lane_decoders.items():
+            self._keep(idle, kept)
+        lanes.reset()  # type: ignore[attr-defined]
         self._lane_decoders.clear()
+        self._drain = False
         return False
 
     def _pick(self, lane: int) -> Job | None:
@@ -232,6 +256,8 @@ class Worker:
         assert self.lanes is not None
         work = job.work
         kept = self._lane_decoders.get(lane)
+        if self._states is not None:
+            kept = self._from_states(lane, work, kept)
         if kept is None or kept[0] != work.principal:
             target = self.lanes.target(lane)
             target.truncate(0)
@@ -249,9 +275,41 @@ class Worker:
         finally:
             self.lanes.busy(lane, False)
             if ended in (None, "interrupted"):  # its client left: the lane's cells are not kept for its next turn
-                if not self._shared_cells:  # (tree lanes let go of them when the lane's next job starts: _draining)
+                if not self._shared_cells:  # (tree lanes let go of them when the lane's next job starts)
                     decoder.target.truncate(0)
                 del self._lane_decoders[lane]
+
+    def _from_states(self, lane: int, work: Work,
+                     kept: tuple[str | None, Decoder] | None) -> tuple[str | None, Decoder] | None:
+        """Where the lane is about to let go of cells, its conversation is kept first (serve/states.py); where a kept
+        conversation of the job's principal holds more of its prompt than the lane does, it is put back into the
+        lane. The lane's principal and decoder after that."""
+        assert self.lanes is not None and self._states is not None
+        target = self.lanes.target(lane)
+        same = kept is not None and kept[0] == work.principal
+        held = min(common_prefix(kept[1].context, work.tokens), len(work.tokens) - 1) if same else 0  # type: ignore
+        if kept is not None and held < target.n_past:
+            self._keep(lane, kept)
+        saved = self._states.best(work.principal, work.tokens, held + MIN_GAIN)
+        if saved is None:
+            return kept
+        if target.restore_state(saved.path) != list(saved.context[:-1]):  # not what was written: read the prompt
+            target.truncate(0)
+            self._lane_decoders.pop(lane, None)
+            return None
+        decoder = kept[1] if same else self._lane_decoder(lane, work)  # type: ignore[index]
+        decoder.adopt(saved.context)
+        self._lane_decoders[lane] = work.principal, decoder
+        return work.principal, decoder
+
+    def _keep(self, lane: int, kept: tuple[str | None, Decoder]) -> None:
+        """The conversation the lane's cells hold, kept on the drive (where plain lanes keep them)."""
+        if self._states is None or self.lanes is None:
+            return
+        target = self.lanes.target(lane)
+        context = kept[1].context[: target.n_past + 1]  # the cells hold context[:-1]
+        if target.n_past > 0:
+            self._states.keep(kept[0], context, lambda path: target.save_state(path, context[:-1]))
 
     def _lane_decoder(self, lane: int, work: Work) -> Decoder:
         """A lane's decoder for `work`'s principal: plain, or its trees drafted by the lane's own drafter (and lookup

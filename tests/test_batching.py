@@ -163,6 +163,83 @@ def test_principals_share_a_pass_and_nothing_else(alone_pair: Pair) -> None:
         worker.close()
 
 
+class LayerCount:
+    """A layer hook (ggml_calls.LayerHook) counting each layer's outputs."""
+
+    def __init__(self) -> None:
+        self.layers: list[int] = []
+
+    def __call__(self, layer: int) -> None:
+        self.layers.append(layer)
+
+    def active(self) -> bool:
+        return True
+
+
+def test_a_pass_of_several_lanes_computes_each_layer_once(alone_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's lanes share one KV cache (Pair.lanes), so llama.cpp runs lanes 0 and 2's tokens as one
+    micro-batch: each layer once. Over a KV stream a lane (the Lanes base), it made one micro-batch per run of
+    consecutive seq ids, each computing every layer (for a streamed target, its weights read again)."""
+    import edge.runtimes.llama_cpp.tree_lanes as tree_lanes
+
+    count, made = LayerCount(), tree_lanes.Context
+    monkeypatch.setattr(tree_lanes, "Context", lambda *args, **kwargs: made(*args, **{**kwargs, "on_layer": count}))
+    lanes = alone_pair.lanes(4)
+    try:
+        tokens = alone_pair.prompt_tokens(PROMPTS[0])
+        for lane in (0, 2):
+            lanes.run(lane, tokens, 0, output=False)
+            lanes.busy(lane, True)
+        lanes.gather_s = 30.0  # the pass waits for both lanes' tokens
+        count.layers.clear()
+        runs = [threading.Thread(target=lanes.run, args=(lane, tokens[-1:], len(tokens), True)) for lane in (0, 2)]
+        for run in runs:
+            run.start()
+        for run in runs:
+            run.join(60)
+        assert lanes.passes >= 3 and count.layers.count(0) == 1
+    finally:
+        lanes.close()
+
+
+LONG = ["The lighthouse keeper climbed the spiral stairs every evening, counting each of the one hundred and twelve "
+        "steps, and wrote the weather, the ships he saw and the color of the sea in a small leather book. One night",
+        "In the old market of the town, a baker sold bread shaped like animals: bears, foxes, owls and a single "
+        "dragon on feast days, which the children waited for all year long. On the morning of the feast",
+        "A list of things to pack for a week of hiking in the mountains, with a reason for each item, starting with "
+        "the boots, the map and the water bottle, and ending with something most people forget:"]
+
+
+def test_a_conversation_a_lane_let_go_of_is_put_back_for_its_principal_alone(alone_pair: Pair) -> None:
+    """`serve --parallel 2`: a third conversation takes the lane of the first, which is kept on the drive
+    (serve/states.py); A's next turn of the first finds its prompt read (cached_tokens), and gets the reply it gets
+    read anew; B, asking the same, finds nothing of A's. The folder goes with the server."""
+    worker = Worker(alone_pair, False, None, parallel=2)
+    states = worker._states
+    assert states is not None
+    try:
+        with TestClient(create_app(alone_pair, worker, (A, B))) as client:
+            def ask(key: str, prompt: str) -> dict:
+                answer = client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                     json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+                assert answer.status_code == 200, answer.text
+                return answer.json()
+
+            for prompt in LONG:  # the third takes the first's lane: the first is kept
+                ask(A, prompt)
+            assert states.saved == 1 and len(list(states.folder.iterdir())) == 1
+            again = ask(A, LONG[0] + " the storm")
+            first = len(alone_pair.prompt_tokens(LONG[0], raw=True))
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first - 2
+            assert states.restored == 1
+            anew = ask(B, LONG[0] + " the storm")
+            assert anew["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert anew["choices"][0]["text"] == again["choices"][0]["text"]
+    finally:
+        worker.close()
+    assert not states.folder.exists()
+
+
 def test_passes_padded_for_a_gpu_backend_keep_each_reply(alone_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """A target whose passes are padded (a Vulkan backend's 9 rows: runtimes/llama_cpp/kernels.py MIN_ROWS) pads the
     lanes' passes too, in one KV cache (a padded pass must be one micro-batch: Pair.lanes), the padding in a seq of

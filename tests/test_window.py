@@ -332,7 +332,8 @@ def test_ranges_inside_others_are_what_they_cover() -> None:
 
 def test_a_core_is_left_to_the_read_ahead_only_where_a_pass_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """A streamed target decoding plainly computes on one core fewer, left to the read-ahead; where the plan keeps all
-    of it resident (a pass reads nothing: Qwen2.5-Coder-1.5B under 1175 MiB) it computes on every core."""
+    of it resident (a pass reads nothing: Qwen2.5-Coder-1.5B under 1175 MiB) it computes on every core, as a
+    server's lanes do."""
     import edge.models.loading as loading
 
     from edge.options import LoadOptions
@@ -343,6 +344,8 @@ def test_a_core_is_left_to_the_read_ahead_only_where_a_pass_reads(monkeypatch: p
     assert loading.target_threads(options, stock=True, reads=False) is None  # every core
     assert loading.target_threads(LoadOptions(threads=2), stock=True, reads=True) == 2  # as asked
     assert loading.target_threads(options, stock=False, reads=True) is None  # a drafter's trees: theirs to share
+    # a server's lanes (loaded not stock): several requests' rows a pass, whose arithmetic outweighs the read
+    assert loading.target_threads(LoadOptions(parallel=4, drafter="none"), stock=False, reads=True) is None
 
 
 def test_a_streamed_targets_one_token_passes_are_timed_for_the_next_plan(

@@ -382,6 +382,22 @@ class Context:
     def seq_pos_min(self, seq: int) -> int:
         return ll.llama_memory_seq_pos_min(self._mem, seq)
 
+    def save_seq(self, seq: int, path: Path, tokens: Sequence[int]) -> int:
+        """Write `seq`'s cells, and the `tokens` they hold, to `path` (llama.cpp's sequence state file): its bytes."""
+        held = (ctypes.c_int32 * len(tokens))(*tokens)
+        written = ll.llama_state_seq_save_file(self._ptr, os.fsencode(path), seq, held, len(tokens))
+        if written == 0:
+            raise RuntimeError(f"llama.cpp could not write seq {seq}'s state to {path}")
+        return int(written)
+
+    def load_seq(self, seq: int, path: Path, capacity: int) -> list[int]:
+        """Put the cells a save_seq file holds into `seq` (empty before), in the lowest free cells: the tokens they
+        hold (at most `capacity`)."""
+        tokens, count = (ctypes.c_int32 * capacity)(), ctypes.c_size_t(0)
+        if ll.llama_state_seq_load_file(self._ptr, os.fsencode(path), seq, tokens, capacity, ctypes.byref(count)) == 0:
+            raise RuntimeError(f"llama.cpp could not read a seq state from {path}")
+        return list(tokens[: count.value])
+
 
 
 class Batch:

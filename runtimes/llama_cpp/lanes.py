@@ -1,5 +1,10 @@
 """Several requests decoding together: one llama.cpp context whose sequences are lanes, one pass for all of them.
 
+This base keeps a KV stream for each lane, as llama-server's slots do. But llama.cpp splits a pass over streams into
+micro-batches, one for each run of consecutive seq ids in batch order, each computing every layer again (a streamed
+target's weights read again), so Pair.lanes makes TreeLanes (runtimes/llama_cpp/tree_lanes.py), whose lanes share one
+KV cache, plain or not; they take the batcher and LaneTarget from here.
+
 Each lane is a sequence with a KV stream of its own (the context is not unified, as llama-server's slots), so a lane's
 cells stay in position order whatever the other lanes do: its attention sums what it would sum alone. The weights'
 kernels are the batch-invariant ones (runtimes/llama_cpp/kernels.py), so a lane's logits do not depend on what else
@@ -16,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from edge.runtimes.llama_cpp._native import Batch, Context
@@ -59,12 +65,12 @@ class Lanes:
         self.min_rows, self.row_multiple = target.min_rows, target.row_multiple  # (kernels.lane_padding)
         self.pad_room = padding_room(self.min_rows, self.row_multiple)  # rows and cells a pass's padding may take
         self.padded = 0  # passes padded
+        self._before_pass, self._after_pass = before_pass, after_pass
         self.ctx = self._context(target, n, n_ctx)
         self.n, self.n_ctx, self.model, self._template = n, self.ctx.n_ctx // self.streams, target.model, target
         self.gather_s = GATHER_S  # how long a pass waits for the busy lanes that have not asked yet
         self.passes = 0  # passes run, all lanes together
         self.lane_passes = 0  # lanes' passes, counted in each pass they rode in
-        self._before_pass, self._after_pass = before_pass, after_pass
         self._batch = Batch(self.ctx.n_batch)
         self._asks: list[_Ask] = []
         self._targets: dict[int, LaneTarget] = {}
@@ -118,10 +124,25 @@ class Lanes:
             raise ask.error
         return ask.logits
 
+    def seq(self, lane: int) -> int:
+        """The seq id holding `lane`'s tokens."""
+        return lane
+
     def remove(self, lane: int, start: int) -> None:
         """Drop `lane`'s cells from position `start` on (between passes)."""
         with self._cond:
             self.ctx.seq_rm(lane, start, -1)
+
+    def save(self, lane: int, path: Path, tokens: Sequence[int]) -> int:
+        """Write `lane`'s cells (which hold `tokens`) to `path`, between passes: the file's bytes."""
+        with self._cond:
+            return self.ctx.save_seq(self.seq(lane), path, tokens)
+
+    def restore(self, lane: int, path: Path) -> list[int]:
+        """Put a `save`d file's cells into `lane` (empty), between passes: the tokens they hold. They take the lowest
+        free cells, as a pass's tokens do (which TreeLanes' cell order relies on)."""
+        with self._cond:
+            return self.ctx.load_seq(self.seq(lane), path, self.n_ctx)
 
     def close(self) -> None:
         with self._cond:
@@ -254,6 +275,19 @@ class LaneTarget(ModelDefaults):
         if n < self.n_past:
             self.lanes.remove(self.lane, n)
             self.n_past = n
+
+    def save_state(self, path: Path, tokens: Sequence[int]) -> int:
+        """Write the lane's cells, which hold `tokens` (n_past of them), to `path`: the file's bytes."""
+        if len(tokens) != self.n_past:
+            raise ValueError(f"the lane's cells hold {self.n_past} tokens, not {len(tokens)}")
+        return self.lanes.save(self.lane, path, tokens)
+
+    def restore_state(self, path: Path) -> list[int]:
+        """The lane's cells replaced by those a save_state file holds: the tokens they hold."""
+        self.truncate(0)
+        tokens = self.lanes.restore(self.lane, path)
+        self.n_past = len(tokens)
+        return tokens
 
     def resize(self, size: int) -> bool:
         return size <= 1

@@ -1,7 +1,9 @@
 """Several requests' trees verified in one pass: lanes (runtimes/llama_cpp/lanes.py) whose rounds grow trees.
 
 Every lane shares one unified KV cache and owns a block of its seq ids ((MAX_SEQ - 1) // n of them: one per leaf of its
-tree, the first holding its committed tokens; the last seq id holds the cells lanes let go of, TreeLanes.remove). A
+tree, the first holding its committed tokens; the last seq id holds the cells lanes let go of, TreeLanes.remove). Lanes
+that decode plainly own one seq id each, and the context has only n + 2: llama.cpp keeps a row of logits for every
+sequence a context may have (256 rows of Qwen's 151936-token vocabulary: 155 MB). A
 lane's cells are masked from every other lane's tokens, and on the CPU's flash attention a masked cell adds nothing, so
 a lane sums over its own cells only, in cell order. That order is position order as long as no lane's new cells land
 before its older ones, which the layout of a pass keeps:
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from edge.runtimes.llama_cpp._native import MAX_SEQ, Context
-from edge.runtimes.llama_cpp.lanes import LANE_BATCH, Lanes, LaneTarget, _Ask
+from edge.runtimes.llama_cpp.lanes import GATHER_S, LANE_BATCH, Lanes, LaneTarget, _Ask
 from edge.runtimes.llama_cpp.models import PENDING_ROOM
 
 from edge.tree import TokenTree
@@ -31,7 +33,6 @@ from edge.tree import TokenTree
 if TYPE_CHECKING:
     from edge.runtimes.llama_cpp.models import LlamaTarget
 
-DEAD = MAX_SEQ - 1  # the seq holding cells no lane uses any more (TreeLanes.remove)
 TREE_GATHER_S = 0.25  # a tree pass waits this long for the lanes still drafting: their trees then ride the same read
 
 
@@ -47,20 +48,32 @@ class _TreeAsk(_Ask):
 
 
 class TreeLanes(Lanes):
-    """`n` lanes that verify trees of up to `max_tree` nodes each, all lanes' trees in one pass."""
+    """`n` lanes that verify trees of up to `max_tree` nodes each, all lanes' trees in one pass; without `trees`, one
+    node each (plain decoding: the pass's logits one row a lane)."""
 
-    keeps_cells = True  # in DEAD's seq until the next reset (remove)
+    keeps_cells = True  # in the dead seq until the next reset (remove)
 
-    def __init__(self, target: LlamaTarget, n: int, n_ctx: int, *args, **kwargs):
-        # seq ids a lane owns: the leaves its tree may have (the last seq id is DEAD's, and one more a padded pass's)
-        self.seqs = (MAX_SEQ - 1 - (target.min_rows > 1 or target.row_multiple > 1)) // n
-        self.max_tree = self.seqs  # nodes a lane's tree may have (so fewer leaves than its seqs)
+    def __init__(self, target: LlamaTarget, n: int, n_ctx: int, *args, trees: bool = True, **kwargs):
+        # seq ids a lane owns: the leaves its tree may have (the last seq id holds the dead cells, and one more a
+        # padded pass's rows); plainly, one each, then the padding's and the dead cells'
+        padded = target.min_rows > 1 or target.row_multiple > 1
+        self.seqs = (MAX_SEQ - 1 - padded) // n if trees else 1
+        self.sequences = MAX_SEQ if trees else n + 2
+        self.dead_seq = self.sequences - 1  # the seq holding cells no lane uses any more (remove)
+        self.max_tree = self.seqs if trees else 1  # nodes a lane's tree may have (so fewer leaves than its seqs)
         self.lane_rows = self.max_tree + PENDING_ROOM  # a lane's share of a pass: its tree and its pending tokens
-        self.dead = 0  # cells lanes let go of, kept in DEAD's seq (remove) until the next reset
+        self.dead = 0  # cells lanes let go of, kept in the dead seq (remove) until the next reset
         self.dead_room = n * n_ctx  # cells set aside for them
         super().__init__(target, n, n_ctx, *args, **kwargs)
         self.n_ctx = n_ctx
-        self.gather_s = TREE_GATHER_S
+        self.gather_s = TREE_GATHER_S if trees else GATHER_S
+
+    @property
+    def _keeps_threads(self) -> bool:
+        """Whether the passes keep their worker threads between them (a ggml threadpool, as llama-server's): plain
+        lanes over weights in RAM, where nothing else computes beside the passes (a drafter would lose its cores to
+        the threads polling for the next pass, a read-ahead its core)."""
+        return self.max_tree == 1 and self._before_pass is None
 
     def room_for_dead(self, cells: int) -> bool:
         """Whether lanes may let go of `cells` more cells before a reset (a request starting in a lane lets go of
@@ -81,13 +94,13 @@ class TreeLanes(Lanes):
         """One unified cache: every lane's n_ctx cells, and room for every lane's tree and pending tokens in flight."""
         settings = target.ctx.settings
         rows = n * self.lane_rows + self.pad_room  # (a padded pass's rows past the batch's)
-        # one stream; a padded pass's rows in a seq no lane owns (below DEAD), at the cache's tail
+        # one stream; a padded pass's rows in a seq no lane owns (below the dead seq), at the cache's tail
         self.streams, self.pad_seq = 1, n * self.seqs
         return Context(target.model, n * n_ctx + self.dead_room + rows, n_batch=max(LANE_BATCH, rows),
                        kv_type=settings["kv_type"], n_threads=settings["n_threads"], flash_attn=settings["flash_attn"],
                        n_outputs=max(n * self.max_tree, self.min_rows) + self.row_multiple,
                        on_layer=settings["on_layer"],
-                       sequences=MAX_SEQ, unified=True)
+                       sequences=self.sequences, unified=True, threadpool=self._keeps_threads)
 
     def target(self, lane: int) -> TreeLaneTarget:
         if lane not in self._targets:
@@ -99,7 +112,7 @@ class TreeLanes(Lanes):
         return lane * self.seqs
 
     def remove(self, lane: int, start: int) -> None:
-        """`lane` lets go of its cells from position `start` on. They stay taken, in DEAD's seq, where every lane's
+        """`lane` lets go of its cells from position `start` on. They stay taken, in the dead seq, where every lane's
         attention skips them: freed, they would be holes among the other lanes' cells, and llama.cpp puts a new
         token in the lowest free cell, which would then come before cells its lane wrote earlier."""
         with self._cond:
@@ -107,7 +120,7 @@ class TreeLanes(Lanes):
             if self.ctx.seq_pos_max(seq) < start:
                 return
             self.dead += self.ctx.seq_pos_max(seq) + 1 - max(start, self.ctx.seq_pos_min(seq))
-            self.ctx.seq_cp(seq, DEAD, start, -1)
+            self.ctx.seq_cp(seq, self.dead_seq, start, -1)
             self.ctx.seq_rm(seq, start, -1)
 
     def verify(self, lane: int, tokens: list[int], start: int, tree: TokenTree) -> np.ndarray:
