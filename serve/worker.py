@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from edge.models.pair import Pair
 
 log = logging.getLogger("edge.serve")
-IDLE_RESET_SHARE = 4  # idle lanes that keep conversations start over past this share of their dead cells' room
 
 
 @dataclass(frozen=True)
@@ -187,10 +186,10 @@ class Worker:
         if job is not None and not self._drain:
             put_back = 0 if self._states is None else self._states.largest(job.work.principal)
             self._drain = not lanes.room_for_dead(lanes.target(lane).n_past + put_back)  # type: ignore[attr-defined]
-        # with conversations kept on the drive, lanes idle start over at little cost: before their room runs short
-        # under load, where a job would wait for every running one to end
-        self._drain |= (self._states is not None and not self._busy_lanes
-                        and lanes.dead > lanes.dead_room // IDLE_RESET_SHARE)  # type: ignore[attr-defined]
+        # with conversations kept on the drive, idle lanes start over at little cost, their cells let go of freed
+        # (a client that left, a conversation cut short): not left to run short under load, where a job would wait
+        # for every running one to end
+        self._drain |= self._states is not None and not self._busy_lanes and lanes.dead > 0  # type: ignore[attr-defined]
         if not self._drain:
             return False
         if self._busy_lanes:
@@ -275,8 +274,11 @@ class Worker:
         finally:
             self.lanes.busy(lane, False)
             if ended in (None, "interrupted"):  # its client left: the lane's cells are not kept for its next turn
-                if not self._shared_cells:  # (tree lanes let go of them when the lane's next job starts)
-                    decoder.target.truncate(0)
+                # let go of at once (freed when the lanes are next idle: _draining), where the dead cells' room holds
+                # them; else when the lane's next job starts
+                target = decoder.target
+                if not self._shared_cells or self.lanes.room_for_dead(target.n_past):  # type: ignore[attr-defined]
+                    target.truncate(0)
                 del self._lane_decoders[lane]
 
     def _from_states(self, lane: int, work: Work,
