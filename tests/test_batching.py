@@ -133,18 +133,25 @@ def test_a_stock_target_is_refused_lanes() -> None:
 A, B = "key-of-a", "key-of-b"
 
 
+def completions(client: TestClient, max_tokens: int) -> Callable[[str, str], dict]:
+    """ask(key, prompt): a greedy completion of `prompt` for the principal of `key`, its JSON."""
+
+    def ask(key: str, prompt: str) -> dict:
+        answer = client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                             json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    return ask
+
+
 def test_principals_share_a_pass_and_nothing_else(alone_pair: Pair) -> None:
     """`serve --parallel 2` with two keys: A and B ask at once; each gets its reply alone, and B's cached tokens are 0
     after A sent the same prompt (a lane keeps a prompt only for its own principal's next turn)."""
     worker = Worker(alone_pair, False, None, parallel=2)
     try:
         with TestClient(create_app(alone_pair, worker, (A, B))) as client:
-            def ask(key: str, prompt: str) -> dict:
-                answer = client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                                     json={"prompt": prompt, "max_tokens": 16, "temperature": 0})
-                assert answer.status_code == 200, answer.text
-                return answer.json()
-
+            ask = completions(client, 16)
             asked = ((A, PROMPTS[0]), (B, PROMPTS[1]))
             alone = {key: ask(key, prompt)["choices"][0]["text"] for key, prompt in asked}
             results: dict[str, dict] = {}
@@ -253,12 +260,7 @@ def test_a_conversation_a_lane_let_go_of_is_put_back_for_its_principal_alone(alo
     assert states is not None
     try:
         with TestClient(create_app(alone_pair, worker, (A, B))) as client:
-            def ask(key: str, prompt: str) -> dict:
-                answer = client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                                     json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
-                assert answer.status_code == 200, answer.text
-                return answer.json()
-
+            ask = completions(client, 12)
             for prompt in LONG:  # the third takes the first's lane at the latest: the first is kept
                 ask(A, prompt)
             first = alone_pair.prompt_tokens(LONG[0], raw=True)
