@@ -84,6 +84,16 @@ class Job:
             self.cancelled.set()
 
 
+def kept_conversations() -> PromptStates | None:
+    """Where lanes keep conversations (serve/states.py), in the cache; None, said in the log, where the cache has no
+    room for them (a folder it may not write to): the server then reads a prompt again where a lane let it go."""
+    try:
+        return PromptStates(cache_dir())
+    except OSError as problem:
+        log.warning("conversations a lane lets go of are not kept: %s", problem)
+        return None
+
+
 class Worker:
     """Runs jobs on `parallel` threads (lanes) until `close`: one by one with the pair's own decoder, or up to
     `parallel` at once in the pair's lanes."""
@@ -108,7 +118,7 @@ class Worker:
         self._picked = 0
         self._lane_decoders: dict[int, tuple[str | None, Decoder]] = {}  # a lane's principal and decoder, kept
         # plain lanes keep the conversations they let go of on the drive, for the next request continuing one
-        self._states = PromptStates(cache_dir()) if self.lanes is not None and not self.trees else None
+        self._states = kept_conversations() if self.lanes is not None and not self.trees else None
         self._waiting: deque[Job] = deque()
         self._drain = False  # a job waits for the lanes' dead cells to be let go of: none starts until they are
         self._wake = threading.Condition()
