@@ -44,7 +44,7 @@ from edge.protocols import Drafter, Target
 from edge.sampling import LLAMA_DEFAULTS, SamplingConfig
 
 if TYPE_CHECKING:
-    from edge.runtimes.llama_cpp.lanes import Lanes
+    from edge.runtimes.llama_cpp.tree_lanes import TreeLanes
 
     from edge.budget import AutoBudget, Costs
 
@@ -321,7 +321,7 @@ class Pair:
             del self._decoders[next(iter(self._decoders))]
         return kept[1]
 
-    def lanes(self, n: int, trees: bool = False) -> Lanes:
+    def lanes(self, n: int, trees: bool = False) -> TreeLanes:
         """`n` lanes over the target's weights (runtimes/llama_cpp/tree_lanes.py): requests that decode together, one
         pass for all, each in its seqs of one KV cache of n contexts of the pair's; with `trees`, each request's tree
         in that pass (lane_drafter gives each lane its drafter), else its one token. Refused where the target

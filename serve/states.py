@@ -27,11 +27,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge.models.cache import clean_stale
+
 from edge.generate import common_prefix
 
 STATES_BUDGET = 1 << 30  # bytes of kept conversations on the drive, at most
 MIN_GAIN = 16  # tokens a kept conversation must hold past what the lane already holds to be put back
-FOLDER = "prompt-states"  # in the cache: one folder per running server (its process id)
+FOLDER = "prompt-states"  # in the cache: one folder per running server (states.tmp-PID)
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,8 @@ class PromptStates:
     def __init__(self, cache: Path, budget: int = STATES_BUDGET):
         root = cache / FOLDER
         root.mkdir(parents=True, exist_ok=True)
-        _sweep(root)
-        self.folder = root / str(os.getpid())
+        clean_stale(root)  # the folders of servers that did not stop cleanly (models/cache.py)
+        self.folder = root / f"states.tmp-{os.getpid()}"
         shutil.rmtree(self.folder, ignore_errors=True)
         self.folder.mkdir(mode=0o700)
         self.budget = budget
@@ -64,11 +66,10 @@ class PromptStates:
         """The kept conversation of `principal` that holds the longest start of `tokens` (all of them but the last at
         most, which a pass runs), if it holds more than `more_than` of them; it is then the most recently used."""
         with self._lock:
-            held = {id(kept): min(common_prefix(kept.context, tokens), len(tokens) - 1, len(kept.context) - 1)
-                    for kept in self._kept if kept.principal == principal}
-            found = max((kept for kept in self._kept if id(kept) in held), key=lambda kept: held[id(kept)],
-                        default=None)
-            if found is None or held[id(found)] <= more_than:
+            scored = [(min(common_prefix(kept.context, tokens), len(tokens) - 1, len(kept.context) - 1), kept)
+                      for kept in self._kept if kept.principal == principal]
+            held, found = max(scored, key=lambda pair: pair[0], default=(0, None))
+            if found is None or held <= more_than:
                 return None
             self._kept.remove(found)
             self._kept.append(found)
@@ -111,19 +112,3 @@ class PromptStates:
         with contextlib.suppress(OSError):
             kept.path.unlink()
 
-
-def _sweep(root: Path) -> None:
-    """Remove the folders of servers no longer running (one that did not stop cleanly left its files)."""
-    for folder in root.iterdir():
-        if folder.name.isdigit() and not _alive(int(folder.name)):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -106,8 +106,6 @@ class Worker:
         # with a drafter, each lane grows its trees with a drafter of its own and the pass verifies all of them
         self.trees = parallel > 1 and speculate and pair.drafter is not None
         self.lanes = pair.lanes(parallel, self.trees) if parallel > 1 else None
-        # lanes in one KV cache (tree lanes: trees, or plain over repacked weights) keep the cells a lane lets go of
-        self._shared_cells = self.lanes is not None and self.lanes.keeps_cells
         self._lane_drafters = [pair.lane_drafter() for _ in range(parallel)] if self.trees else []
         self._nodes = pair.budget if budget is None else budget  # --budget N: the nodes of a pass in all
         # --budget auto: each lane's trees sized against the measured pass times, priced for the lanes that run
@@ -190,23 +188,22 @@ class Worker:
         put back holds past the prompt), no job starts until the running ones end; then the lanes start over, empty
         (what they held kept on the drive, where plain lanes keep conversations: serve/states.py)."""
         lanes = self.lanes
-        if not self._shared_cells:
+        if lanes is None:
             return False
-        assert lanes is not None
         if job is not None and not self._drain:
             put_back = 0 if self._states is None else self._states.largest(job.work.principal)
-            self._drain = not lanes.room_for_dead(lanes.target(lane).n_past + put_back)  # type: ignore[attr-defined]
+            self._drain = not lanes.room_for_dead(lanes.target(lane).n_past + put_back)
         # with conversations kept on the drive, idle lanes start over at little cost, their cells let go of freed
         # (a client that left, a conversation cut short): not left to run short under load, where a job would wait
         # for every running one to end
-        self._drain |= self._states is not None and not self._busy_lanes and lanes.dead > 0  # type: ignore[attr-defined]
+        self._drain |= self._states is not None and not self._busy_lanes and lanes.dead > 0
         if not self._drain:
             return False
         if self._busy_lanes:
             return True
         for idle, kept in self._lane_decoders.items():
             self._keep(idle, kept)
-        lanes.reset()  # type: ignore[attr-defined]
+        lanes.reset()
         self._lane_decoders.clear()
         self._drain = False
         return False
@@ -287,7 +284,7 @@ class Worker:
                 # let go of at once (freed when the lanes are next idle: _draining), where the dead cells' room holds
                 # them; else when the lane's next job starts
                 target = decoder.target
-                if not self._shared_cells or self.lanes.room_for_dead(target.n_past):  # type: ignore[attr-defined]
+                if self.lanes.room_for_dead(target.n_past):
                     target.truncate(0)
                 del self._lane_decoders[lane]
 
@@ -298,8 +295,8 @@ class Worker:
         lane. The lane's principal and decoder after that."""
         assert self.lanes is not None and self._states is not None
         target = self.lanes.target(lane)
-        same = kept is not None and kept[0] == work.principal
-        held = min(common_prefix(kept[1].context, work.tokens), len(work.tokens) - 1) if same else 0  # type: ignore
+        own = kept[1] if kept is not None and kept[0] == work.principal else None  # the principal's own decoder
+        held = 0 if own is None else min(common_prefix(own.context, work.tokens), len(work.tokens) - 1)
         if kept is not None and held < target.n_past:
             self._keep(lane, kept)
         saved = self._states.best(work.principal, work.tokens, held + MIN_GAIN)
@@ -309,7 +306,7 @@ class Worker:
             target.truncate(0)
             self._lane_decoders.pop(lane, None)
             return None
-        decoder = kept[1] if same else self._lane_decoder(lane, work)  # type: ignore[index]
+        decoder = own if own is not None else self._lane_decoder(lane, work)
         decoder.adopt(saved.context)
         self._lane_decoders[lane] = work.principal, decoder
         return work.principal, decoder

@@ -233,7 +233,7 @@ class LayerCount:
 
 def test_a_pass_of_several_lanes_computes_each_layer_once(alone_pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server's lanes share one KV cache (Pair.lanes), so llama.cpp runs lanes 0 and 2's tokens as one
-    micro-batch: each layer once. Over a KV stream a lane (the Lanes base), it made one micro-batch per run of
+    micro-batch: each layer once. Over a KV stream a lane (the lanes before 3e3623b), it made one micro-batch per run of
     consecutive seq ids, each computing every layer (for a streamed target, its weights read again)."""
     import edge.runtimes.llama_cpp.tree_lanes as tree_lanes
 
@@ -412,3 +412,27 @@ def test_a_pass_is_padded_to_whole_fours_of_rows_and_outputs() -> None:
             padded, more = lane_padding(rows, outputs, 1, 4)
             assert padded % 4 == 0 and (outputs + more) % 4 == 0 and more <= padded - rows
             assert padded - rows <= padding_room(1, 4)
+
+
+def test_kept_conversations_stay_within_their_budget_and_with_their_principal(tmp_path) -> None:
+    """serve/states.py alone: past its budget the least recently used conversation goes (its file too); a request
+    finds only its own principal's; one that extends a kept conversation replaces it; close removes the folder."""
+    from edge.serve.states import PromptStates
+
+    states = PromptStates(tmp_path, budget=250)
+
+    def write(size: int):
+        return lambda path: path.write_bytes(b"x" * size)
+
+    states.keep("a", [1, 2, 3, 4], write(100))
+    states.keep("a", [5, 6, 7], write(100))
+    states.keep("b", [1, 2, 3, 9], write(100))  # 300 bytes: a's first goes
+    assert len(list(states.folder.iterdir())) == 2
+    assert states.best("a", [1, 2, 3, 4, 5], 0) is None  # gone, and b's is not a's
+    assert states.best("b", [1, 2, 3, 4], 0).context == (1, 2, 3, 9)
+    assert states.best("b", [1, 2, 3, 4], 3) is None  # it holds 3 of them, not more
+    states.keep("b", [1, 2, 3, 9, 10, 11], write(50))  # b's next turn replaces its last
+    assert [kept.context for kept in states._kept if kept.principal == "b"] == [(1, 2, 3, 9, 10, 11)]
+    assert len(list(states.folder.iterdir())) == 2
+    states.close()
+    assert not states.folder.exists()

@@ -1,24 +1,22 @@
 """Several requests decoding together: one llama.cpp context whose sequences are lanes, one pass for all of them.
 
-This base keeps a KV stream for each lane, as llama-server's slots do. But llama.cpp splits a pass over streams into
-micro-batches, one for each run of consecutive seq ids in batch order, each computing every layer again (a streamed
-target's weights read again), so Pair.lanes makes TreeLanes (runtimes/llama_cpp/tree_lanes.py), whose lanes share one
-KV cache, plain or not; they take the batcher and LaneTarget from here.
-
-Each lane is a sequence with a KV stream of its own (the context is not unified, as llama-server's slots), so a lane's
-cells stay in position order whatever the other lanes do: its attention sums what it would sum alone. The weights'
-kernels are the batch-invariant ones (runtimes/llama_cpp/kernels.py), so a lane's logits do not depend on what else
-rode in the pass either: every lane's reply is the one it gets alone, bit for bit (tests/test_batching.py).
-
 A lane is a Target (LaneTarget) that one request's decoder runs on its own thread; its passes are requests to the
-lanes' batcher, which waits until every busy lane has asked (or GATHER_S has passed), then runs them all in one
-llama_decode. For a target streamed from the drive, that pass reads the weights once for every lane.
+lanes' batcher (Lanes), which waits until every busy lane has asked (or `gather_s` has passed), then runs them all in
+one llama_decode. For a target streamed from the drive, that pass reads the weights once for every lane. The weights'
+kernels are the batch-invariant ones (runtimes/llama_cpp/kernels.py), so a lane's logits do not depend on what else
+rode in the pass: every lane's reply is the one it gets alone, bit for bit (tests/test_batching.py).
+
+How a pass lays out its lanes' tokens and cells is TreeLanes' (runtimes/llama_cpp/tree_lanes.py): every lane in one
+KV cache. Not a KV stream a lane, as llama-server's slots have: llama.cpp splits a pass over streams into
+micro-batches, one for each run of consecutive seq ids in batch order, each computing every layer again (for a
+streamed target, reading its weights again).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +27,6 @@ from edge.runtimes.llama_cpp.kernels import lane_padding, padding_room
 from edge.runtimes.llama_cpp.models import LlamaTarget
 
 from edge.protocols import ModelDefaults
-from edge.tree import TokenTree
 
 GATHER_S = 0.02  # how long a pass waits for a busy lane's next request (its thread samples and hands on a token)
 LANE_BATCH = 256  # tokens one pass carries: every lane's next token, and prompts in chunks of what is left
@@ -49,10 +46,9 @@ class _Ask:
     finished: threading.Event = field(default_factory=threading.Event)
 
 
-class Lanes:
-    """`n` lanes over a target's weights, each of `n_ctx` tokens, and the thread that runs their passes."""
-
-    keeps_cells = False  # a lane's cells are freed as it lets go of them (TreeLanes keeps them until a reset)
+class Lanes(ABC):
+    """`n` lanes over a target's weights, each of `n_ctx` tokens, and the thread that runs their passes; a subclass
+    makes the context and lays out each pass (TreeLanes)."""
 
     def __init__(self, target: LlamaTarget, n: int, n_ctx: int,
                  before_pass: Callable[[np.ndarray], None] | None = None, after_pass: Callable[[], None] | None = None):
@@ -60,14 +56,13 @@ class Lanes:
         tokens' embedding rows and drops its pages behind (offload/ssd.py SsdTarget does the same around its own)."""
         # a target whose kernels change with a pass's rows (a GPU backend's min_rows, repacked weights' row_multiple)
         # pads every pass (kernels.lane_padding): the throwaway rows go in a sequence of their own (pad_seq), dropped
-        # after the pass. Exact only in one KV cache (TreeLanes: Pair.lanes picks it for such a target): over these
-        # per-lane streams llama.cpp splits a pass into micro-batches, each short of the padded rows.
+        # after the pass; exact only where a pass is one micro-batch (one KV cache)
         self.min_rows, self.row_multiple = target.min_rows, target.row_multiple  # (kernels.lane_padding)
         self.pad_room = padding_room(self.min_rows, self.row_multiple)  # rows and cells a pass's padding may take
         self.padded = 0  # passes padded
         self._before_pass, self._after_pass = before_pass, after_pass
         self.ctx = self._context(target, n, n_ctx)
-        self.n, self.n_ctx, self.model, self._template = n, self.ctx.n_ctx // self.streams, target.model, target
+        self.n, self.n_ctx, self.model, self._template = n, n_ctx, target.model, target
         self.gather_s = GATHER_S  # how long a pass waits for the busy lanes that have not asked yet
         self.passes = 0  # passes run, all lanes together
         self.lane_passes = 0  # lanes' passes, counted in each pass they rode in
@@ -80,21 +75,14 @@ class Lanes:
         self._thread = threading.Thread(target=self._run, name="edge-spec lanes", daemon=True)
         self._thread.start()
 
+    @abstractmethod
     def _context(self, target: LlamaTarget, n: int, n_ctx: int) -> Context:
-        """n KV streams of n_ctx cells, one a lane, over the target's weights and settings; one more for a pass's
-        padding (pad_seq) where passes are padded."""
-        settings = target.ctx.settings
-        self.streams, self.pad_seq = n + (self.pad_room > 0), n
-        return Context(target.model, self.streams * n_ctx, n_batch=max(LANE_BATCH, n) + self.pad_room,
-                       kv_type=settings["kv_type"], n_threads=settings["n_threads"],
-                       flash_attn=settings["flash_attn"], n_outputs=max(n, self.min_rows) + self.row_multiple,
-                       on_layer=settings["on_layer"], sequences=self.streams, unified=False)
+        """The context over the target's weights and settings for n lanes of n_ctx cells (it sets `pad_seq`: the
+        seq a padded pass's throwaway rows take)."""
 
+    @abstractmethod
     def target(self, lane: int) -> LaneTarget:
         """The lane as a Target (the same object for a lane every time: it knows what the lane's cells hold)."""
-        if lane not in self._targets:
-            self._targets[lane] = LaneTarget(self, lane, self._template)
-        return self._targets[lane]
 
     def busy(self, lane: int, running: bool) -> None:
         """Whether `lane` runs a request now: the batcher waits for a busy lane's next pass."""
@@ -124,14 +112,13 @@ class Lanes:
             raise ask.error
         return ask.logits
 
+    @abstractmethod
     def seq(self, lane: int) -> int:
         """The seq id holding `lane`'s tokens."""
-        return lane
 
+    @abstractmethod
     def remove(self, lane: int, start: int) -> None:
-        """Drop `lane`'s cells from position `start` on (between passes)."""
-        with self._cond:
-            self.ctx.seq_rm(lane, start, -1)
+        """`lane` lets go of its cells from position `start` on (between passes)."""
 
     def save(self, lane: int, path: Path, tokens: Sequence[int]) -> int:
         """Write `lane`'s cells (which hold `tokens`) to `path`, between passes: the file's bytes."""
@@ -189,8 +176,9 @@ class Lanes:
                         self._asks.remove(ask)
                         ask.finished.set()
 
+    @abstractmethod
     def _decode(self, taken: list[tuple[_Ask, int, int]]) -> None:
-        self._pass()
+        """The pass over the batch `_fill` laid out (`_pass` runs it)."""
 
     def _pass(self) -> None:
         """The batch's pass, padded where the target's kernels change with its rows (kernels.lane_padding; the
@@ -208,43 +196,17 @@ class Lanes:
             if padded:
                 self.ctx.seq_rm(self.pad_seq)
 
+    @abstractmethod
     def _fill(self) -> list[tuple[_Ask, int, int]]:
-        """The batch: each ask's next tokens, the shortest first so that every lane's one token rides before any
-        prompt fills the rest; (ask, its first token here, the row of its logits or -1)."""
-        room, taken, n = self._batch.capacity - self.pad_room, [], 0
-        for ask in sorted(self._asks, key=lambda a: len(a.tokens) - a.done):
-            if room == 0:
-                break
-            count = min(room, len(ask.tokens) - ask.done)
-            rows = slice(n, n + count)
-            self._batch.token[rows] = ask.tokens[ask.done: ask.done + count]
-            self._batch.pos[rows] = np.arange(ask.start + ask.done, ask.start + ask.done + count)
-            self._batch.n_seq_id[rows] = 1
-            self._batch.seq_id[rows, 0] = ask.lane
-            last = ask.done + count == len(ask.tokens)
-            self._batch.output[rows] = 0
-            if last and ask.output:
-                self._batch.output[n + count - 1] = 1
-            taken.append((ask, count, n + count - 1 if last and ask.output else -1))
-            n, room = n + count, room - count
-        self._batch.struct.n_tokens = n
-        return taken
+        """The batch: the asks' next tokens; (ask, its rows here, the row of its logits or -1)."""
 
+    @abstractmethod
     def _hand_back(self, taken: list[tuple[_Ask, int, int]]) -> None:
-        n_outputs = sum(row >= 0 for _, _, row in taken)
-        logits = self.ctx.logits(n_outputs) if n_outputs else None  # [n_outputs, n_vocab], in batch order
-        output = 0
-        for ask, count, row in taken:
-            ask.done += count
-            if row >= 0 and logits is not None:
-                ask.logits = logits[output].copy()
-                output += 1
+        """Each ask's logits after the pass (a copy), and its tokens counted as done."""
 
 
-class LaneTarget(ModelDefaults):
-    """One lane as a Target for a plain decoder: the KV cache holds context[:-1], and a pass runs the root alone."""
-
-    max_tree = 1
+class LaneTarget(ModelDefaults, ABC):
+    """One lane as a Target for a decoder (TreeLaneTarget verifies its trees): the KV cache holds context[:-1]."""
 
     def __init__(self, lanes: Lanes, lane: int, template: LlamaTarget):
         self.lanes, self.lane = lanes, lane
@@ -260,21 +222,9 @@ class LaneTarget(ModelDefaults):
             self.n_past += len(tokens)
             self.passes += 1
 
-    def verify(self, tree: TokenTree) -> np.ndarray:
-        if len(tree) != 1:
-            raise ValueError(f"a lane decodes one token a pass, not a tree of {len(tree)}")
-        logits = self.lanes.run(self.lane, [int(tree.tokens[0])], self.n_past, output=True)
-        self.passes += 1
-        assert logits is not None
-        return logits[None, :]  # [1, n_vocab]
-
-    def commit(self, tree: TokenTree, path: list[int]) -> None:
-        self.n_past += 1  # the root's cell, written by its pass
-
+    @abstractmethod
     def truncate(self, n: int) -> None:
-        if n < self.n_past:
-            self.lanes.remove(self.lane, n)
-            self.n_past = n
+        """Keep the first n of the lane's tokens."""
 
     def save_state(self, path: Path, tokens: Sequence[int]) -> int:
         """Write the lane's cells, which hold `tokens` (n_past of them), to `path`: the file's bytes."""
@@ -288,9 +238,6 @@ class LaneTarget(ModelDefaults):
         tokens = self.lanes.restore(self.lane, path)
         self.n_past = len(tokens)
         return tokens
-
-    def resize(self, size: int) -> bool:
-        return size <= 1
 
     def close(self) -> None:
         """The lanes own the context (Lanes.close)."""

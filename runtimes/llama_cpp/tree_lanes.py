@@ -51,8 +51,6 @@ class TreeLanes(Lanes):
     """`n` lanes that verify trees of up to `max_tree` nodes each, all lanes' trees in one pass; without `trees`, one
     node each (plain decoding: the pass's logits one row a lane)."""
 
-    keeps_cells = True  # in the dead seq until the next reset (remove)
-
     def __init__(self, target: LlamaTarget, n: int, n_ctx: int, *args, trees: bool = True, **kwargs):
         # seq ids a lane owns: the leaves its tree may have (the last seq id holds the dead cells, and one more a
         # padded pass's rows); plainly, one each, then the padding's and the dead cells'
@@ -65,7 +63,6 @@ class TreeLanes(Lanes):
         self.dead = 0  # cells lanes let go of, kept in the dead seq (remove) until the next reset
         self.dead_room = n * n_ctx  # cells set aside for them
         super().__init__(target, n, n_ctx, *args, **kwargs)
-        self.n_ctx = n_ctx
         self.gather_s = TREE_GATHER_S if trees else GATHER_S
 
     @property
@@ -94,8 +91,8 @@ class TreeLanes(Lanes):
         """One unified cache: every lane's n_ctx cells, and room for every lane's tree and pending tokens in flight."""
         settings = target.ctx.settings
         rows = n * self.lane_rows + self.pad_room  # (a padded pass's rows past the batch's)
-        # one stream; a padded pass's rows in a seq no lane owns (below the dead seq), at the cache's tail
-        self.streams, self.pad_seq = 1, n * self.seqs
+        # a padded pass's rows in a seq no lane owns (below the dead seq), at the cache's tail
+        self.pad_seq = n * self.seqs
         return Context(target.model, n * n_ctx + self.dead_room + rows, n_batch=max(LANE_BATCH, rows),
                        kv_type=settings["kv_type"], n_threads=settings["n_threads"], flash_attn=settings["flash_attn"],
                        n_outputs=max(n * self.max_tree, self.min_rows) + self.row_multiple,
