@@ -33,25 +33,37 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def one_reply(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> dict:
-    """A streamed greedy chat reply: its text, tokens (usage), first-token latency and decode rate."""
+    """A streamed greedy chat reply: its text, its token ids (`return_tokens`, where the server gives them: None
+    otherwise), tokens (usage), first-token latency and decode rate."""
     start = time.perf_counter()
     first = None
     pieces: list[str] = []
+    ids: list[int] | None = []
     usage = None
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                             max_tokens=max_tokens, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+                                            stream_options={"include_usage": True}, extra_body={"return_tokens": True})
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
+            given = (choice.model_extra or {}).get("tokens")
+            if ids is not None and isinstance(given, list):
+                ids.extend(given)
+            elif choice.delta.content:
+                ids = None  # text without ids: this server does not return them
             if choice.delta.content:
                 first = first if first is not None else time.perf_counter()
                 pieces.append(choice.delta.content)
     end = time.perf_counter()
     tokens = usage.completion_tokens if usage is not None else len(pieces)
     first = end if first is None else first
-    return {"text": "".join(pieces), "tokens": tokens, "ttft_s": first - start, "seconds": end - start}
+    return {"text": "".join(pieces), "ids": ids, "tokens": tokens, "ttft_s": first - start, "seconds": end - start}
+
+
+def reply(result: dict) -> tuple[str, object]:
+    """What two replies are compared by: their token ids where the server gave them, else their text."""
+    return ("token ids", tuple(result["ids"])) if result["ids"] is not None else ("text", result["text"])
 
 
 def phase(base: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
@@ -87,16 +99,18 @@ def phase(base: str, model: str, prompts: list[str], clients: int, max_tokens: i
             "seconds": round(seconds, 2), "aggregate_tokens_per_s": round(sum(r["tokens"] for r in done) / seconds, 2),
             "client_tokens_per_s": [round(tokens / (end - begin), 2) for begin, end, tokens in spans],
             "ttft_median_s": round(statistics.median(ttfts), 3), "ttft_worst_s": round(max(ttfts), 3),
-            "texts": [r["text"] for r in results if r is not None]}
+            "replies": [reply(r) for r in results if r is not None]}
 
 
 def measure(base: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
     alone = phase(base, model, prompts, 1, max_tokens)
     together = phase(base, model, prompts, clients, max_tokens)
-    same = sum(a == b for a, b in zip(alone["texts"], together["texts"], strict=True))
+    same = sum(a == b for a, b in zip(alone["replies"], together["replies"], strict=True))
+    compared = sorted({kind for kind, _ in alone["replies"] + together["replies"]})
     for row in (alone, together):
-        del row["texts"]
+        del row["replies"]
     return {"alone": alone, "together": together, "replies_equal_alone": f"{same}/{len(prompts)}",
+            "replies_compared_by": " and ".join(compared),
             "aggregate_vs_alone": round(together["aggregate_tokens_per_s"] / alone["aggregate_tokens_per_s"], 2)}
 
 

@@ -14,7 +14,8 @@ With --hostile, that share of the requests are what a careless or hostile client
 JSON, numbers of 5,000 digits, lone surrogates, 100,000 messages, a web page's Origin, a rebound Host, a stream left
 mid-reply, a head never finished, a flood of special tokens, ...): each must get its 4xx answer (or be dropped, for
 a client that left). The valid requests then use 8 (prompt, seed) pairs, each first sent alone: every valid reply
-under load must equal its single-client text. The report adds the server log's tracebacks and 500s (none allowed).
+under load must equal its single-client reply, token id for token id (`return_tokens`). The report adds the server
+log's tracebacks and 500s (none allowed).
 
     python benchmarks/serve_soak.py --clients 4 --requests 48 --hostile 0.34 --keys 2 --max-tokens 32 \
         --server-args "--budget 16 --accept match"
@@ -60,22 +61,27 @@ def rss(url: str) -> int:
 
 
 def one_request(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, seed: int) -> dict:
+    """A streamed sampled chat reply: timings, tokens, and the reply as its token ids (`return_tokens`; its text where
+    the server gives no ids), which is what replies are compared by."""
     started = time.perf_counter()
     first = None
     usage = None
-    text = []
+    text, ids = [], []
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                             max_tokens=max_tokens, temperature=0.8, seed=seed, stream=True,
-                                            stream_options={"include_usage": True})
+                                            stream_options={"include_usage": True}, extra_body={"return_tokens": True})
     for chunk in stream:
+        if chunk.choices:
+            ids.extend((chunk.choices[0].model_extra or {}).get("tokens") or [])
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
             text.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
     ended = time.perf_counter()
-    return {"ttft_s": (first or ended) - started, "total_s": ended - started,
-            "tokens": usage.completion_tokens if usage else 0, "text": "".join(text)}
+    tokens = usage.completion_tokens if usage else 0
+    reply = ("token ids", tuple(ids)) if len(ids) == tokens else ("text", "".join(text))
+    return {"ttft_s": (first or ended) - started, "total_s": ended - started, "tokens": tokens, "reply": reply}
 
 
 KEY_HEADER: dict[str, str] = {}  # --keys: the first principal's key, which hostile requests carry
@@ -150,7 +156,7 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
     rss_warm = rss(url)
     # With hostile requests, valid ones use 8 (prompt, seed) pairs, each sent alone first: its single-client text.
     variants = 8 if hostile else requests
-    alone = {v: one_request(client, model, prompts[v % len(prompts)], max_tokens, seed=v + 1)["text"]
+    alone = {v: one_request(client, model, prompts[v % len(prompts)], max_tokens, seed=v + 1)["reply"]
              for v in range(variants)} if hostile else {}
     hostile_every = round(1 / hostile) if hostile else 0
     refused: dict[str, list[int]] = {}
@@ -189,7 +195,7 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
                     failures.append(f"{type(problem).__name__}: {problem}")
                 continue
             with lock:
-                if hostile and result["text"] != alone[variant]:
+                if hostile and result["reply"] != alone[variant]:
                     mismatches.append(index)
                 results.append(result)
                 if len(results) % trace_every == 0:
@@ -225,6 +231,7 @@ def soak(url: str, model: str | None, clients: int, requests: int, max_tokens: i
             "hostile_statuses": {kind: sorted(set(v)) for kind, v in refused.items()},
             "hostile_5xx": sum(1 for v in refused.values() for s in v if s >= 500 or s == 0),
             "valid": len(results), "valid_equal_to_alone": len(results) - len(mismatches),
+            "compared_by": sorted({r["reply"][0] for r in results} | {kind for kind, _ in alone.values()}),
             "valid_mismatches": mismatches[:10]} if hostile else {}),
     }
 

@@ -138,9 +138,10 @@ class Served:
             raise Refused(problem.status, str(problem), kind="server_error") from None
         if body.stream:
             # On shutdown the worker ends every job; the stream then sends its error event and [DONE] itself.
-            return EventSourceResponse(stream(reply, job, body.include_usage), sep="\n", ping=15,
-                                       shutdown_event=anyio.Event(), shutdown_grace_period=SHUTDOWN_GRACE_S)
-        return await whole(reply, job, request)
+            events = stream(reply, job, body.include_usage, bool(body.return_tokens))
+            return EventSourceResponse(events, sep="\n", ping=15, shutdown_event=anyio.Event(),
+                                       shutdown_grace_period=SHUTDOWN_GRACE_S)
+        return await whole(reply, job, request, bool(body.return_tokens))
 
 
 def served(request: Request) -> Served:

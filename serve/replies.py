@@ -17,8 +17,9 @@ from edge.generate import Stats
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
-async def whole(reply: Reply, job: Job, request: Request) -> JSONResponse:
-    """A non-streamed reply; a client that leaves meanwhile cancels its job."""
+async def whole(reply: Reply, job: Job, request: Request, return_tokens: bool = False) -> JSONResponse:
+    """A non-streamed reply (with `return_tokens`, its token ids too); a client that leaves meanwhile cancels its
+    job."""
     collected = asyncio.ensure_future(_collect(job))
     try:
         while True:
@@ -36,32 +37,45 @@ async def whole(reply: Reply, job: Job, request: Request) -> JSONResponse:
     if finish == "interrupted":
         return JSONResponse(error_body("the generation was stopped (the client left, or the server is shutting "
                                        "down)", "server_error"), 503)
-    return JSONResponse(reply.whole(text, FINISH_REASONS[finish], tokens, stats))
+    return JSONResponse(reply.whole(text, FINISH_REASONS[finish], len(tokens), stats,
+                                    tokens if return_tokens else None))
 
 
-async def _collect(job: Job) -> tuple[str, int, str, Stats]:
-    pieces, tokens = [], 0
+async def _collect(job: Job) -> tuple[str, list[int], str, Stats]:
+    """The reply's text, its token ids, its finish reason and figures."""
+    pieces, tokens = [], []
     async for step in job.steps():
         pieces.append(step.text)
         if step.token is not None and step.finish_reason is None:
-            tokens += 1
+            tokens.append(step.token)
         if step.finish_reason is not None:
             return "".join(pieces), tokens, step.finish_reason, step.stats
     raise AssertionError("a job's steps end with a finish reason")
 
 
-async def stream(reply: Reply, job: Job, include_usage: bool) -> AsyncIterator[str]:
+async def stream(reply: Reply, job: Job, include_usage: bool, return_tokens: bool = False) -> AsyncIterator[str]:
     """Server-sent events: a first chunk at once (chat: the role), one per piece of text, the last with the finish
-    reason and edge-spec's figures, the usage if asked for, then [DONE]. Leaving (disconnecting) cancels the job."""
+    reason and edge-spec's figures, the usage if asked for, then [DONE]. With `return_tokens`, each piece carries the
+    token ids generated since the last one (a token whose text is held back, part of a UTF-8 sequence, goes with the
+    piece that shows it). Leaving (disconnecting) cancels the job."""
     tokens = 0
+    held: list[int] = []  # token ids not sent yet
+
+    def ids() -> list[int] | None:
+        if not return_tokens:
+            return None
+        sent, held[:] = list(held), []
+        return sent
+
     try:
         yield json.dumps(reply.chunk("" if reply.kind == "chat" else None, first=True))
         async for step in job.steps():
             if step.token is not None and step.finish_reason is None:
                 tokens += 1
+                held.append(step.token)
             if step.finish_reason is None:
                 if step.text:
-                    yield json.dumps(reply.chunk(step.text))
+                    yield json.dumps(reply.chunk(step.text, tokens=ids()))
                 continue
             if step.finish_reason == "interrupted":
                 yield json.dumps(error_body("the generation was stopped (the server is shutting down)",
@@ -69,8 +83,9 @@ async def stream(reply: Reply, job: Job, include_usage: bool) -> AsyncIterator[s
                 yield "[DONE]"
                 return
             if step.text:
-                yield json.dumps(reply.chunk(step.text))
-            yield json.dumps(reply.chunk(None, FINISH_REASONS[step.finish_reason], edge_spec=edge_stats(step.stats)))
+                yield json.dumps(reply.chunk(step.text, tokens=ids()))
+            yield json.dumps(reply.chunk(None, FINISH_REASONS[step.finish_reason], tokens=ids(),
+                                         edge_spec=edge_stats(step.stats)))
             if include_usage:
                 yield json.dumps(reply.usage_chunk(step.stats, tokens))
         yield "[DONE]"

@@ -4,7 +4,9 @@ guess), and the replies it writes.
 Fields that change what is generated are honoured or refused: `n` > 1, `logprobs`, `logit_bias`, `tools`, `echo`,
 `suffix` and a JSON `response_format` get a 400 that names them, rather than an answer that silently ignores them.
 Fields that only describe the caller (`user`, `metadata`, `store`, ...) are accepted and ignored. llama.cpp's
-server's sampling extras (`top_k`, `min_p`, `repeat_penalty`) are accepted too.
+server's sampling extras (`top_k`, `min_p`, `repeat_penalty`) are accepted too, and its `return_tokens`: the reply's
+token ids beside its text (`tokens` in the choice; streamed, in each chunk, the ids whose text it carries), which is
+how a client checks that two replies are the same token for token.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class GenerationRequest(Strict):
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
+    return_tokens: bool | None = False
 
     @field_validator("stop", "logit_bias", mode="before")
     @classmethod
@@ -221,7 +224,9 @@ class Reply:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices, **extra}
 
-    def whole(self, text: str, finish_reason: str, completion_tokens: int, stats: Stats) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str, completion_tokens: int, stats: Stats,
+              tokens: list[int] | None = None) -> dict[str, Any]:
+        """The whole reply; with `tokens` (return_tokens), its token ids in the choice."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish_reason}
@@ -229,19 +234,26 @@ class Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             name = "text_completion"
+        if tokens is not None:
+            choice["tokens"] = tokens
         return self._object(name, [choice], usage=usage(stats, completion_tokens), edge_spec=edge_stats(stats))
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              **extra: Any) -> dict[str, Any]:
-        """One streamed piece: text (chat: a delta), or the last piece with the finish reason."""
+              tokens: list[int] | None = None, **extra: Any) -> dict[str, Any]:
+        """One streamed piece: text (chat: a delta), or the last piece with the finish reason; with `tokens`
+        (return_tokens), the token ids generated since the last piece."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._object("chat.completion.chunk", [choice], **extra)
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._object("text_completion", [choice], **extra)
+            name = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            name = "text_completion"
+        if tokens is not None:
+            choice["tokens"] = tokens
+        return self._object(name, [choice], **extra)
 
     def usage_chunk(self, stats: Stats, completion_tokens: int) -> dict[str, Any]:
         """stream_options.include_usage: a last chunk with no choices and the usage."""

@@ -180,6 +180,8 @@ class Worker:
             self._running.add(job)
             self._busy_lanes.add(lane)
             self._lane_used[lane] = self._picked = self._picked + 1
+            # the jobs still waiting may have ranked this lane first (_lane_for): the idle lanes rank them again now
+            self._wake.notify_all()
             return job
 
     def _draining(self, job: Job | None, lane: int) -> bool:

@@ -218,6 +218,31 @@ def test_a_client_leaving_mid_reply_leaves_no_cell_taken(alone_pair: Pair) -> No
         worker.close()
 
 
+def test_requests_queued_at_once_each_start_in_an_idle_lane(alone_pair: Pair) -> None:
+    """`serve --parallel 4`, lanes empty: four requests queued before any lane looks rank the same lane first. Each
+    starts at once in a lane of its own, not after another request ends (the lanes rank the waiting requests again
+    whenever one takes a request: a lane asleep would otherwise leave a request waiting a whole reply)."""
+    import asyncio
+    import time
+
+    from edge.serve.worker import Job, Work
+
+    worker = Worker(alone_pair, False, None, parallel=4)
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [Job(Work(alone_pair.prompt_tokens(prompt), GREEDY, 64), loop) for prompt in PROMPTS]
+        with worker._wake:  # all four wait before any lane picks one
+            worker._waiting.extend(jobs)
+            worker._wake.notify_all()
+        deadline = time.monotonic() + 60
+        while worker.running < 4 and worker.completed == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (worker.running, worker.completed) == (4, 0)
+    finally:
+        worker.close()
+        loop.close()
+
+
 class LayerCount:
     """A layer hook (ggml_calls.LayerHook) counting each layer's outputs."""
 

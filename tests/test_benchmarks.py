@@ -321,6 +321,7 @@ def test_serve_load_runs() -> None:
     result = json.loads(run_script("serve_load.py", "--pair", PAIR, "--clients", "2", "-n", "8", "--ctx", "512"))
     edge = result["edge_spec"]
     assert edge["replies_equal_alone"] == "8/8" and edge["log_tracebacks"] == 0, edge
+    assert edge["replies_compared_by"] == "token ids"
     assert edge["together"]["clients"] == 2 and len(edge["together"]["client_tokens_per_s"]) == 2
     assert edge["alone"]["aggregate_tokens_per_s"] > 0 and edge["together"]["ttft_worst_s"] > 0
 

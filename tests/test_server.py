@@ -78,6 +78,20 @@ def test_greedy_chat_and_completion_equal_generate(client: openai.OpenAI) -> Non
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 24
 
 
+def test_return_tokens_gives_the_replys_token_ids_whole_and_streamed(client: openai.OpenAI) -> None:
+    """llama-server's `return_tokens`: the ids `generate` gives, in the choice, and streamed, spread over the chunks
+    that carry their text."""
+    result = CliRunner().invoke(app, ["generate", PROMPT, "-n", "24", "--temperature", "0", "--pair", MODEL, "--json"])
+    expected = json.loads(result.stdout)["tokens"]
+    whole = chat(client, PROMPT, max_tokens=24, temperature=0, extra_body={"return_tokens": True})
+    assert whole.choices[0].model_extra["tokens"] == expected and whole.usage.completion_tokens == len(expected)
+    text, chunks = streamed_chat(client, PROMPT, max_tokens=24, temperature=0, extra_body={"return_tokens": True})
+    assert [t for c in chunks[1:] for t in c.choices[0].model_extra["tokens"]] == expected
+    assert text == whole.choices[0].message.content
+    plain = chat(client, PROMPT, max_tokens=4, temperature=0)
+    assert "tokens" not in plain.choices[0].model_extra  # only when asked
+
+
 def test_streamed_deltas_concatenate_to_the_whole_reply(client: openai.OpenAI) -> None:
     whole = chat(client, PROMPT, max_tokens=32, temperature=0)
     text, chunks = streamed_chat(client, PROMPT, max_tokens=32, temperature=0, stream_options={"include_usage": True})
