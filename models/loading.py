@@ -348,8 +348,10 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
                 raise
         elif streamed and options.readahead:
             threads = target_threads(options, stock, reads) or default_threads()
-            target = streamed_in_window(target, target_file, report, planned.resident, stock, planned.kv_cells,
-                                        planned.kv_cell_bytes, threads)
+            # plainly: stock, or in lanes that grow no tree (no drafter beside its pages)
+            target = streamed_in_window(target, target_file, report, planned.resident,
+                                        stock or _plain_lanes(options), planned.kv_cells, planned.kv_cell_bytes,
+                                        threads)
         if target.n_ctx != spec.ctx:
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
     warning = None if stock else runtime(spec.target.runtime).lossless_guarantee(
@@ -459,12 +461,25 @@ def streamed_in_window(target: Target, path: Path, report: Report = _quiet, resi
     now that both models are loaded, less room for `kv_cells` cells of its KV cache (`kv_cell_bytes` each: the resident
     set gives it room past them); `plain`: it decodes plainly (one row of logits, no tree beside its pages); `threads`:
     the CPU threads its passes compute on (kept with their times, models.kept.keep_streamed_pass)."""
+    from edge.offload.probe import free_beside_locked, mapped_file_bytes
     from edge.offload.window import WindowedTarget, free_memory, resident_room, window_bytes
 
     room = free_memory(path) - round(kv_cells * kv_cell_bytes)
     resident = resident_room(resident, room, plain)
     window = window_bytes(room - resident, plain)
-    streamed = WindowedTarget(target, path, window, resident, kv_cells, kv_cell_bytes, threads)
+    libraries = mapped_file_bytes(exclude=path)  # (free_memory's: they stay mapped as they are)
+
+    def fit(resident_bytes: int) -> int | None:  # the window the memory free now allows (WindowedStreamer.refit)
+        if streamed.streamer.locked:
+            free = free_beside_locked(resident_bytes)
+        else:  # the resident set's pages are page cache never dropped, which both measures count as free
+            unlocked = free_beside_locked(0)
+            free = None if unlocked is None else unlocked - resident_bytes
+        if free is None:
+            return None
+        return window_bytes(free - libraries - streamed.kv_reserve, plain)
+
+    streamed = WindowedTarget(target, path, window, resident, kv_cells, kv_cell_bytes, threads, fit)
     streamer = streamed.streamer
     if streamer.resident_bytes:
         how = "locked" if streamer.locked else "read once, never dropped (mlock was refused)"

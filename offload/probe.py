@@ -243,6 +243,16 @@ def free_bytes() -> int | None:
     return limit.room if free is None else min(free, limit.room)
 
 
+def free_beside_locked(locked: int) -> int | None:
+    """free_bytes, where `locked` bytes of this process's file pages are locked (mlock) and counted as taken: a memory
+    cgroup counts them in its page cache, so in its room, where the machine's MemAvailable leaves them out already
+    (they are unevictable). None where neither can be read."""
+    _, free = _machine_ram()
+    limit = memory_limit()
+    rooms = ([] if free is None else [free]) + ([] if limit is None else [limit.room - locked])
+    return min(rooms, default=None)
+
+
 def _machine_ram() -> tuple[int | None, int | None]:
     meminfo = _meminfo_kib()
     if "MemTotal" in meminfo:

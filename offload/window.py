@@ -34,7 +34,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +55,10 @@ PASS_MARGIN = 96 << 20  # bytes a pass still allocates after loading (logits row
 # ... for a target decoding plainly (one row of logits): measured, 10.6 MiB more after 32 tokens than once loaded
 # (Qwen2.5-Coder-1.5B, benchmarks/load_memory.py)
 PLAIN_PASS_MARGIN = 16 << 20
+# How often, at most, the window is fitted again to the memory free now (WindowedStreamer.refit): loading measures it
+# once, and the KV caches then fill (Qwen2.5-Coder-1.5B under 1049 MiB, 4 plain server lanes: 193 MiB as loaded, 125
+# once their caches held four conversations)
+REFIT_S = 0.5
 # Bytes a WILLNEED asks for at a time: Linux reads at most the device's largest request of a range it is advised of
 # (force_page_cache_ra), so one call for a whole 26 MB layer queued 8 MiB of it. Cold reads of 200 MiB here: one call,
 # 8 MiB read; in 2 MiB calls 1.45 GB/s, 8 MiB calls 1.78 GB/s, populating (MADV_POPULATE_READ) 1.72 GB/s.
@@ -88,9 +92,13 @@ class WindowedStreamer(SsdStreamer):
     """An SsdStreamer whose read-ahead stays `window` bytes ahead of the pass (on_layer says where the pass is); with
     `resident` bytes, the head and the first tensors in pass order stay in RAM (never dropped) and the rest streams."""
 
-    def __init__(self, path: Path, window: int, resident: int = 0):
+    def __init__(self, path: Path, window: int, resident: int = 0,
+                 fit: Callable[[int], int | None] | None = None):
+        """`fit(resident_bytes)`: the window the memory free now allows beside that resident set (None: not known),
+        asked between passes (refit)."""
         super().__init__(path, readahead=True)
         self.window = window
+        self._fit, self._fitted = fit, 0.0
         self._all_spans = self._spans()
         self._kept: list[tuple[int, int]] = []
         self._place(resident)
@@ -218,6 +226,18 @@ class WindowedStreamer(SsdStreamer):
         if layer == self._last_streamed:
             self._read_next_pass()
 
+    def refit(self) -> None:
+        """Between passes, at most every REFIT_S: the window as large as the memory free now allows. Its pages are the
+        page cache's, which the kernel reclaims where memory runs short (the KV cache growing): never an
+        out-of-memory kill, at worst a page read again, and the next refit makes the window smaller."""
+        now = time.monotonic()
+        if self._fit is None or now - self._fitted < REFIT_S:
+            return
+        self._fitted = now
+        window = self._fit(self.resident_bytes)
+        if window is not None:
+            self.window = window
+
     def _read_next_pass(self) -> None:
         """The pass has computed (and dropped) its last streamed layer; what is left of it is resident (the head, in
         one matmul). Start the next pass's read-ahead now, not after it: the drive would otherwise wait through the
@@ -227,6 +247,7 @@ class WindowedStreamer(SsdStreamer):
         with self._moved:
             self._reset()
             self._early = True
+        self.refit()
         self.prefetch()
 
     def after_pass(self, evict: bool = True) -> None:
@@ -246,6 +267,7 @@ class WindowedStreamer(SsdStreamer):
             self._following = False
         super().after_pass(evict and followed)
         if self.resident:
+            self.refit()
             self.prefetch()
 
     def read_ahead_now(self) -> None:
@@ -286,10 +308,12 @@ class WindowedStreamer(SsdStreamer):
         return asks
 
     def _ask(self, spans: list[Span]) -> None:
-        """Ask the drive for these spans (posix_fadvise WILLNEED: their reads queued, no waiting for them), a chunk
-        at a time under _moved: never for a layer the pass got past (its pages dropped, they would stay), and never
-        a whole window's worth while the pass's on_layer waits for the lock (queueing that can take tens of ms:
-        Qwen2.5-Coder-1.5B under 1049 MiB, its first layer took 26 ms, the others 1.2)."""
+        """Ask the drive for these spans (posix_fadvise WILLNEED: their reads queued), a chunk at a time, never for
+        a layer the pass got past (its pages dropped, they would stay). The call runs outside _moved: it waits while
+        the drive's queue is full, and the pass's on_layer, which takes _moved, would wait behind it (a lock is not
+        fair: this loop took it back chunk after chunk, and a 4-lane pass of Qwen2.5-Coder-1.5B under 1049 MiB spent
+        50 ms in its first layer's callback while a 190 MB window was asked for). A chunk asked for as the pass got
+        past its layer is dropped again."""
         for span in spans:
             for offset in range(span.offset, span.offset + span.end - span.start, WILLNEED_CHUNK):
                 with self._moved:
@@ -297,8 +321,13 @@ class WindowedStreamer(SsdStreamer):
                         return
                     if span.layer <= self._done:
                         break
-                    length = min(WILLNEED_CHUNK, span.offset + span.end - span.start - offset)
-                    os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
+                length = min(WILLNEED_CHUNK, span.offset + span.end - span.start - offset)
+                os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
+                with self._moved:
+                    passed = span.layer <= self._done
+                if passed:
+                    os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
+                    break
 
     def _read_ahead(self, wait: bool = True) -> None:
         """Ask the drive for the spans the window has room for, in pass order, and for more as the pass moves the
@@ -349,8 +378,10 @@ class WindowedTarget(SsdTarget):
     which layer a pass is at, with none (the kernel's page faults alone)."""
 
     def __init__(self, target: Target, path: Path, window: int, resident: int = 0, kv_cells: int = 0,
-                 kv_cell_bytes: float = 0.0, threads: int = 0):
-        streamer = WindowedStreamer(path, window, resident)
+                 kv_cell_bytes: float = 0.0, threads: int = 0, fit: Callable[[int], int | None] | None = None):
+        """`fit(resident bytes)`: the window the memory free now allows beside them and the KV cells still to be
+        written (kv_reserve), None where unknown (WindowedStreamer.refit)."""
+        streamer = WindowedStreamer(path, window, resident, fit)
         self.threads = threads  # the CPU threads its passes compute on (0: not said), as its PassTiming is kept
         streamer.readahead = target.follow_layers(streamer.on_layer, streamer.following)
         super().__init__(target, path, streamer=streamer)
@@ -359,6 +390,11 @@ class WindowedTarget(SsdTarget):
         # the KV cache's cells the memory has room for besides the resident set (the plan's KV_RESERVE_CELLS, 0: all),
         # and its bytes a cell: a pass that writes cells past them first takes their room from the resident set
         self.kv_cells, self.kv_cell_bytes = kv_cells, kv_cell_bytes
+
+    @property
+    def kv_reserve(self) -> int:
+        """Bytes of the KV cache's cells the plan counted that no pass has written yet (their pages not taken)."""
+        return max(0, round((self.kv_cells - self.n_past - self.deferred) * self.kv_cell_bytes)) if self.kv_cells else 0
 
     def _room_for(self, n_tokens: int) -> None:
         """Before a pass that writes `n_tokens` cells past the cache's (and what the target defers to it)."""

@@ -169,6 +169,48 @@ def test_the_resident_set_stays_and_a_pass_reads_only_the_streamed_part(f16_file
             assert read >= streamer.streamed_bytes
 
 
+def test_the_window_is_fitted_again_to_the_memory_free_between_passes(f16_file, monkeypatch) -> None:
+    """Loading measures the memory at its peak; between passes the window takes what is free now (the fit the loader
+    gives it, at most every REFIT_S). The logits stay."""
+    import edge.offload.window as window_module
+
+    monkeypatch.setattr(window_module, "REFIT_S", 0.0)
+    size = f16_file.stat().st_size
+    with windowed(f16_file, size // 16, resident=size // 2) as (target, in_ram):
+        streamer = target.streamer
+        assert isinstance(streamer, WindowedStreamer)
+        asked: list[int] = []
+        free: list[int | None] = [None]
+
+        def fit(resident_bytes: int) -> int | None:
+            asked.append(resident_bytes)
+            return free[0]
+
+        streamer._fit = fit
+        for now, expected in ((size // 4, size // 4), (None, size // 4), (size // 32, size // 32)):
+            free[0] = now  # None: the memory cannot be read, and the window stays as it was
+            target.truncate(0)
+            target.prefill([1, 2, 3, 4])
+            assert np.array_equal(target.verify(chain([5, 6, 7])), in_ram)
+            streamer.wait_evicted()
+            assert streamer.window == expected
+        assert asked and set(asked) == {streamer.resident_bytes}
+
+
+def test_the_memory_free_beside_a_locked_resident_set_counts_it_once(monkeypatch) -> None:
+    """A memory cgroup counts locked file pages in its page cache (its room holds them), the machine's MemAvailable
+    leaves them out (unevictable): the window's room subtracts them from the first only."""
+    import edge.offload.probe as probe
+
+    monkeypatch.setattr(probe, "_machine_ram", lambda: (8 << 30, 3 << 30))
+    monkeypatch.setattr(probe, "memory_limit", lambda: None)
+    assert probe.free_beside_locked(1 << 30) == 3 << 30
+    monkeypatch.setattr(probe, "memory_limit", lambda: probe.MemoryLimit(2 << 30, 512 << 20, "memory.max"))
+    assert probe.free_beside_locked(1 << 30) == (2 << 30) - (512 << 20) - (1 << 30)
+    monkeypatch.setattr(probe, "_machine_ram", lambda: (None, None))
+    assert probe.free_beside_locked(0) == (2 << 30) - (512 << 20)
+
+
 def test_the_resident_set_gives_the_kv_cache_room_as_the_context_fills(f16_file) -> None:
     """The plan gave the KV cache room for its first cells alone: a pass that writes cells past them first shrinks
     the resident set by their bytes (KV_STEP_CELLS at a time, up to the context), its last tensors unlocked and
