@@ -59,6 +59,11 @@ PLAIN_PASS_MARGIN = 16 << 20
 # once, and the KV caches then fill (Qwen2.5-Coder-1.5B under 1049 MiB, 4 plain server lanes: 193 MiB as loaded, 125
 # once their caches held four conversations)
 REFIT_S = 0.5
+# What the next pass's read-ahead asks for while this one computes its head (_read_next_pass), before the window's
+# worth once the next pass has begun: a larger burst there stalled the next pass's first layer (Qwen2.5-Coder-1.5B
+# under 1049 MiB, a 150-190 MB window asked at once: 55-100 ms in half the 4-lane passes, none with 32 MiB first;
+# 4-lane passes 226 ms against 250)
+EARLY_READ = 32 << 20
 # Bytes a WILLNEED asks for at a time: Linux reads at most the device's largest request of a range it is advised of
 # (force_page_cache_ra), so one call for a whole 26 MB layer queued 8 MiB of it. Cold reads of 200 MiB here: one call,
 # 8 MiB read; in 2 MiB calls 1.45 GB/s, 8 MiB calls 1.78 GB/s, populating (MADV_POPULATE_READ) 1.72 GB/s.
@@ -293,14 +298,16 @@ class WindowedStreamer(SsdStreamer):
         return sum(self.spans[index].size for index in self._read if self.spans[index].layer > self._done)
 
     def _next_asks(self) -> list[Span]:
-        """The next spans in pass order the window has room for, now counted as asked for; the next layer the pass
-        needs is asked for whatever the window (the pass would fault it in anyway). The caller holds _moved, and
-        asks the drive for them (`_ask`) once it has let go of it."""
+        """The next spans in pass order the window has room for (EARLY_READ of it before the pass they are for has
+        begun), now counted as asked for; the next layer the pass needs is asked for whatever the window (the pass
+        would fault it in anyway). The caller holds _moved, and asks the drive for them (`_ask`) once it has let go
+        of it."""
         asks = []
+        window = min(self.window, EARLY_READ) if self._early else self.window
         while self._asked < len(self.spans) and not self._stop.is_set():
             span = self.spans[self._asked]
             if span.layer > self._done and self._asked not in self.resident:
-                if span.layer > self._done + 1 and self._held() + span.size > self.window:
+                if span.layer > self._done + 1 and self._held() + span.size > window:
                     break
                 self._read.add(self._asked)
                 asks.append(span)

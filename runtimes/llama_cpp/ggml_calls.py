@@ -60,8 +60,11 @@ LAYER_OUTPUT = b"l_out-"  # llama.cpp's name for a layer's output tensor ("l_out
 
 @functools.cache
 def _tensor_name() -> Callable[[int], bytes]:
-    """ggml_get_name from llama-cpp-python's own ggml library (the one its llama library runs on)."""
-    lib = ctypes.CDLL(str(Path(ll.__file__).parent / "lib" / "libggml-base.so"))
+    """ggml_get_name from llama-cpp-python's own ggml library (the one its llama library runs on), called with the GIL
+    held (PyDLL): it only returns a pointer, and the eval callback asks it for every node of a pass, each call from
+    ggml's thread; a CDLL call lets go of the GIL and must take it back, behind whatever Python thread took it
+    meanwhile (the server's, the read-ahead's)."""
+    lib = ctypes.PyDLL(str(Path(ll.__file__).parent / "lib" / "libggml-base.so"))
     lib.ggml_get_name.restype = ctypes.c_char_p
     lib.ggml_get_name.argtypes = [ctypes.c_void_p]
     return lib.ggml_get_name
