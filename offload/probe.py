@@ -236,11 +236,7 @@ def mapped_file_bytes(exclude: Path | None = None) -> int:
 def free_bytes() -> int | None:
     """What this process may still allocate before the kernel reclaims or kills: the machine's available RAM, or
     the room under a memory cgroup's limit where that is less; None where neither can be read."""
-    _, free = _machine_ram()
-    limit = memory_limit()
-    if limit is None:
-        return free
-    return limit.room if free is None else min(free, limit.room)
+    return free_beside_locked(0)
 
 
 def free_beside_locked(locked: int) -> int | None:

@@ -61,7 +61,7 @@ async def stream(reply: Reply, job: Job, include_usage: bool, return_tokens: boo
     tokens = 0
     held: list[int] = []  # token ids not sent yet
 
-    def ids() -> list[int] | None:
+    def ids() -> list[int] | None:  # the ids not sent yet, where asked for
         if not return_tokens:
             return None
         sent, held[:] = list(held), []
@@ -72,7 +72,8 @@ async def stream(reply: Reply, job: Job, include_usage: bool, return_tokens: boo
         async for step in job.steps():
             if step.token is not None and step.finish_reason is None:
                 tokens += 1
-                held.append(step.token)
+                if return_tokens:
+                    held.append(step.token)
             if step.finish_reason is None:
                 if step.text:
                     yield json.dumps(reply.chunk(step.text, tokens=ids()))
