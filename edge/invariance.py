@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from edge.grow import MAX_LEAVES, GrowConfig, grow
-from edge.protocols import Drafter, Target
+from edge.protocols import Drafter, Target, verifies_chains_only
 from edge.tree import TokenTree
 
 
@@ -117,11 +117,16 @@ def compare(target: Target, tree: TokenTree, prefix: list[int], max_paths: int =
 
 def check_batch_invariance(target: Target, drafter: Drafter, tokens: list[int],
                            progress: Callable[[str, int, int], None] | None = None) -> list[ShapeResult]:
-    """Each tree shape's logits against sequential decoding; `progress(shape, done, total)` after each shape."""
+    """Each tree shape's logits against sequential decoding; `progress(shape, done, total)` after each shape. A
+    target that verifies a tree's likeliest path alone (verifies_chains_only) is checked on what it verifies: the
+    chain and the grown tree's likeliest path."""
     prefix, root = tokens[:-1], tokens[-1]
     results = []
     shapes = tree_shapes(drafter, prefix, root)
-    if target.max_tree > 1024 and target.n_ctx > len(tokens) + 1024:
+    if verifies_chains_only(target):
+        grown = shapes["grown, budget 255"].spine()
+        shapes = {"chain of 16": shapes["chain of 16"], "grown, budget 255: its likeliest path": grown}
+    elif target.max_tree > 1024 and target.n_ctx > len(tokens) + 1024:
         shapes.update(large_tree_shapes(drafter, prefix, root))
     for shape, tree in shapes.items():
         checked, worst, flips = compare(target, tree, prefix)

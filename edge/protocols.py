@@ -127,6 +127,12 @@ class Drafter(Protocol):
     def close(self) -> None: ...
 
 
+def verifies_chains_only(target: Target) -> bool:
+    """Whether `target` verifies only a tree's likeliest path (TokenTree.spine): a GPU backend whose attention rounds
+    a node by the cells it lies in (runtimes/llama_cpp/kernels.py CHAIN_BACKENDS). Optional in the protocol: False."""
+    return bool(getattr(target, "chains_only", False))
+
+
 class TargetWrapper:
     """A Target around another, forwarding every member of the protocol: a subclass overrides what it changes (a
     streamed target's passes, a scoring target's logits)."""
@@ -159,6 +165,10 @@ class TargetWrapper:
     @property
     def deferred(self) -> int:
         return getattr(self.inner, "deferred", 0)
+
+    @property
+    def chains_only(self) -> bool:
+        return verifies_chains_only(self.inner)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self.inner.prefill(tokens)

@@ -56,6 +56,23 @@ class TokenTree:
     def path_tokens(self, path: list[int]) -> list[int]:
         return [int(t) for t in self.tokens[path]]
 
+    def is_chain(self) -> bool:
+        return int(self.depth.max(initial=0)) == len(self) - 1
+
+    def spine(self) -> TokenTree:
+        """The root and the likeliest path from it: at each node its best-scored child (the lowest id among equals),
+        down to a leaf. The nodes a target verifying trees in one pass puts first, in the cells plain decoding gives
+        them (runtimes/llama_cpp/models.py spine_first)."""
+        keep = np.zeros(len(self), bool)
+        keep[0] = True
+        node = 0
+        while True:
+            kids = np.flatnonzero(self.parents == node)
+            if not len(kids):
+                return self.subset(keep)
+            node = int(kids[np.lexsort((kids, -self.score[kids]))[0]])
+            keep[node] = True
+
     def subset(self, keep: np.ndarray) -> TokenTree:
         """The nodes where `keep` is True (a connected set containing the root), renumbered in order."""
         new_index = np.cumsum(keep) - 1

@@ -13,6 +13,7 @@ import numpy as np
 from edge.errors import UserError
 from edge.grow import MAX_LEAVES
 from edge.invariance import ShapeResult, check_batch_invariance, sequential_logits
+from edge.protocols import verifies_chains_only
 
 # A fixed text, so results are comparable between machines and files.
 TEXT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz combined "
@@ -41,7 +42,9 @@ def run_check(path: Path, kv_type: str, threads: int | None, report, gpu_layers:
     drafter = engine.open_drafter(path, ModelOptions(n_ctx=1024, kv_type="q4_0", threads=threads), MAX_LEAVES + 1)
     try:
         tokens = target.tokenizer.tokenize(TEXT, add_special=True, parse_special=False)[:160]
-        report(f"checking {path.name}: {len(tokens)} tokens of context, three tree shapes")
+        shapes = ("two chains (trees are cut to their likeliest path on this backend: runtimes/llama_cpp/kernels.py "
+                  "CHAIN_BACKENDS)" if verifies_chains_only(target) else "three tree shapes")
+        report(f"checking {path.name}: {len(tokens)} tokens of context, {shapes}")
         started = time.perf_counter()
 
         def progress(shape: str, done: int, total: int) -> None:

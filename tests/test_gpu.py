@@ -199,3 +199,85 @@ def test_a_padded_pass_gives_the_unpadded_logits_and_leaves_no_cell(files: dict)
     finally:
         for target in targets:
             target.close()
+
+
+# --- a backend whose attention rounds a node by its cells verifies a tree's likeliest path (kernels.CHAIN_BACKENDS) ---
+
+
+def test_a_tree_cut_to_its_likeliest_path_keeps_the_best_child_at_each_node() -> None:
+    """TokenTree.spine: the root, then at each node its best-scored child (the lowest id among equals), to a leaf;
+    the nodes the target puts first in its pass, in the cells plain decoding gives them."""
+    import numpy as np
+
+    from edge.tree import TokenTree
+
+    #        0
+    #      1   2        scores: 1 -1.0, 2 -0.5 -> 2
+    #     3   4 5       4 -0.7, 5 -0.7 -> 4 (lower id)
+    #           6
+    tree = TokenTree(np.array([10, 11, 12, 13, 14, 15, 16], np.int32), np.array([-1, 0, 0, 1, 2, 2, 5], np.int32),
+                     np.array([0, 1, 1, 2, 2, 2, 3], np.int32),
+                     np.array([0, -1.0, -0.5, -1.2, -0.7, -0.7, -0.9], np.float32),
+                     source=np.array([0, 1, 1, 1, 2, 1, 1], np.uint8))
+    spine = tree.spine()
+    assert spine.tokens.tolist() == [10, 12, 14] and spine.parents.tolist() == [-1, 0, 1]
+    assert spine.depth.tolist() == [0, 1, 2] and spine.source.tolist() == [0, 1, 2] and spine.is_chain()
+    assert not tree.is_chain() and TokenTree.root(3).spine().tokens.tolist() == [3]
+
+
+def test_only_vulkan_targets_with_layers_there_verify_chains() -> None:
+    from edge.runtimes.llama_cpp.kernels import chains_only
+
+    assert chains_only(14, "Vulkan") and not chains_only(0, "Vulkan")
+    assert not chains_only(14, "CUDA") and not chains_only(14, None)
+    warning = gpu_guarantee(31, "Vulkan")
+    assert warning is not None and "likeliest path" in warning and "gpu_layers 0" in warning
+
+
+def test_a_target_that_verifies_chains_gets_chains_and_decodes_as_plain() -> None:
+    """Every round's tree, grown or from lookup, reaches such a target as its likeliest path; greedy output stays the
+    target's own, token for token."""
+    from edge.sampling import SamplingConfig
+    from tests.tiny import TinyModel, generate_tokens
+
+    class ChainTarget(TinyModel):
+        chains_only = True
+
+        def __init__(self) -> None:
+            super().__init__(n_vocab=12, seed=3)
+            self.widths: list[int] = []
+
+        def verify(self, tree):
+            assert tree.is_chain(), tree.parents
+            self.widths.append(len(tree))
+            return super().verify(tree)
+
+    target, plain = ChainTarget(), TinyModel(n_vocab=12, seed=3)
+    drafter = TinyModel(n_vocab=12, seed=3).noisy(0.3)
+    greedy = SamplingConfig()
+    assert generate_tokens(target, drafter, 16, [1, 2, 3], 40, greedy) == \
+        generate_tokens(plain, None, None, [1, 2, 3], 40, greedy)
+    assert max(target.widths) > 1  # it did speculate
+
+
+def test_the_check_of_a_target_that_verifies_chains_checks_chains(files: dict) -> None:
+    """`edge-spec check` measures what such a target verifies: the chain, and the grown tree's likeliest path (here on
+    the CPU, where both are exact)."""
+    from edge.runtimes import DEFAULT, ModelOptions, runtime
+
+    from edge.invariance import check_batch_invariance
+
+    engine = runtime(DEFAULT)
+    target = engine.open_target(files["smol"], ModelOptions(n_ctx=512, kv_type="bf16"), 64)
+    drafter = engine.open_drafter(files["smol"], ModelOptions(n_ctx=512, kv_type="q4_0"), 256)
+    target.chains_only = True
+    try:
+        tokens = target.tokenizer.tokenize("A chain is checked as it runs. " * 6, add_special=True,
+                                           parse_special=False)
+        results = check_batch_invariance(target, drafter, tokens)
+    finally:
+        drafter.close()
+        target.close()
+    assert [r.shape for r in results] == ["chain of 16", "grown, budget 255: its likeliest path"]
+    assert all(r.nodes == r.nodes_checked and r.max_abs_diff == 0.0 for r in results)
+    assert results[1].nodes > 2

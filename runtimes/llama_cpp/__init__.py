@@ -19,6 +19,7 @@ from edge.runtimes.llama_cpp._native import (
 )
 from edge.runtimes.llama_cpp.devices import backend_line, devices, gpu_devices
 from edge.runtimes.llama_cpp.kernels import (
+    chains_only,
     gpu_guarantee,
     keeps_repacking,
     lossless_guarantee,
@@ -58,6 +59,7 @@ class RunOptions:
     layer_progress: bool = False
     flash_attn: bool | None = True  # None: llama.cpp's default (on where the backend has it)
     min_rows: int = 1  # a tree target's passes carry at least this many rows (kernels.MIN_ROWS)
+    chains_only: bool = False  # a tree target verifies each tree's likeliest path alone (kernels.CHAIN_BACKENDS)
     row_multiple: int = 1  # lanes over it pad their passes' rows and outputs to multiples of this (kernels.REPACK_ROWS)
 
 
@@ -81,7 +83,9 @@ def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ, sequen
                   kv_type=options.kv_type, n_threads=options.n_threads, flash_attn=options.flash_attn,
                   n_outputs=max(max_tree, options.min_rows), on_layer=layers, sequences=sequences,
                   op_offload=False)
-    return LlamaTarget(model, ctx, max_tree, layers, options.min_rows, options.row_multiple)
+    target = LlamaTarget(model, ctx, max_tree, layers, options.min_rows, options.row_multiple)
+    target.chains_only = options.chains_only
+    return target
 
 
 def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ - 1) -> LlamaDrafter:
@@ -131,7 +135,8 @@ def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget
                            sequences=1)
     backend = gpu_devices()[0].backend if options.gpu_layers and gpu_devices() else None
     return load_target(path, replace(_run_options(options), repack=repack,
-                                     min_rows=min_rows(options.gpu_layers, backend)), max_tree)
+                                     min_rows=min_rows(options.gpu_layers, backend),
+                                     chains_only=chains_only(options.gpu_layers, backend)), max_tree)
 
 
 def open_drafter(path: Path, options: ModelOptions, max_tree: int, head_ids=None,

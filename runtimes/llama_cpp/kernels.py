@@ -173,11 +173,24 @@ INVARIANT_GPU_BACKENDS: frozenset[str] = frozenset()
 # Mesa's lavapipe (SmolLM2, every layer there), and were bit-identical at every size from 9 to 128. A Vulkan GPU that
 # reports its core count also splits large matmuls by the batch's tiles (ggml_vk_guess_split_k): measure it there.
 MIN_ROWS = {"Vulkan": 9}
+# Backends whose attention sums a row's cells grouped by where they lie in the KV cache: a target with layers there
+# verifies a tree's likeliest path alone (TokenTree.spine), whose nodes lie in the cells plain decoding gives them.
+# Vulkan (0.3.36): ggml-vulkan's flash attention reads the cache in 32-cell blocks (64 for head sizes with bit 3 set),
+# spread over the workgroup's threads by column, so a node's softmax and its weighted sum of V round by its cells'
+# indices. A node off that path sits past the cells of the nodes before it in the pass, not where plain decoding puts
+# it: one sibling leaf a cell later than plain decoding's moved SmolLM2's logits 0.56, the first tensor to differ
+# being layer 0's FLASH_ATTN_EXT (docs/runtimes.md); the path's nodes were exact in every tree measured.
+CHAIN_BACKENDS = frozenset({"Vulkan"})
 
 
 def min_rows(gpu_layers: int, backend: str | None) -> int:
     """The rows every pass of a target with `gpu_layers` layers on `backend` carries (1: no padding)."""
     return MIN_ROWS.get(backend, 1) if gpu_layers and backend else 1
+
+
+def chains_only(gpu_layers: int, backend: str | None) -> bool:
+    """Whether a target with `gpu_layers` layers on `backend` verifies each tree's likeliest path alone."""
+    return bool(gpu_layers) and backend in CHAIN_BACKENDS
 
 
 def gpu_guarantee(gpu_layers: int, backend: str) -> str | None:
@@ -187,8 +200,9 @@ def gpu_guarantee(gpu_layers: int, backend: str) -> str | None:
         return None
     check = f"gpu_layers 0 keeps it exact; `edge-spec check MODEL --gpu-layers {gpu_layers}` measures it"
     if backend in MIN_ROWS:
-        return (f"{gpu_layers} target layers run on {backend}, its passes padded to {MIN_ROWS[backend]} rows (chains "
-                f"and one-level trees exact on Mesa's software device, grown trees not yet): speculative output can "
-                f"differ from plain decoding where logits nearly tie ({check})")
+        return (f"{gpu_layers} target layers run on {backend}, its passes padded to {MIN_ROWS[backend]} rows and each "
+                f"tree cut to its likeliest path (exact on Mesa's software device; a GPU's own core count changes how "
+                f"its kernels split the work): speculative output can differ from plain decoding where logits nearly "
+                f"tie ({check})")
     return (f"{gpu_layers} target layers run on {backend}, whose kernels change with the batch size: speculative "
             f"output can differ from plain decoding where logits nearly tie ({check})")

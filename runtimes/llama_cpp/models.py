@@ -65,6 +65,7 @@ class _Runner(ModelDefaults):
             self.ctx.seq_rm(seq)
 
     min_rows = 1  # a target on a GPU backend whose kernels change below it pads every pass to this many rows
+    chains_only = False  # it verifies a tree's likeliest path alone (kernels.CHAIN_BACKENDS; edge.speculative)
 
     def _decode(self) -> None:
         padded = self.batch.struct.n_tokens < self.min_rows
