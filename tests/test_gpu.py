@@ -281,3 +281,19 @@ def test_the_check_of_a_target_that_verifies_chains_checks_chains(files: dict) -
     assert [r.shape for r in results] == ["chain of 16", "grown, budget 255: its likeliest path"]
     assert all(r.nodes == r.nodes_checked and r.max_abs_diff == 0.0 for r in results)
     assert results[1].nodes > 2
+
+
+def test_the_first_difference_probe_finds_none_on_the_cpu(files: dict) -> None:
+    """benchmarks/first_difference.py, which named ggml-vulkan's flash attention as what moves a tree node off its
+    likeliest path, reads every node of both passes back; on the CPU's batch-invariant kernels none differs."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "benchmarks/first_difference.py", "--node", "8"], capture_output=True,
+                         text=True, cwd=repo, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["cell_in_tree"] != out["cell_plain"] and out["first_difference"] is None
+    assert out["logits_max_abs_diff"] == 0.0 and out["attention_by_layer"] == [0.0] * 30  # SmolLM2's 30 layers
