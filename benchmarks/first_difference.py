@@ -31,8 +31,8 @@ from edge.grow import MAX_LEAVES
 from edge.invariance import _one_pass
 from edge.tree import TokenTree
 
-# struct ggml_tensor (ggml.h): type, then the buffer, ne[4], nb[4], op, op_params[16], flags, src[10]
-BUFFER, NE, SRC = 8, 16, 152
+# struct ggml_tensor (ggml.h): type, then the buffer, then ne[4]
+BUFFER, NE = 8, 16
 
 
 def _ggml() -> ctypes.PyDLL:

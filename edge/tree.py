@@ -63,15 +63,17 @@ class TokenTree:
         """The root and the likeliest path from it: at each node its best-scored child (the lowest id among equals),
         down to a leaf. The nodes a target verifying trees in one pass puts first, in the cells plain decoding gives
         them (runtimes/llama_cpp/models.py spine_first)."""
+        kids = np.arange(1, len(self))
+        kids = kids[np.lexsort((kids, -self.score[1:], self.parents[1:]))]  # grouped by parent, best first
+        best = np.full(len(self), -1, np.int64)
+        parents, first = np.unique(self.parents[kids], return_index=True)
+        best[parents] = kids[first]  # each parent's best child
         keep = np.zeros(len(self), bool)
-        keep[0] = True
         node = 0
-        while True:
-            kids = np.flatnonzero(self.parents == node)
-            if not len(kids):
-                return self.subset(keep)
-            node = int(kids[np.lexsort((kids, -self.score[kids]))[0]])
+        while node >= 0:
             keep[node] = True
+            node = int(best[node])
+        return self.subset(keep)
 
     def subset(self, keep: np.ndarray) -> TokenTree:
         """The nodes where `keep` is True (a connected set containing the root), renumbered in order."""

@@ -83,9 +83,7 @@ def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ, sequen
                   kv_type=options.kv_type, n_threads=options.n_threads, flash_attn=options.flash_attn,
                   n_outputs=max(max_tree, options.min_rows), on_layer=layers, sequences=sequences,
                   op_offload=False)
-    target = LlamaTarget(model, ctx, max_tree, layers, options.min_rows, options.row_multiple)
-    target.chains_only = options.chains_only
-    return target
+    return LlamaTarget(model, ctx, max_tree, layers, options.min_rows, options.row_multiple, options.chains_only)
 
 
 def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ - 1) -> LlamaDrafter:

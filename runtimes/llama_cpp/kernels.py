@@ -176,10 +176,10 @@ MIN_ROWS = {"Vulkan": 9}
 # Backends whose attention sums a row's cells grouped by where they lie in the KV cache: a target with layers there
 # verifies a tree's likeliest path alone (TokenTree.spine), whose nodes lie in the cells plain decoding gives them.
 # Vulkan (0.3.36): ggml-vulkan's flash attention reads the cache in 32-cell blocks (64 for head sizes with bit 3 set),
-# spread over the workgroup's threads by column, so a node's softmax and its weighted sum of V round by its cells'
-# indices. A node off that path sits past the cells of the nodes before it in the pass, not where plain decoding puts
-# it: one sibling leaf a cell later than plain decoding's moved SmolLM2's logits 0.56, the first tensor to differ
-# being layer 0's FLASH_ATTN_EXT (docs/runtimes.md); the path's nodes were exact in every tree measured.
+# and a node's softmax and its weighted sum of V round by its cells' indices. A node off that path sits past the cells
+# of the nodes before it in the pass, not where plain decoding puts it: a sibling leaf 25 cells past plain decoding's
+# cell ended 0.48 logits off on lavapipe, the first tensor to differ being layer 0's FLASH_ATTN_EXT
+# (benchmarks/first_difference.py, docs/runtimes.md); the path's nodes were exact in every tree measured.
 CHAIN_BACKENDS = frozenset({"Vulkan"})
 
 

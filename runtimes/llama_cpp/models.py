@@ -65,7 +65,6 @@ class _Runner(ModelDefaults):
             self.ctx.seq_rm(seq)
 
     min_rows = 1  # a target on a GPU backend whose kernels change below it pads every pass to this many rows
-    chains_only = False  # it verifies a tree's likeliest path alone (kernels.CHAIN_BACKENDS; edge.speculative)
 
     def _decode(self) -> None:
         padded = self.batch.struct.n_tokens < self.min_rows
@@ -120,8 +119,9 @@ class LlamaTarget(_Runner):
     """
 
     def __init__(self, model: Model, ctx: Context, max_tree: int, layers: LayerListener | None = None,
-                 min_rows: int = 1, row_multiple: int = 1):
+                 min_rows: int = 1, row_multiple: int = 1, chains_only: bool = False):
         super().__init__(model, ctx)
+        self.chains_only = chains_only  # it verifies a tree's likeliest path alone (kernels.CHAIN_BACKENDS)
         # a pass's padding takes cells for its duration: the context holds min_rows - 1 cells past n_ctx
         self.min_rows, self.n_ctx = min_rows, ctx.n_ctx - (min_rows - 1)
         self.row_multiple = row_multiple
