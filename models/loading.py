@@ -469,7 +469,7 @@ def streamed_in_window(target: Target, path: Path, report: Report = _quiet, resi
     window = window_bytes(room - resident, plain)
     libraries = mapped_file_bytes(exclude=path)  # (free_memory's: they stay mapped as they are)
 
-    def fit(resident_bytes: int) -> int | None:  # the window the memory free now allows (WindowedStreamer.refit)
+    def fit(resident_bytes: int, held: int) -> int | None:  # the window the memory free now allows (refit)
         if streamed.streamer.locked:
             free = free_beside_locked(resident_bytes)
         else:  # the resident set's pages are page cache never dropped, which both measures count as free
@@ -477,7 +477,7 @@ def streamed_in_window(target: Target, path: Path, report: Report = _quiet, resi
             free = None if unlocked is None else unlocked - resident_bytes
         if free is None:
             return None
-        return window_bytes(free - libraries - streamed.kv_reserve, plain)
+        return window_bytes(free + held - libraries - streamed.kv_reserve, plain)
 
     streamed = WindowedTarget(target, path, window, resident, kv_cells, kv_cell_bytes, threads, fit)
     streamer = streamed.streamer

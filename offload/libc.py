@@ -23,6 +23,8 @@ MADV_DONTNEED = 4  # unmap the pages from this process (a read-only file mapping
 MADV_POPULATE_READ = 22  # Linux >= 5.14: fault the pages in (reading them), as a read of each would
 MADV_HUGEPAGE = 14  # back the range with transparent huge pages where the system has them
 MADV_COLLAPSE = 25  # Linux >= 6.1: now, in place, the data kept (safe while other threads read or write it)
+MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000
+MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 ZERO_SCAN_PAGES = 1024  # pages checked for zeros at a time (release_zero_pages)
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -44,6 +46,10 @@ def _libc() -> ctypes.CDLL:
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+    libc.pread.restype = ctypes.c_ssize_t
     return libc
 
 
@@ -89,6 +95,47 @@ def mapped(fd: int, length: int) -> Iterator[int]:
         yield address
     finally:
         _libc().munmap(address, length)
+
+
+def anonymous(length: int) -> int:
+    """New private, writable memory of `length` bytes (no pages yet: each is taken when first written), as its
+    address; MAP_NORESERVE, as a buffer whose pages the caller writes."""
+    address = _libc().mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                           mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+    if address in (None, _MAP_FAILED):
+        raise _error("mmap")
+    return address
+
+
+def munmap(address: int, length: int) -> None:
+    if _libc().munmap(address, length) != 0:
+        raise _error("munmap")
+
+
+def map_file_at(address: int, length: int, fd: int, offset: int) -> None:
+    """Map the file `fd` from `offset`, read-only and shared, at exactly [address, address + length), replacing
+    what was mapped there (MAP_FIXED); no page is read until touched."""
+    got = _libc().mmap(address, length, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd, offset)
+    if got != address:
+        raise _error("mmap")
+
+
+def move_pages(source: int, length: int, destination: int) -> None:
+    """Move the pages of private memory mapped at [source, source + length) to [destination, ...) without copying
+    them (mremap(2), MREMAP_FIXED): what was mapped at the destination goes, and the source stays mapped, empty
+    (MREMAP_DONTUNMAP, Linux >= 5.7), so that no other mapping of the process can take its addresses meanwhile. A
+    thread reading the destination during the move waits for it, then reads the moved pages."""
+    got = _libc().mremap(source, length, length, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, destination)
+    if got != destination:
+        raise _error("mremap")
+
+
+def pread_into(fd: int, address: int, length: int, offset: int) -> int:
+    """pread(2) into this process's memory at `address` (the GIL let go meanwhile); the bytes read."""
+    got = _libc().pread(fd, address, length, offset)
+    if got < 0:
+        raise _error("pread")
+    return got
 
 
 def resident_pages(address: int, length: int) -> np.ndarray:

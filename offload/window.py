@@ -23,7 +23,7 @@ read once and never dropped. Only the rest is streamed: read ahead, followed and
 ones too, so the kernel never has to reclaim anything to make room for it. The kernel's own LRU cannot do this: a pass
 reads the weights in the same order every time, so the page it needs next is always the one it evicted longest ago.
 The resident layers come first so that the pass computes on them while the drive reads the streamed ones ahead; the
-head, computed last in one matmul that no layer's progress can follow, stays too (`_resident_set`).
+head, computed last in one matmul that no layer's progress can follow, stays too (offload/spans.py, `resident_set`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,8 +40,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from edge.offload import libc
+from edge.offload.direct import DirectReads, open_direct
 from edge.offload.libc import MADV_DONTNEED, MADV_POPULATE_READ
 from edge.offload.plan import KV_STEP_CELLS, MIN_STREAM_ROOM
+from edge.offload.spans import Span, layer_of, layer_regions, merged_runs, outside, resident_set, whole_pages
 from edge.offload.ssd import READAHEAD_CHUNK, SsdStreamer, SsdTarget, pass_order, readahead_order
 
 from edge.protocols import Target
@@ -68,17 +69,8 @@ EARLY_READ = 32 << 20
 # (force_page_cache_ra), so one call for a whole 26 MB layer queued 8 MiB of it. Cold reads of 200 MiB here: one call,
 # 8 MiB read; in 2 MiB calls 1.45 GB/s, 8 MiB calls 1.78 GB/s, populating (MADV_POPULATE_READ) 1.72 GB/s.
 WILLNEED_CHUNK = 8 << 20
-
-
-@dataclass(frozen=True)
-class Span:
-    """One tensor's bytes: its range in the target's mapping and in the file, and the last layer that uses it."""
-
-    start: int
-    end: int
-    offset: int  # the file offset of `start` (page-aligned, as the mapping is)
-    size: int  # the tensor's bytes
-    layer: int  # dropped once this layer is computed; the head and a tied token table: n_layers (at the pass's end)
+# How long the pass waits, at most, for the next layer's direct read to be placed before it reads the file itself
+DIRECT_WAIT_S = 5.0
 
 
 @dataclass
@@ -98,14 +90,15 @@ class WindowedStreamer(SsdStreamer):
     `resident` bytes, the head and the first tensors in pass order stay in RAM (never dropped) and the rest streams."""
 
     def __init__(self, path: Path, window: int, resident: int = 0,
-                 fit: Callable[[int], int | None] | None = None):
-        """`fit(resident_bytes)`: the window the memory free now allows beside that resident set (None: not known),
-        asked between passes (refit)."""
+                 fit: Callable[[int, int], int | None] | None = None):
+        """`fit(resident_bytes, held)`: the window the memory free now allows beside that resident set, `held` bytes
+        of the window's own counted as free (None: not known), asked between passes (refit)."""
         super().__init__(path, readahead=True)
         self.window = window
         self._fit, self._fitted = fit, 0.0
         self._all_spans = self._spans()
         self._kept: list[tuple[int, int]] = []
+        self._direct: DirectReads | None = None
         self._place(resident)
         self.locked = self._keep_resident()
         self._moved = threading.Condition()
@@ -114,24 +107,29 @@ class WindowedStreamer(SsdStreamer):
         self._asked = 0  # spans asked for so far, in pass order (skipped ones included)
         self._following = False  # a read-ahead runs for this pass: its layers are dropped as it computes them
         self._early = False
+        self._pending: int | None = None  # the layer being read directly now
         self.timing = PassTiming()
 
     def _place(self, resident: int) -> None:
-        """Split the spans into the resident set (`resident` bytes: _resident_set) and the streamed rest."""
-        self.spans, self.resident = _resident_set(self._all_spans, resident)  # self.resident: the spans that stay
+        """Split the spans into the resident set (`resident` bytes: spans.resident_set) and the streamed rest."""
+        self.spans, self.resident = resident_set(self._all_spans, resident)  # self.resident: the spans that stay
         streamed = [span for index, span in enumerate(self.spans) if index not in self.resident]
         self._ranges = [(span.start, span.end) for span in streamed]  # what a whole read-ahead reads
         self.resident_bytes = sum(self.spans[index].size for index in self.resident)
         self.streamed_bytes = sum(span.size for span in streamed)  # what a pass reads from the drive
         # the resident set's whole pages (a page it shares with a streamed tensor streams); each layer's streamed bytes
         # as contiguous runs past them (dropped once the layer is done), and all of them in file order (after a pass)
-        self._kept = _whole_pages(_runs([self.spans[index] for index in sorted(self.resident)]))
-        self._regions = {layer: [_outside(run, self._kept) for run in runs]
-                         for layer, runs in _regions(streamed).items()}
-        self._streamed_runs = [_outside(run, self._kept) for run in _runs(streamed)]
+        self._kept = whole_pages(merged_runs([self.spans[index] for index in sorted(self.resident)]))
+        self._regions = {layer: [outside(run, self._kept) for run in runs]
+                         for layer, runs in layer_regions(streamed).items()}
+        self._streamed_runs = [outside(run, self._kept) for run in merged_runs(streamed)]
         # with a resident set, the pass's last streamed layer: once it is computed (and dropped), the next pass's
         # read-ahead starts, while this pass computes its resident head (`_early`: it has)
         self._last_streamed = max((span.layer for span in streamed), default=-1) if self.resident else -1
+        # with a resident set every pass is followed: its streamed layers read past the page cache (offload/direct.py)
+        if self._direct is not None:
+            self._direct.close()
+        self._direct = open_direct(self.path, self._regions, self._fd, self.window) if self.resident else None
 
     def give_way(self, n_bytes: int) -> int:
         """Between passes: shrink the resident set by `n_bytes` (the KV cache grows into their room), its last
@@ -155,7 +153,7 @@ class WindowedStreamer(SsdStreamer):
 
     def _spans(self) -> list[Span]:
         order = readahead_order(pass_order(self.path))
-        layers = [_layer(t.name) for t in order]
+        layers = [layer_of(t.name) for t in order]
         n_layers = 1 + max((layer for layer in layers if layer is not None), default=-1)
         spans = []
         for tensor, layer, (start, end) in zip(order, layers, self._address_ranges(order), strict=True):
@@ -186,6 +184,8 @@ class WindowedStreamer(SsdStreamer):
         if not self.resident:
             super()._drop_pages()
             return
+        if self._direct is not None:
+            self._direct.release_all()  # (a placed interior's drop would free its slot's pages, not the file's)
         for runs in self._regions.values():
             for start, end, _ in runs:
                 if end > start:
@@ -226,10 +226,15 @@ class WindowedStreamer(SsdStreamer):
             self._done = layer
             self._read = {index for index in self._read if self.spans[index].layer != layer}
             self._moved.notify_all()  # the read-ahead asks for what the window now has room for
+        if self._direct is not None:
+            self._direct.release(layer)
         for start, end, offset in self._regions.get(layer, ()):
             self._drop(start, end, offset)
         if layer == self._last_streamed:
             self._read_next_pass()
+        elif self._direct is not None:
+            with self._moved:  # the next layer being read directly: wait for it, rather than fault it in meanwhile
+                self._moved.wait_for(lambda: self._pending != layer + 1 or self._stop.is_set(), DIRECT_WAIT_S)
 
     def refit(self) -> None:
         """Between passes, at most every REFIT_S: the window as large as the memory free now allows. Its pages are the
@@ -239,9 +244,12 @@ class WindowedStreamer(SsdStreamer):
         if self._fit is None or now - self._fitted < REFIT_S:
             return
         self._fitted = now
-        window = self._fit(self.resident_bytes)
+        # the slots of direct reads are memory taken, where the page cache's read-ahead counts as free: the window's own
+        window = self._fit(self.resident_bytes, self._direct.bytes if self._direct is not None else 0)
         if window is not None:
             self.window = window
+            if self._direct is not None:
+                self._direct.resize(self._direct.slots_for(self.window))
 
     def _read_next_pass(self) -> None:
         """The pass has computed (and dropped) its last streamed layer; what is left of it is resident (the head, in
@@ -266,6 +274,8 @@ class WindowedStreamer(SsdStreamer):
         if early:  # the next pass's read-ahead runs already (_read_next_pass)
             return
         self._cancel_readahead()
+        if self._direct is not None:
+            self._direct.release_all()
         with self._moved:
             followed = self.following()
             self._reset()
@@ -316,11 +326,14 @@ class WindowedStreamer(SsdStreamer):
 
     def _ask(self, spans: list[Span]) -> None:
         """Ask the drive for these spans (posix_fadvise WILLNEED: their reads queued), a chunk at a time, never for
-        a layer the pass got past (its pages dropped, they would stay). The call runs outside _moved: it waits while
-        the drive's queue is full, and the pass's on_layer, which takes _moved, would wait behind it (a lock is not
-        fair: this loop took it back chunk after chunk, and a 4-lane pass of Qwen2.5-Coder-1.5B under 1049 MiB spent
-        50 ms in its first layer's callback while a 190 MB window was asked for). A chunk asked for as the pass got
-        past its layer is dropped again."""
+        a layer the pass got past (its pages dropped, they would stay); with direct reads, read each span's layer
+        into a slot and place it (_read_directly), the page cache asked only for what that leaves. The call runs
+        outside _moved: it waits while the drive's queue is full, and the pass's on_layer, which takes _moved, would
+        wait behind it (a lock is not fair: this loop took it back chunk after chunk, and a 4-lane pass of
+        Qwen2.5-Coder-1.5B under 1049 MiB spent 50 ms in its first layer's callback while a 190 MB window was asked
+        for). A chunk asked for as the pass got past its layer is dropped again."""
+        if self._direct is not None:
+            spans = self._read_directly(spans)
         for span in spans:
             for offset in range(span.offset, span.offset + span.end - span.start, WILLNEED_CHUNK):
                 with self._moved:
@@ -335,6 +348,38 @@ class WindowedStreamer(SsdStreamer):
                 if passed:
                     os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
                     break
+
+    def _read_directly(self, spans: list[Span]) -> list[Span]:
+        """Read the layers of these spans directly and place them, in pass order; returns the spans of those left to
+        the page cache (no slot free, no interior). A failed read ends direct reads for good (the page cache then
+        reads everything, as before)."""
+        rest: list[Span] = []
+        for span in spans:
+            direct = self._direct
+            if direct is None:
+                rest.append(span)
+                continue
+            with self._moved:
+                if self._stop.is_set():
+                    return []
+                if span.layer <= self._done or direct.placed(span.layer):
+                    continue
+                self._pending = span.layer
+            try:
+                placed = direct.read(span.layer)
+            except OSError:
+                placed = False
+                self._direct = None
+                direct.close()
+            with self._moved:
+                self._pending = None
+                self._moved.notify_all()
+                passed = span.layer <= self._done
+            if placed and passed:  # read too late: the pass faulted it in meanwhile
+                direct.release(span.layer)
+            if not placed:
+                rest.append(span)
+        return rest
 
     def _read_ahead(self, wait: bool = True) -> None:
         """Ask the drive for the spans the window has room for, in pass order, and for more as the pass moves the
@@ -367,6 +412,13 @@ class WindowedStreamer(SsdStreamer):
                 except OSError:  # an older kernel: the pass reads what is not read yet itself
                     return
 
+    def close(self) -> None:
+        self._cancel_readahead()
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
+        super().close()
+
     def _drop(self, start: int, end: int, offset: int) -> None:
         """Drop a run of the file's pages, mapped at [start, end) from `offset`: from the mapping, then from the page
         cache. A whole layer's run at once: the page cache holds a file in folios of up to some MB, and one that a
@@ -385,9 +437,10 @@ class WindowedTarget(SsdTarget):
     which layer a pass is at, with none (the kernel's page faults alone)."""
 
     def __init__(self, target: Target, path: Path, window: int, resident: int = 0, kv_cells: int = 0,
-                 kv_cell_bytes: float = 0.0, threads: int = 0, fit: Callable[[int], int | None] | None = None):
-        """`fit(resident bytes)`: the window the memory free now allows beside them and the KV cells still to be
-        written (kv_reserve), None where unknown (WindowedStreamer.refit)."""
+                 kv_cell_bytes: float = 0.0, threads: int = 0,
+                 fit: Callable[[int, int], int | None] | None = None):
+        """`fit(resident bytes, held)`: the window the memory free now allows beside them and the KV cells still to be
+        written (kv_reserve), `held` bytes of its own counted as free, None where unknown (WindowedStreamer.refit)."""
         streamer = WindowedStreamer(path, window, resident, fit)
         self.threads = threads  # the CPU threads its passes compute on (0: not said), as its PassTiming is kept
         streamer.readahead = target.follow_layers(streamer.on_layer, streamer.following)
@@ -425,76 +478,6 @@ class WindowedTarget(SsdTarget):
             return self.inner.verify(tree)
 
 
-def _resident_set(spans: list[Span], resident: int) -> tuple[list[Span], frozenset[int]]:
-    """The spans, and the indices of those that stay resident (up to `resident` bytes): the head first, then the
-    first spans in pass order, the one the set ends in cut in two at a page (the set then holds exactly what the
-    memory has room for). The rest, a contiguous sweep of the pass's last layers, streams.
-
-    The head (the spans past the last block: the output matrix, and a tied token table) is one matmul: it cannot be
-    dropped behind the pass as it goes, as a layer is, and where it is larger than the window its own read-ahead
-    evicts its first pages before the pass reads them. Streamed last, it read 1.19x its bytes a pass (Qwen2.5-Coder-
-    1.5B under 1049 MiB: a 191 MB head in a 134 MiB window); kept, the layers that stream instead go a layer at a
-    time. Where the head alone does not fit, the set is the first spans in pass order."""
-    last = max((span.layer for span in spans), default=0)
-    head = [index for index, span in enumerate(spans) if span.layer == last]
-    head_bytes = sum(spans[index].size for index in head)
-    if head_bytes > resident:
-        head, head_bytes = [], 0
-    kept, total = list(head), head_bytes
-    for index, span in enumerate(spans):
-        if index in head:
-            continue
-        if total + span.size > resident:
-            cut = span.start + (resident - total) // mmap.PAGESIZE * mmap.PAGESIZE
-            if span.start < cut < span.end:  # the span the set ends in: its first pages stay
-                first = Span(span.start, cut, span.offset, cut - span.start, span.layer)
-                rest = Span(cut, span.end, span.offset + cut - span.start, span.end - cut, span.layer)
-                spans = [*spans[:index], first, rest, *spans[index + 1:]]
-                kept = [k + (k > index) for k in kept] + [index]
-            break
-        kept.append(index)
-        total += span.size
-    return spans, frozenset(kept)
-
-
-def _runs(spans: list[Span]) -> list[tuple[int, int, int]]:
-    """Spans merged into contiguous runs of the mapping (start, end, file offset), in address order."""
-    runs: list[tuple[int, int, int]] = []
-    for span in sorted(spans, key=lambda span: span.start):
-        if runs and span.start <= runs[-1][1] + mmap.PAGESIZE:
-            start, end, offset = runs[-1]
-            runs[-1] = (start, max(span.end, end), offset)
-        else:
-            runs.append((span.start, span.end, span.offset))
-    return runs
-
-
-def _whole_pages(runs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
-    """The whole pages of each run (start is page-aligned; a last page shared with what follows is left out)."""
-    kept = [(start, end - end % mmap.PAGESIZE) for start, end, _ in runs]
-    return [(start, end) for start, end in kept if end > start]
-
-
-def _outside(run: tuple[int, int, int], kept: list[tuple[int, int]]) -> tuple[int, int, int]:
-    """A streamed run less any page of the resident set (locked: madvise refuses a range holding one) at its ends."""
-    start, end, offset = run
-    for low, high in kept:
-        if low <= start < high:
-            offset, start = offset + high - start, high
-        if low < end <= high:
-            end = low
-    return start, max(start, end), offset
-
-
-def _regions(spans: list[Span]) -> dict[int, list[tuple[int, int, int]]]:
-    """Each layer's spans merged into contiguous runs (start, end, file offset): a file keeps a layer's tensors
-    together, though not always its layers in order (blk.1 before blk.10 before blk.2, sorted by name)."""
-    by_layer: dict[int, list[Span]] = {}
-    for span in spans:
-        by_layer.setdefault(span.layer, []).append(span)
-    return {layer: _runs(layer_spans) for layer, layer_spans in by_layer.items()}
-
-
 def window_bytes(room: int, plain: bool = False) -> int:
     """The read-ahead window where `room` bytes of memory are free for the target's pages: WINDOW_SHARE of it, less
     what a pass still allocates as it runs (PASS_MARGIN: its logits and compute buffers, not touched until then). A
@@ -522,8 +505,3 @@ def free_memory(target: Path | None = None) -> int:
     free = free_bytes()
     free = free if free is not None else int(psutil.virtual_memory().available)
     return free if target is None else max(0, free - mapped_file_bytes(exclude=target))
-
-
-def _layer(name: str) -> int | None:
-    match = re.match(r"blk\.(\d+)\.", name)
-    return int(match.group(1)) if match else None

@@ -182,7 +182,7 @@ def test_the_window_is_fitted_again_to_the_memory_free_between_passes(f16_file, 
         asked: list[int] = []
         free: list[int | None] = [None]
 
-        def fit(resident_bytes: int) -> int | None:
+        def fit(resident_bytes: int, held: int) -> int | None:
             asked.append(resident_bytes)
             return free[0]
 
@@ -292,7 +292,7 @@ def test_the_resident_set_fits_what_the_memory_leaves_now() -> None:
 def test_the_resident_set_is_the_head_then_the_first_layers() -> None:
     """The head (computed last, in one matmul no layer's progress follows) stays first, then the first spans in pass
     order, the one the set ends in cut at a page; where the head alone does not fit, the first spans alone."""
-    from edge.offload.window import Span, _resident_set
+    from edge.offload.spans import Span, resident_set
 
     page = 4096
     sizes = [(0, 10), (1, 10), (2, 10), (3, 10), (4, 30)]  # (layer, pages); layer 4: the head
@@ -300,12 +300,12 @@ def test_the_resident_set_is_the_head_then_the_first_layers() -> None:
     for layer, pages in sizes:
         spans.append(Span(start, start + pages * page, start, pages * page, layer))
         start += pages * page
-    cut, kept = _resident_set(spans, 45 * page)
+    cut, kept = resident_set(spans, 45 * page)
     assert sorted(kept) == [0, 1, 5] and [s.size // page for s in cut] == [10, 5, 5, 10, 10, 30]
     assert cut[1].start == spans[1].start and cut[2].offset == spans[1].offset + 5 * page  # layer 1: half stays
-    cut, kept = _resident_set(spans, 25 * page)  # the head alone does not fit: the first 25 pages
+    cut, kept = resident_set(spans, 25 * page)  # the head alone does not fit: the first 25 pages
     assert sorted(kept) == [0, 1, 2] and [s.size // page for s in cut] == [10, 10, 5, 5, 10, 30]
-    assert _resident_set(spans, 0)[1] == frozenset()
+    assert resident_set(spans, 0)[1] == frozenset()
 
 
 def test_the_window_is_asked_for_in_chunks_the_kernel_reads_whole(f16_file, monkeypatch) -> None:
