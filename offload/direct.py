@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -212,7 +213,7 @@ def open_direct(path: Path, regions: Mapping[int, Sequence[tuple[int, int, int]]
                 window: int) -> DirectReads | None:
     """Direct reads for these streamed layers, with the slots a window of `window` bytes holds; None where the file
     system refuses O_DIRECT (tmpfs, some network file systems) or the system cannot move pages (not Linux)."""
-    if not regions or not hasattr(os, "O_DIRECT") or not _moves_pages():
+    if not regions or sys.platform != "linux" or not _moves_pages():
         return None
     try:
         direct = DirectReads(path, regions, fd, 1)
