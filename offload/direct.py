@@ -38,6 +38,8 @@ from pathlib import Path
 from edge.offload import libc
 
 PAGE = mmap.PAGESIZE
+# "0": streamed layers go through the page cache, as before (to compare, or where a file system misreads O_DIRECT)
+OFF_SWITCH = "EDGE_SPEC_DIRECT_READS"
 
 
 @dataclass(frozen=True)
@@ -212,8 +214,9 @@ class DirectReads:
 def open_direct(path: Path, regions: Mapping[int, Sequence[tuple[int, int, int]]], fd: int,
                 window: int) -> DirectReads | None:
     """Direct reads for these streamed layers, with the slots a window of `window` bytes holds; None where the file
-    system refuses O_DIRECT (tmpfs, some network file systems) or the system cannot move pages (not Linux)."""
-    if not regions or sys.platform != "linux" or not _moves_pages():
+    system refuses O_DIRECT (tmpfs, some network file systems), the system cannot move pages (not Linux, before 5.7),
+    or the environment turns them off (OFF_SWITCH=0: the page cache reads every layer, as before)."""
+    if not regions or sys.platform != "linux" or os.environ.get(OFF_SWITCH) == "0" or not _moves_pages():
         return None
     try:
         direct = DirectReads(path, regions, fd, 1)

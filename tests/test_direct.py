@@ -169,3 +169,12 @@ def test_the_slots_follow_the_window_and_count_as_its_own(f16_file, monkeypatch)
             direct.release_all()
             assert direct.bytes <= direct.slot_bytes * slots
         assert max(helds) > 0  # the slots taken were counted as the window's
+
+
+def test_the_environment_can_turn_direct_reads_off(f16_file, monkeypatch) -> None:
+    monkeypatch.setenv(direct_module.OFF_SWITCH, "0")
+    size = f16_file.stat().st_size
+    with windowed(f16_file, size // 8, resident=size // 2) as (target, in_ram):
+        assert target.streamer._direct is None
+        target.prefill([1, 2, 3, 4])
+        assert np.array_equal(target.verify(chain([5, 6, 7])), in_ram)
