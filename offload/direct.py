@@ -106,8 +106,9 @@ class DirectReads:
         return self._slots * self.slot_bytes
 
     def slots_for(self, window: int) -> int:
-        """The slots a read-ahead window of `window` bytes holds: at least one, at most one a streamed layer."""
-        return max(1, min(len(self._layers), window // max(self.slot_bytes, 1)))
+        """The slots a read-ahead window of `window` bytes holds, at most one a streamed layer; none where it holds
+        less than a layer (a 70B's layer is most of a GiB): the page cache then reads every layer, within the window."""
+        return min(len(self._layers), window // max(self.slot_bytes, 1))
 
     def resize(self, slots: int) -> None:
         """Keep `slots` slots: more are allocated as needed, fewer freed as soon as they are not placed."""

@@ -178,3 +178,24 @@ def test_the_environment_can_turn_direct_reads_off(f16_file, monkeypatch) -> Non
         assert target.streamer._direct is None
         target.prefill([1, 2, 3, 4])
         assert np.array_equal(target.verify(chain([5, 6, 7])), in_ram)
+
+
+def test_a_window_smaller_than_a_layer_takes_no_slot(f16_file) -> None:
+    """A slot holds a whole layer: where the window holds less (a large model's layer in little memory), no slot is
+    taken past it, and the page cache reads every layer as before."""
+    if _direct_refused(f16_file):
+        pytest.skip("this file system refuses O_DIRECT")
+    size = f16_file.stat().st_size
+    with windowed(f16_file, size // 8, resident=size // 2) as (target, in_ram):
+        streamer = target.streamer
+        direct = streamer._direct
+        assert direct is not None and direct.slots_for(direct.slot_bytes - 1) == 0
+        streamer._cancel_readahead()
+        direct.release_all()
+        direct.resize(0)
+        for _ in range(2):
+            target.truncate(0)
+            target.prefill([1, 2, 3, 4])
+            target.prefetch()
+            assert np.array_equal(target.verify(chain([5, 6, 7])), in_ram)
+            assert direct.bytes == 0 and not any(direct.placed(layer) for layer in streamer._regions)
