@@ -20,6 +20,7 @@ from edge.models.opening import drafter_model, graph_folder, head_ids, materiali
 from edge.models.pair import NESTED, Pair, budget_refused, tree_nodes
 from edge.models.registry import ModelSpec, PairSpec, Registry, Source, load_registry
 from edge.models.sources import model_path
+from edge.offload.direct import reads_directly
 from edge.offload.libc import loading_side_by_side
 from edge.offload.plan import AUTO_MAX_BUDGET
 from edge.offload.probe import memory_limit
@@ -335,7 +336,10 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
         with phase(times, "target and drafter (one shared KV cache)"):
             target, drafter = _load_shared(spec, target_file, drafter_file, options.threads, report)
     else:
-        reads = options.placement == "ssd" or planned.read_bytes > 0
+        # passes read through the page cache (a streamed target's resident set has its layers read directly, which
+        # takes little CPU: target_threads)
+        reads = options.placement == "ssd" or (planned.read_bytes > 0 and not (
+            planned.resident and reads_directly(target_file)))
         target, drafter = _load_side_by_side(spec, options, target_file, draft_threads, report, times, nodes,
                                              streamed or options.placement == "ssd", drafts, stock, reads)
         if options.placement == "ssd":
@@ -391,12 +395,15 @@ def model_sampling(target_file: Path, report: Report = _quiet) -> tuple[Sampling
 
 def target_threads(options: LoadOptions, stock: bool, reads: bool) -> int | None:
     """The target's CPU threads (None: every core). A target decoding plainly whose passes read from the drive
-    (`reads`) leaves a core to the read-ahead: ggml's threads spin between ops, and the read-ahead needs a core of its
-    own to read while the pass computes. Where a pass reads nothing (all of a streamed target resident) that core
-    would only be taken from the arithmetic: Qwen2.5-Coder-1.5B under 1175 MiB, wholly resident, ran 21.7 tokens/s on
-    one thread, 28.5 on two. A server's lanes keep every core: their passes carry several requests' rows, whose
-    arithmetic outweighs the read (Qwen2.5-Coder-1.5B under 1049 MiB, 153 MB read a pass: 4 lanes' pass 601 ms on
-    one thread, 317 on two; a lone lane's 179 and 169)."""
+    through the page cache (`reads`) leaves a core to the read-ahead: ggml's threads spin between ops, and the
+    read-ahead needs a core of its own to read while the pass computes. Layers read directly (offload/direct.py)
+    need no core of their own: under 1049 MiB, alternated 4 times (`peer_llama_cpp.py -m qwen2.5-coder-1.5b -n 32
+    --prompts FILE --cap-mb 1049 --auto-only --edge-only`, with and without `--threads 2`), one thread ran 12.67,
+    9.45, 13.74 and 11.22 tokens/s, two 16.39, 10.88, 15.94 and 13.50. Where a pass reads nothing (all of a streamed
+    target resident) that core would only be taken from the arithmetic: Qwen2.5-Coder-1.5B under 1175 MiB, wholly
+    resident, ran 21.7 tokens/s on one thread, 28.5 on two. A server's lanes keep every core: their passes carry
+    several requests' rows, whose arithmetic outweighs the read (Qwen2.5-Coder-1.5B under 1049 MiB, 153 MB read a
+    pass: 4 lanes' pass 601 ms on one thread, 317 on two; a lone lane's 179 and 169)."""
     if options.threads is None and stock and reads and options.readahead:
         return max(1, default_threads() - 1)
     return options.threads

@@ -227,6 +227,18 @@ def open_direct(path: Path, regions: Mapping[int, Sequence[tuple[int, int, int]]
     return direct
 
 
+def reads_directly(path: Path) -> bool:
+    """Whether a target streamed from `path` beside a resident set will have its layers read directly here (as
+    open_direct decides, before anything loads)."""
+    if sys.platform != "linux" or os.environ.get(OFF_SWITCH) == "0" or not _moves_pages():
+        return False
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
 def _moves_pages() -> bool:
     """Whether this system moves pages and leaves their source mapped (MREMAP_DONTUNMAP: Linux 5.7 and later)."""
     try:

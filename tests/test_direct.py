@@ -199,3 +199,13 @@ def test_a_window_smaller_than_a_layer_takes_no_slot(f16_file) -> None:
             target.prefetch()
             assert np.array_equal(target.verify(chain([5, 6, 7])), in_ram)
             assert direct.bytes == 0 and not any(direct.placed(layer) for layer in streamer._regions)
+
+
+def test_a_target_read_directly_leaves_no_core_to_the_read_ahead(f16_file, monkeypatch) -> None:
+    """Loading asks, before anything loads, whether the streamed layers will be read directly: then a plainly decoding
+    target computes on every core (loading.target_threads is told its passes read nothing through the page cache)."""
+    from edge.offload.direct import reads_directly
+
+    assert reads_directly(f16_file) == (not _direct_refused(f16_file))
+    monkeypatch.setenv(direct_module.OFF_SWITCH, "0")
+    assert not reads_directly(f16_file)
