@@ -217,7 +217,7 @@ def open_direct(path: Path, regions: Mapping[int, Sequence[tuple[int, int, int]]
     """Direct reads for these streamed layers, with the slots a window of `window` bytes holds; None where the file
     system refuses O_DIRECT (tmpfs, some network file systems), the system cannot move pages (not Linux, before 5.7),
     or the environment turns them off (OFF_SWITCH=0: the page cache reads every layer, as before)."""
-    if not regions or sys.platform != "linux" or os.environ.get(OFF_SWITCH) == "0" or not _moves_pages():
+    if not regions or not reads_directly(path):
         return None
     try:
         direct = DirectReads(path, regions, fd, 1)

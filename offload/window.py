@@ -108,6 +108,7 @@ class WindowedStreamer(SsdStreamer):
         self._following = False  # a read-ahead runs for this pass: its layers are dropped as it computes them
         self._early = False
         self._pending: int | None = None  # the layer being read directly now
+        self._direct_failed = False  # a direct read failed: no more, and they end at the next drop (_drop_pages)
         self.timing = PassTiming()
 
     def _place(self, resident: int) -> None:
@@ -186,6 +187,9 @@ class WindowedStreamer(SsdStreamer):
             return
         if self._direct is not None:
             self._direct.release_all()  # (a placed interior's drop would free its slot's pages, not the file's)
+            if self._direct_failed:  # no pass computes now: its placed layers can go back to the file for good
+                self._direct.close()
+                self._direct = None
         for runs in self._regions.values():
             for start, end, _ in runs:
                 if end > start:
@@ -226,13 +230,14 @@ class WindowedStreamer(SsdStreamer):
             self._done = layer
             self._read = {index for index in self._read if self.spans[index].layer != layer}
             self._moved.notify_all()  # the read-ahead asks for what the window now has room for
-        if self._direct is not None:
-            self._direct.release(layer)
+        direct = self._direct  # (read once: the read-ahead thread may end direct reads meanwhile)
+        if direct is not None:
+            direct.release(layer)
         for start, end, offset in self._regions.get(layer, ()):
             self._drop(start, end, offset)
         if layer == self._last_streamed:
             self._read_next_pass()
-        elif self._direct is not None:
+        elif direct is not None:
             with self._moved:  # the next layer being read directly: wait for it, rather than fault it in meanwhile
                 self._moved.wait_for(lambda: self._pending != layer + 1 or self._stop.is_set(), DIRECT_WAIT_S)
 
@@ -352,11 +357,12 @@ class WindowedStreamer(SsdStreamer):
     def _read_directly(self, spans: list[Span]) -> list[Span]:
         """Read the layers of these spans directly and place them, in pass order; returns the spans of those left to
         the page cache (no slot free, no interior). A failed read ends direct reads for good (the page cache then
-        reads everything, as before)."""
+        reads everything, as before): the layers placed stay until the pass is done with them, since moving one back
+        while the pass computes it would leave it empty for a moment."""
         rest: list[Span] = []
         for span in spans:
             direct = self._direct
-            if direct is None:
+            if direct is None or self._direct_failed:
                 rest.append(span)
                 continue
             with self._moved:
@@ -369,8 +375,7 @@ class WindowedStreamer(SsdStreamer):
                 placed = direct.read(span.layer)
             except OSError:
                 placed = False
-                self._direct = None
-                direct.close()
+                self._direct_failed = True
             with self._moved:
                 self._pending = None
                 self._moved.notify_all()
