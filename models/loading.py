@@ -358,8 +358,10 @@ def load_pair(spec: PairSpec, options: LoadOptions, report: Report = _quiet, mod
                                         threads)
         if target.n_ctx != spec.ctx:
             report(f"context: {target.n_ctx} tokens, not {spec.ctx} (llama.cpp sizes contexts in steps of 256)")
-    warning = None if stock else runtime(spec.target.runtime).lossless_guarantee(
-        info.weight_types, spec.target.kv_type, _dtype_fix(spec, models_file))  # plain decoding verifies no tree
+    # plain decoding verifies no tree, alone or in lanes (whose passes keep each row on one kernel: Lanes.split_rows)
+    plain = stock or (options.parallel > 1 and not drafts)
+    warning = None if plain else runtime(spec.target.runtime).lossless_guarantee(
+        info.weight_types, spec.target.kv_type, _dtype_fix(spec, models_file))
     if warning is None and not stock and options.gpu_layers and kind.splits_layers:
         engine = cast(SplitsLayers, runtime(spec.target.runtime))
         warning = engine.gpu_guarantee(options.gpu_layers, engine.gpu_devices()[0].backend)
@@ -423,7 +425,7 @@ def _load_side_by_side(spec: PairSpec, options: LoadOptions, target_file: Path, 
                          gpu_layers=options.gpu_layers or 0, mlock=options.mlock, streamed=streams,
                          provider=spec.target.provider, stock=stock,
                          lock_pass_pages=stock and not streams and not options.mlock and memory_limit() is not None,
-                         lanes=options.parallel if options.parallel > 1 else 0)
+                         lanes=options.parallel if options.parallel > 1 else 0, plain=not drafts)
     if not drafts:
         with phase(times, "target"):
             return runtime(spec.target.runtime).open_target(target_file, model, max_tree), None

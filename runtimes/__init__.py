@@ -76,6 +76,7 @@ class ModelOptions:
     # a target whose requests decode in this many lanes of one pass (a server's --parallel; Pair.lanes): its own
     # context carries one token of one sequence, the lanes' context holds their KV caches (0: no lanes)
     lanes: int = 0
+    plain: bool = False  # it verifies no tree: no drafter beside it (its lanes decode plainly)
     provider: str = "cpu"  # an onnxruntime execution provider
     derived_dir: Path | None = None  # where files derived from the model file go (graphs); None: beside it
     int4_block: int = 0  # a drafter's weights requantized into int4 blocks of this many (runtimes that derive files)

@@ -328,6 +328,7 @@ def test_passes_padded_for_a_gpu_backend_keep_each_reply(alone_pair: Pair, monke
     target = alone_pair.target
     assert isinstance(target, LlamaTarget)
     monkeypatch.setattr(target, "min_rows", 9)
+    monkeypatch.setattr(target, "split_rows", 1)  # a GPU backend's lanes pad their passes, never split them
     padded = alone_pair.lanes(2)
     assert isinstance(padded, TreeLanes)
     try:
@@ -461,3 +462,89 @@ def test_kept_conversations_stay_within_their_budget_and_with_their_principal(tm
     assert len(list(states.folder.iterdir())) == 2
     states.close()
     assert not states.folder.exists()
+
+
+SPLIT_LANES_IN_A_CHILD = r"""
+import json, sys, threading
+from pathlib import Path
+
+import numpy as np
+from edge.runtimes.llama_cpp import RunOptions, load_target
+from edge.runtimes.llama_cpp.kernels import TILED, prefer_stock
+from edge.runtimes.llama_cpp.tree_lanes import TreeLanes
+import os
+
+prefer_stock()  # as plain lanes over a target in RAM load: llama.cpp's kernels by a pass's rows
+target = load_target(Path(sys.argv[1]), RunOptions(n_ctx=256, kv_type="bf16", repack=False,
+                                                   split_rows=int(sys.argv[2])), 1, sequences=1)
+lanes = TreeLanes(target, 4, 256, trees=False)
+prompts = [target.tokenizer.tokenize(text, add_special=False, parse_special=False) for text in json.loads(sys.argv[3])]
+STEPS = 6
+
+
+def reply(lane, started=None):  # the prompt, then STEPS greedy tokens: each step's logits
+    tokens, out = prompts[lane], []
+    lanes.busy(lane, True)
+    lanes.run(lane, tokens[:-1], 0, output=False)
+    token, pos = tokens[-1], len(tokens) - 1
+    for step in range(STEPS):
+        logits = lanes.run(lane, [token], pos, output=True)
+        out.append(logits)
+        token, pos = int(logits.argmax()), pos + 1
+        if started is not None and step < len(started):
+            started[step].set()  # the next lane's prompt joins while this lane decodes
+    lanes.busy(lane, False)
+    return out
+
+
+alone = []
+for lane in range(4):
+    alone.append(reply(lane))
+    lanes.remove(lane, 0)
+starts = [threading.Event() for _ in range(3)]
+got = [None] * 4
+
+
+def run(lane):
+    if lane:
+        starts[lane - 1].wait(60)
+    got[lane] = reply(lane, starts if lane == 0 else None)
+
+
+threads = [threading.Thread(target=run, args=(lane,)) for lane in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join(120)
+worst = max(float(np.abs(np.array(a) - np.array(b)).max()) for a, b in zip(alone, got))
+print(json.dumps({"worst": worst, "padded": lanes.padded, "pad_cells": lanes.ctx.seq_pos_max(lanes.pad_seq),
+                  "tiled": os.environ.get(TILED)}))
+lanes.close()
+target.close()
+"""
+
+
+def test_plain_lanes_in_ram_split_each_pass_by_rows_on_llama_cpps_kernels(cut_qwen_target) -> None:  # noqa: F811
+    """Plain lanes over a target in RAM run on llama.cpp's own kernels by rows (kernels.prefer_stock: K-quants on the
+    tiled kernel from 8 rows, several times faster for a prompt), and split each pass into the rows that only fill the
+    cache, padded to 8 or more, and the rows that output: each lane's logits are bit for bit the same alone and while
+    other lanes' prompts join mid-reply (the real pair's target cut to 2 layers: Q4_K and Q6_K as shipped). Its twin,
+    the same kernels with unsplit passes, differs. In a child: ggml reads its kernel switches once a process."""
+    import json
+    import subprocess
+    import sys
+
+    from edge.runtimes.llama_cpp.kernels import TILED_MIN_ROWS
+
+    prompts = json.dumps([PROMPTS[0], "Hi.", PROMPTS[2] * 3, PROMPTS[3]])  # prompts of 3 to 30 tokens
+
+    def child(split: int) -> dict:
+        done = subprocess.run([sys.executable, "-c", SPLIT_LANES_IN_A_CHILD, str(cut_qwen_target), str(split), prompts],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    split = child(TILED_MIN_ROWS)
+    assert split["tiled"] is None  # llama.cpp's choice by rows, not edge-spec's dot-product kernels everywhere
+    assert split["worst"] == 0.0 and split["padded"] > 0 and split["pad_cells"] == -1
+    assert child(1)["worst"] > 0.0

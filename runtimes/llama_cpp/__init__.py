@@ -19,6 +19,7 @@ from edge.runtimes.llama_cpp._native import (
 )
 from edge.runtimes.llama_cpp.devices import backend_line, devices, gpu_devices
 from edge.runtimes.llama_cpp.kernels import (
+    TILED_MIN_ROWS,
     chains_only,
     gpu_guarantee,
     keeps_repacking,
@@ -61,6 +62,9 @@ class RunOptions:
     min_rows: int = 1  # a tree target's passes carry at least this many rows (kernels.MIN_ROWS)
     chains_only: bool = False  # a tree target verifies each tree's likeliest path alone (kernels.CHAIN_BACKENDS)
     row_multiple: int = 1  # lanes over it pad their passes' rows and outputs to multiples of this (kernels.REPACK_ROWS)
+    # plain lanes over it run the rows that output in a call of fewer rows than this, the others in one of this many
+    # or more (kernels.TILED_MIN_ROWS; 1: one call a pass)
+    split_rows: int = 1
 
 
 def _load_model(path: Path, options: RunOptions) -> Model:
@@ -83,7 +87,9 @@ def load_target(path: Path, options: RunOptions, max_tree: int = MAX_SEQ, sequen
                   kv_type=options.kv_type, n_threads=options.n_threads, flash_attn=options.flash_attn,
                   n_outputs=max(max_tree, options.min_rows), on_layer=layers, sequences=sequences,
                   op_offload=False)
-    return LlamaTarget(model, ctx, max_tree, layers, options.min_rows, options.row_multiple, options.chains_only)
+    target = LlamaTarget(model, ctx, max_tree, layers, options.min_rows, options.row_multiple, options.chains_only)
+    target.split_rows = options.split_rows
+    return target
 
 
 def load_drafter(path: Path, options: RunOptions, expand_capacity: int = MAX_SEQ - 1) -> LlamaDrafter:
@@ -126,11 +132,16 @@ def open_target(path: Path, options: ModelOptions, max_tree: int) -> LlamaTarget
     repack = not options.streamed and keeps_repacking(weight_types)
     if options.lanes:  # its passes run in a server's lanes (Pair.lanes): one token, one sequence of its own
         # In RAM on the CPU, with llama.cpp's repacked buffers where it has them, its GEMM taking every row: the
-        # lanes pad each pass to its rows (kernels.REPACK_ROWS); the other K-quants on the dot-product kernels.
+        # lanes pad each pass to its rows (kernels.REPACK_ROWS); the other K-quants on the dot-product kernels. Where
+        # no pass is padded and the lanes decode plainly, on llama.cpp's kernels by rows: the prompts' rows on the
+        # tiled one, in calls of their own (split_rows).
         repack = not options.streamed and not options.gpu_layers
         multiple = repack_rows(weight_types) if repack and USE_EXTRA_BUFFERS else 1
-        return load_target(path, replace(_run_options(options), repack=repack, row_multiple=multiple), 1,
-                           sequences=1)
+        split = TILED_MIN_ROWS if repack and multiple == 1 and options.plain and options.lanes < TILED_MIN_ROWS else 1
+        if split > 1:
+            prefer_stock()
+        return load_target(path, replace(_run_options(options), repack=repack, row_multiple=multiple,
+                                         split_rows=split), 1, sequences=1)
     backend = gpu_devices()[0].backend if options.gpu_layers and gpu_devices() else None
     return load_target(path, replace(_run_options(options), repack=repack,
                                      min_rows=min_rows(options.gpu_layers, backend),

@@ -450,6 +450,13 @@ class Batch:
         self.output[n: n + (rows - n if outputs is None else outputs)] = 1
         self.struct.n_tokens = rows
 
+    def take(self, other: Batch, rows: np.ndarray) -> None:
+        """This batch made of `other`'s rows `rows` (indices, in order): tokens, positions, seqs and outputs."""
+        n = len(rows)
+        self.token[:n], self.pos[:n], self.output[:n] = other.token[rows], other.pos[rows], other.output[rows]
+        self.n_seq_id[:n], self.seq_id[:n] = other.n_seq_id[rows], other.seq_id[rows]
+        self.struct.n_tokens = n
+
     def set_seqs(self, membership: np.ndarray, at: int = 0, first_seq: int = 0) -> None:
         """membership: [n_tokens, n_seqs] bool; token at + i belongs to every seq first_seq + j where
         membership[i, j]."""

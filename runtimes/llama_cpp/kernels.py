@@ -50,6 +50,11 @@ REPACK_VARIANT_TYPES = frozenset({"Q4_K", "Q2_K", "IQ4_NL", "MXFP4"})
 # forward_mul_mat_one_chunk), which sum a row differently. A pass whose rows are a multiple of 4, and whose outputs
 # too (its last layer runs on the output rows alone), runs every row on the GEMM: lanes pad theirs so (lane_padding).
 REPACK_ROWS = 4
+# The rows from which ggml-cpu takes the tiled kernel for a K-quant matmul unless a switch says otherwise
+# (ggml-cpu/tiled: ggml_tiled_min_batch). Plain lanes in RAM keep that choice and run a pass's rows that only fill
+# the KV cache (prompts) in a call of their own, of at least this many rows, and the rows that output in another, of
+# fewer: each row then takes one kernel whatever rode beside it (runtimes/llama_cpp/lanes.py, Lanes.split_rows).
+TILED_MIN_ROWS = 8
 # KV cache types whose flash-attention path gave bit-identical logits for a token alone and inside a 256-node tree
 # (f16 and f32 KV switch kernels at 64-token batches and differ by ~1 logit).
 BATCH_INVARIANT_KV = frozenset({"bf16", "q8_0"})
@@ -101,7 +106,9 @@ def prefer_tiled(tiled: bool) -> None:
 
 def prefer_stock() -> None:
     """Before a target that decodes plainly loads (no tree is ever verified): llama.cpp's own choice of kernel by
-    batch size, as it runs by default. Nothing changes once a pass has run or where the environment chose."""
+    batch size, as it runs by default; for plain lanes in RAM too, which split their passes by rows to keep each row on
+    one kernel (Lanes.split_rows) and so run prompts on the tiled kernel, several times faster than the dot-product
+    ones. Nothing changes once a pass has run or where the environment chose."""
     if SWITCHES.read or not SWITCHES.chosen_here:
         return
     _set(None, None)

@@ -58,7 +58,13 @@ class Lanes(ABC):
         # pads every pass (kernels.lane_padding): the throwaway rows go in a sequence of their own (pad_seq), dropped
         # after the pass; exact only where a pass is one micro-batch (one KV cache)
         self.min_rows, self.row_multiple = target.min_rows, target.row_multiple  # (kernels.lane_padding)
-        self.pad_room = padding_room(self.min_rows, self.row_multiple)  # rows and cells a pass's padding may take
+        # plain lanes in RAM on llama.cpp's kernels by rows split each pass by rows (split_rows, _split_pass)
+        self.split_rows = target.split_rows
+        if self.split_rows > 1 and n >= self.split_rows:
+            raise ValueError(f"{n} lanes' tokens would take the kernel of {self.split_rows} rows and more: "
+                             f"load the target for {n} lanes")
+        self.pad_room = max(padding_room(self.min_rows, self.row_multiple),  # rows and cells a padding may take
+                            self.split_rows - 1)
         self.padded = 0  # passes padded
         self._before_pass, self._after_pass = before_pass, after_pass
         self.ctx = self._context(target, n, n_ctx)
@@ -67,6 +73,7 @@ class Lanes(ABC):
         self.passes = 0  # passes run, all lanes together
         self.lane_passes = 0  # lanes' passes, counted in each pass they rode in
         self._batch = Batch(self.ctx.n_batch)
+        self._part = Batch(self.ctx.n_batch) if self.split_rows > 1 else None  # one call of a split pass
         self._asks: list[_Ask] = []
         self._targets: dict[int, LaneTarget] = {}
         self._busy: set[int] = set()  # lanes whose request is running: the batcher waits for their next ask
@@ -182,9 +189,12 @@ class Lanes(ABC):
 
     def _pass(self) -> None:
         """The batch's pass, padded where the target's kernels change with its rows (kernels.lane_padding; the
-        padding's outputs after the batch's own)."""
+        padding's outputs after the batch's own), or split by them (_split_pass)."""
         batch = self._batch
         n = batch.struct.n_tokens
+        if self._part is not None:
+            self._split_pass(n)
+            return
         rows, outputs = lane_padding(n, int(batch.output[:n].sum()), self.min_rows, self.row_multiple)
         padded = rows > n
         if padded:
@@ -195,6 +205,34 @@ class Lanes(ABC):
         finally:
             if padded:
                 self.ctx.seq_rm(self.pad_seq)
+
+    def _split_pass(self, n: int) -> None:
+        """The batch's `n` rows in two calls, where the kernel goes by a call's rows (kernels.TILED_MIN_ROWS): first
+        the rows that only fill the KV cache (prompts, pending tokens), padded to split_rows or more, then the rows
+        that output (each lane's newest token, fewer than split_rows). Every row then takes the same kernel whatever
+        rode beside it, the prompts the faster one for many rows. A lane's rows keep their order in its cells: its
+        filling rows come before its output row in the batch (_fill), and so in the calls."""
+        batch, part = self._batch, self._part
+        assert part is not None
+        outputs = batch.output[:n] != 0
+        if outputs.sum() >= self.split_rows:
+            raise RuntimeError(f"a split pass of {int(outputs.sum())} outputs: fewer than {self.split_rows} only")
+        if outputs.all():
+            self.ctx.decode(batch)
+            return
+        part.take(batch, np.flatnonzero(~outputs))
+        padded = part.struct.n_tokens < self.split_rows
+        if padded:
+            part.pad(self.split_rows, self.pad_seq, 0)
+            self.padded += 1
+        try:
+            self.ctx.decode(part)
+        finally:
+            if padded:
+                self.ctx.seq_rm(self.pad_seq)
+        if outputs.any():
+            part.take(batch, np.flatnonzero(outputs))
+            self.ctx.decode(part)
 
     @abstractmethod
     def _fill(self) -> list[tuple[_Ask, int, int]]:

@@ -125,6 +125,7 @@ class LlamaTarget(_Runner):
         # a pass's padding takes cells for its duration: the context holds min_rows - 1 cells past n_ctx
         self.min_rows, self.n_ctx = min_rows, ctx.n_ctx - (min_rows - 1)
         self.row_multiple = row_multiple
+        self.split_rows = 1  # plain lanes over it split their passes by rows (RunOptions.split_rows)
         self.max_tree = min(max_tree, ctx.n_batch)
         self._layers = layers  # its context's passes call it as each layer is computed (RunOptions.layer_progress)
         self._n_leaves = 0

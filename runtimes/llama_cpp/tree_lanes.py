@@ -54,6 +54,8 @@ class TreeLanes(Lanes):
     def __init__(self, target: LlamaTarget, n: int, n_ctx: int, *args, trees: bool = True, **kwargs):
         # seq ids a lane owns: the leaves its tree may have (the last seq id holds the dead cells, and one more a
         # padded pass's rows); plainly, one each, then the padding's and the dead cells'
+        if trees and target.split_rows > 1:
+            raise ValueError("lanes whose passes split by rows decode plainly: a tree's rows would take both kernels")
         padded = target.min_rows > 1 or target.row_multiple > 1
         self.seqs = (MAX_SEQ - 1 - padded) // n if trees else 1
         self.sequences = MAX_SEQ if trees else n + 2
