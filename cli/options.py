@@ -21,7 +21,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def user_errors(command: F) -> F:
-    """A user's mistake becomes one line on stderr and exit code 1, never a traceback."""
+    """A user's mistake becomes one line on stderr and exit code 1, never a traceback; a Ctrl-C that stops a command
+    (one loading its models, say), "(interrupted)" and exit code 130, as a shell reports a command it stopped."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -30,6 +31,9 @@ def user_errors(command: F) -> F:
         except UserError as problem:
             error(worded(problem))
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err.print("(interrupted)")
+            raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
 

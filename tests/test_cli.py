@@ -224,6 +224,49 @@ def test_ctrl_c_stops_reading_a_long_prompt(smollm2: Pair, tmp_path: Path) -> No
     assert waited < 5, f"took {waited:.1f} s to stop"
 
 
+def test_a_ctrl_c_landing_in_a_native_callback_is_raised_once_the_call_returns(smollm2: Pair) -> None:
+    """Python runs a Ctrl-C's handler at the next bytecode it runs, which during a model's load is inside llama.cpp's
+    log callback, and ctypes drops what a callback raises: the Ctrl-C is kept and raised once the load returns (the
+    model freed with it). Here the log callback itself delivers the Ctrl-C, at the first line of a real load."""
+    import ctypes
+
+    import llama_cpp.llama_cpp as ll
+    from edge.runtimes.llama_cpp import _native
+
+    delivered: list[bytes] = []
+
+    @ll.llama_log_callback
+    def interrupting(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        if not delivered:
+            delivered.append(text)
+            signal.raise_signal(signal.SIGINT)
+
+    _native._init_backend()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a process of its own
+    ll.llama_log_set(interrupting, ctypes.c_void_p(0))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _native.Model(smollm2.target.path)
+    finally:
+        ll.llama_log_set(_native._quiet_log, ctypes.c_void_p(0))
+        signal.signal(signal.SIGINT, previous)
+    assert delivered
+    _native.Model(smollm2.target.path).close()  # nothing left pending: the next load is a plain one
+
+
+def test_ctrl_c_while_a_command_loads_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that stops a command before its reply (loading its models, say): "(interrupted)" and exit code 130,
+    as for one that stops a reply, not a traceback or click's "Aborted!"."""
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("edge.models.loading.open_pair", interrupted)
+    result = run("generate", "hi", "--pair", SMALL, "-n", "4")
+    assert result.exit_code == 130, result.output
+    assert result.stderr.strip() == "(interrupted)" and "Traceback" not in result.output
+
+
 def test_version_and_a_missing_plot_extra_are_said_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     result = run("--version")
     assert result.exit_code == 0 and result.stdout.startswith("edge-spec ")

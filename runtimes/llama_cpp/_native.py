@@ -18,7 +18,13 @@ import llama_cpp.llama_cpp as ll
 import numpy as np
 from edge.offload import libc
 from edge.runtimes import default_threads
-from edge.runtimes.llama_cpp.ggml_calls import LayerHook, Threadpool, layer_callback
+from edge.runtimes.llama_cpp.ggml_calls import (
+    LayerHook,
+    Threadpool,
+    keep_dropped_interrupts,
+    layer_callback,
+    raise_dropped_interrupt,
+)
 from edge.runtimes.llama_cpp.kernels import mark_ran, prefer_invariant_kernels
 
 from edge.errors import UserError
@@ -74,6 +80,7 @@ def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 def _init_backend() -> None:
     global _backend_ready
     if not _backend_ready:
+        keep_dropped_interrupts()  # a Ctrl-C landing in _quiet_log or a layer callback: raised after the call
         ll.llama_log_set(_quiet_log, ctypes.c_void_p(0))
         ll.llama_backend_init()
         _backend_ready = True
@@ -157,6 +164,7 @@ class Model:
         self._specials: re.Pattern[str] | None = None  # the special tokens' texts, longest first (tokenize)
         self._attributed: list[int] | None = None  # _attributed_special's tokens
         self._pieces = threading.local()  # a buffer per thread: a server's lanes detokenize at once
+        raise_dropped_interrupt()  # a Ctrl-C while it loaded (the model is freed with this object)
 
     @property
     def ptr(self) -> ll.llama_model_p:
@@ -332,6 +340,7 @@ class Context:
         self.n_ctx: int = ll.llama_n_ctx(self._ptr)
         self.n_batch: int = ll.llama_n_batch(self._ptr)  # llama.cpp clamps it to the context size
         self._mem = ll.llama_get_memory(self._ptr)
+        raise_dropped_interrupt()
 
     @property
     def settings(self) -> dict:
@@ -359,6 +368,7 @@ class Context:
     def decode(self, batch: Batch) -> None:
         mark_ran()  # ggml reads its kernel switches now (kernels.py)
         rc = ll.llama_decode(self._ptr, batch.struct)
+        raise_dropped_interrupt()
         if rc == 1:
             raise RuntimeError("llama_decode: no KV cache slot for the batch (context full)")
         if rc != 0:
@@ -473,5 +483,6 @@ def quantize(src: Path, dest: Path, ftype: str, n_threads: int | None = None) ->
     params = _filled(ll.llama_model_quantize_default_params(), ftype=FTYPES[ftype], allow_requantize=True,
                      nthread=n_threads or default_threads())
     rc = ll.llama_model_quantize(str(src).encode(), str(dest).encode(), ctypes.byref(params))
+    raise_dropped_interrupt()
     if rc != 0:
         raise UserError(f"llama.cpp could not quantize {src} to {ftype} (code {rc})")

@@ -1,10 +1,13 @@
 """ggml's own calls that llama-cpp-python's bindings leave out, from its own ggml libraries: a threadpool kept for a
-context's passes, and an eval callback that says as each layer of a pass is computed."""
+context's passes, and an eval callback that says as each layer of a pass is computed; and a Ctrl-C that lands inside
+a callback of a native call, kept for when the call returns."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,6 +56,38 @@ class Threadpool:
         if self.ptr:
             self._cpu.ggml_threadpool_free(self.ptr)
             self.ptr = None
+
+
+# Python runs a Ctrl-C's handler in the main thread at the next bytecode it runs there. During a long native call (a
+# model's load, a context's, a pass) that is inside a callback the call makes (llama.cpp's log, a pass's layer
+# callback), and ctypes prints an exception a callback raises and drops it (sys.unraisablehook): the Ctrl-C was lost,
+# and `edge-spec generate` read a 15,000-word prompt to its end after one. It is kept here instead, and raised in the
+# main thread once the native call returns (raise_dropped_interrupt).
+_DROPPED_INTERRUPT = threading.Event()
+
+
+def keep_dropped_interrupts() -> None:
+    """Have a KeyboardInterrupt that a ctypes callback raised kept for raise_dropped_interrupt (once a process)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "keeps_interrupts", False):
+        return
+
+    def unraisable(info: Any) -> None:
+        if info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt):
+            _DROPPED_INTERRUPT.set()
+        else:
+            previous(info)
+
+    unraisable.keeps_interrupts = True  # type: ignore[attr-defined]
+    sys.unraisablehook = unraisable
+
+
+def raise_dropped_interrupt() -> None:
+    """After a native call that makes callbacks: raise the Ctrl-C one of them dropped (in the main thread, where
+    Python raises a Ctrl-C; another thread's calls leave it to the main thread's)."""
+    if _DROPPED_INTERRUPT.is_set() and threading.current_thread() is threading.main_thread():
+        _DROPPED_INTERRUPT.clear()
+        raise KeyboardInterrupt
 
 
 LAYER_OUTPUT = b"l_out-"  # llama.cpp's name for a layer's output tensor ("l_out-12"): the layer is computed
