@@ -33,7 +33,10 @@ def test_generate_json(smollm2: Pair) -> None:
     assert {"plain_rounds", "mean_budget"} <= set(out["stats"])  # --budget auto, the default
     plain = json.loads(run("generate", "What is 2 + 2?", "--pair", SMALL, "--max-tokens", "24", "--json",
                            "--no-spec").stdout)
-    assert plain["tokens"] == out["tokens"] and plain["text"] == out["text"]
+    if out["stats"]["mean_budget"] > 0:  # auto kept the drafter: its target on the pair's settings, as --no-spec's
+        assert plain["tokens"] == out["tokens"] and plain["text"] == out["text"]
+    # (else it may have decoded plainly on llama.cpp's own settings, an f16 KV cache among them, whose greedy text
+    # differs from the bf16 cache's on an AVX2 CPU: tests/test_transcripts.py pins both)
     tree = json.loads(run("generate", "What is 2 + 2?", "--pair", SMALL, "--max-tokens", "24", "--json", "--budget",
                           "16").stdout)
     assert tree["tokens"] == plain["tokens"]

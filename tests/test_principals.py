@@ -65,13 +65,13 @@ def test_a_principal_cannot_read_anothers_replies_from_lookup(server: TestClient
     pass, nodes) are what they are when A never asked. Shared on purpose (--share-replies), B's trees draft from
     A's reply, and its figures say so."""
     question = "The vault code is QF7-ZK2-PLX9. Repeat the vault code:"
-    alone = seen_by_b(server, smollm2, False, question, question, 24)
-    assert seen_by_b(server, smollm2, True, question, question, 24) == alone
+    alone = seen_by_b(server, smollm2, False, question, question, 64)
+    assert seen_by_b(server, smollm2, True, question, question, 64) == alone
     smollm2.shared_replies = True
-    shared = seen_by_b(server, smollm2, True, question, question, 24)
+    shared = seen_by_b(server, smollm2, True, question, question, 64)
     assert shared["text"] == alone["text"]  # lossless whatever the trees drafted from
     drafted = ("lookup_rounds", "tree_nodes_per_round", "tokens_per_pass")
-    assert [shared[name] for name in drafted] != [alone[name] for name in drafted]
+    assert [shared[name] for name in drafted] != [alone[name] for name in drafted], (alone, shared)
 
 
 def test_one_key_or_none_is_one_principal(smollm2: Pair) -> None:

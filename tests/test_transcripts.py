@@ -5,25 +5,49 @@ drift."""
 from __future__ import annotations
 
 import json
+import platform
 
 import pytest
 from edge.models.pair import Pair
 
 from tests.cli_helpers import run
 
-GREEDY_GENERATE = "The answer to this classic math problem is 4."
-GREEDY_GENERATE_TOKENS = [504, 2988, 288, 451, 8170, 4119, 1732, 314, 216, 36, 30]
+# ggml's AVX-512 and AVX2 kernels round differently, and SmolLM2's greedy text follows: pinned for each. "bf16": the
+# pair's settings, which trees verify on and --no-spec decodes on; "f16": llama.cpp's own settings (an f16 KV cache),
+# which `--budget auto` decodes plainly on where the plan drops the drafter. On AVX-512 the two texts are one.
+GREEDY_GENERATE = {
+    "avx512": {"bf16": ("The answer to this classic math problem is 4.",
+                        [504, 2988, 288, 451, 8170, 4119, 1732, 314, 216, 36, 30])},
+    "avx2": {"bf16": ("The answer is 4.", [504, 2988, 314, 216, 36, 30]),
+             "f16": ("The answer to this classic math problem is 4.",
+                     [504, 2988, 288, 451, 8170, 4119, 1732, 314, 216, 36, 30])},
+}
 GREEDY_CHAT = ["L'Étoile, la Cité, la France, la France, la France, la",
                "L'Ion, la Roma, la Roma, la Roma, la Roma, la Roma,"]
 
 
+def simd_level() -> str:
+    """The widest x86 vector extension ggml's CPU kernels use here ("avx512", "avx2"), else the machine's name."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            flags = next((line.split() for line in info if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine()
+
+
 @pytest.mark.parametrize("decoding", [["--no-spec"], ["--budget", "16"], []])
 def test_greedy_generate_says_exactly_the_pinned_text(smollm2: Pair, decoding: list[str]) -> None:
+    pinned = GREEDY_GENERATE.get(simd_level())
+    if pinned is None:
+        pytest.skip(f"no greedy text pinned for a {simd_level()} CPU")
     result = run("generate", "What is 2 + 2?", "--pair", "smollm2-135m", "--max-tokens", "24", "--temperature", "0",
                  "--json", *decoding)
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert (out["text"], out["tokens"], out["finish_reason"]) == (GREEDY_GENERATE, GREEDY_GENERATE_TOKENS, "stop")
+    # --budget auto (no flag) may decode on either settings; the others on the pair's
+    texts = list(pinned.values()) if not decoding else [pinned["bf16"]]
+    assert (out["text"], out["tokens"]) in texts and out["finish_reason"] == "stop", out
 
 
 def test_greedy_chat_says_exactly_the_pinned_transcript(smollm2: Pair) -> None:
