@@ -1,16 +1,28 @@
 """Exact answers the sampling tests compare against: a tiny model's continuation distributions, a chi-square bound,
-and the residual rule's exact law. Test code only: the engine never computes these."""
+and the residual rule's exact law; and the SIMD level real models' pinned answers are kept by. Test code only: the
+engine never computes these."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import platform
 
 import numpy as np
 
 from edge.residual import Proposal
 from edge.sampling import SamplingConfig, distribution
 from tests.tiny import TinyModel
+
+
+def simd_level() -> str:
+    """The widest x86 vector extension ggml's and onnxruntime's CPU kernels use here ("avx512", "avx2"), else the
+    machine's name: their arithmetic rounds by it, so a real model's greedy text or drafts measured on one may differ
+    on another."""
+    from edge.runtimes.llama_cpp._native import cpu_flags  # not for the tiny models' tests: llama.cpp's runtime
+
+    flags = cpu_flags()
+    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine()
 
 
 def first_tokens_distribution(n_vocab: int, target: TinyModel, length: int, sampling: SamplingConfig):

@@ -16,6 +16,7 @@ from edge.errors import UserError
 from edge.generate import Decoder
 from edge.grow import GrowConfig, grow
 from tests.conftest import GreedyReplies, prompt_tokens, prompts_for
+from tests.oracles import simd_level
 
 pytest.importorskip("openvino")  # the test extra installs it
 
@@ -55,7 +56,7 @@ def test_openvino_drafts_what_onnxruntime_drafts(smollm2: Pair, drafters) -> Non
     """The same graph, rounded its own way: onnxruntime's MatMulNBits computes in int8 (accuracy level 4), OpenVINO
     in float32 (asked for: its CPU plugin would run bfloat16 on this CPU). Over 4 prompts, 32-node trees share 30-32
     nodes of 33 on AVX-512 (measured); the drafter's log-probabilities differ by up to 0.3 where two candidates are
-    close. On AVX2, 28-32 nodes of 33, and one first guess of the four differed."""
+    close. On AVX2, 28-32 nodes of 33, and one first guess of the four differed: bounded by what each measured."""
     ort, ov = drafters
     shared, firsts = [], []
     for text in prompts_for(smollm2)[:4]:
@@ -67,7 +68,10 @@ def test_openvino_drafts_what_onnxruntime_drafts(smollm2: Pair, drafters) -> Non
             trees.append(grow(drafter, tokens[-1], GrowConfig.for_budget(32))[0])
         firsts.append(trees[0].tokens[1] == trees[1].tokens[1])  # the same first guess
         shared.append(len(_paths(trees[0]) & _paths(trees[1])) / len(trees[0]))
-    assert min(shared) >= 0.8 and sum(shared) / len(shared) >= 0.9 and sum(firsts) >= 3, (shared, firsts)
+    if simd_level() == "avx512":
+        assert min(shared) >= 0.85 and all(firsts), (shared, firsts)
+    else:
+        assert min(shared) >= 0.8 and sum(shared) / len(shared) >= 0.9 and sum(firsts) >= 3, (shared, firsts)
 
 
 def test_openvino_drafter_is_lossless(smollm2: Pair, drafters, greedy: GreedyReplies) -> None:

@@ -5,12 +5,12 @@ drift."""
 from __future__ import annotations
 
 import json
-import platform
 
 import pytest
 from edge.models.pair import Pair
 
 from tests.cli_helpers import run
+from tests.oracles import simd_level
 
 # ggml's AVX-512 and AVX2 kernels round differently, and SmolLM2's greedy text follows: pinned for each. "bf16": the
 # pair's settings, which trees verify on and --no-spec decodes on; "f16": llama.cpp's own settings (an f16 KV cache),
@@ -24,16 +24,6 @@ GREEDY_GENERATE = {
 }
 GREEDY_CHAT = ["L'Étoile, la Cité, la France, la France, la France, la",
                "L'Ion, la Roma, la Roma, la Roma, la Roma, la Roma,"]
-
-
-def simd_level() -> str:
-    """The widest x86 vector extension ggml's CPU kernels use here ("avx512", "avx2"), else the machine's name."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            flags = next((line.split() for line in info if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine()
 
 
 @pytest.mark.parametrize("decoding", [["--no-spec"], ["--budget", "16"], []])

@@ -86,18 +86,19 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
-def _cpu_has_amx() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags ("avx2", "avx512f", "amx_int8"...): /proc/cpuinfo's first `flags` line, else none."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            return any(line.startswith("flags") and " amx_int8" in line for line in info)
+            return frozenset(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
     except OSError:
-        return False
+        return frozenset()
 
 
 # llama.cpp's AMX weight buffers (Sapphire Rapids and later) crash in ggml_backend_amx_mul_mat on the first batch
 # of more than one token (ggml-org/llama.cpp#20824, unfixed in the 0.3.36 build): on such CPUs the weights stay in
 # plain CPU buffers. The same switch turns off the repacked Q4_0 kernels there, which only cost speed.
-USE_EXTRA_BUFFERS = not _cpu_has_amx()
+USE_EXTRA_BUFFERS = "amx_int8" not in cpu_flags()
 
 
 # a new anonymous mapping this large, made while a model loads, holds its repacked weights; while a context is made,
